@@ -1,0 +1,178 @@
+"""Resolve an explicit or automatic backend choice for a platform, failing closed.
+
+One function, ``resolve``. It never falls back: an explicit choice either
+satisfies the requirements on the platform or raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .backend import AttentionBackend
+from .errors import AdmissionError, BackendUnavailable
+from .platform import Platform
+from .registry import auto_candidates, backend_names, get_backend, probe_platform
+from .requirements import AttentionRequirements
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    key = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+class Rejection(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    backend: str
+    kind: Literal["incapable", "unavailable"]
+    reason: str
+
+
+class Resolution(BaseModel):
+    """The driver's decision, handed to every replica. JSON-serializable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str
+    chosen_by: Literal["explicit", "auto"]
+    requested: str
+    model: str | None = None
+    requirements: dict[str, bool]
+    platform: Platform
+    dtype: str | None = None
+    head_dim: int | None = None
+    rejected: tuple[Rejection, ...] = ()
+
+    def describe(self) -> str:
+        why = "explicitly selected" if self.chosen_by == "explicit" else "auto-selected"
+        text = f"attention backend {self.backend!r} {why} for model {self.model or '?'} on {self.platform.describe()}"
+        if self.rejected:
+            text += "; passed over: " + "; ".join(f"{r.backend} ({r.reason})" for r in self.rejected)
+        return text
+
+
+class SelectorStats:
+    """How often ``resolve`` ran in this process (replicas must report zero)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.cache_hits = 0
+
+
+stats = SelectorStats()
+_cache: dict[tuple, Resolution] = {}
+_lock = threading.Lock()
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def _missing(backend: AttentionBackend, requirements: AttentionRequirements) -> str:
+    return ", ".join(AttentionRequirements.describe(r) for r in backend.unsupported_requirements(requirements))
+
+
+def _capable_names(requirements: AttentionRequirements) -> str:
+    return ", ".join(n for n in backend_names() if not get_backend(n).unsupported_requirements(requirements))
+
+
+def _judge(backend, requirements, platform, dtype, head_dim) -> Rejection | None:
+    if backend.unsupported_requirements(requirements):
+        return Rejection(
+            backend=backend.name, kind="incapable", reason=f"does not implement {_missing(backend, requirements)}"
+        )
+    available = backend.availability(platform, dtype=dtype, head_dim=head_dim)
+    if not available:
+        return Rejection(backend=backend.name, kind="unavailable", reason=available.reason)
+    return None
+
+
+def resolve(
+    requirements: AttentionRequirements,
+    selected: str = "auto",
+    platform: Platform | None = None,
+    model: str | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    head_dim: int | None = None,
+) -> Resolution:
+    """Choose the attention backend for ``model`` on ``platform`` (probed here if None).
+
+    Raises UnknownBackendError (a ValueError) for a bad name, AdmissionError when the
+    backend cannot meet the requirements (or auto finds none), BackendUnavailable when
+    an explicitly chosen, capable backend cannot run on the platform.
+    """
+    stats.calls += 1
+    platform = platform if platform is not None else probe_platform()
+    dtype = parse_dtype(dtype)
+    explicit = selected.strip().lower() != "auto"
+    key = (requirements, selected.strip().lower(), platform.cache_key(), model, dtype, head_dim)
+    with _lock:
+        if key in _cache:
+            stats.cache_hits += 1
+            return _cache[key]
+    resolution = _resolve(requirements, selected, platform, model, dtype, head_dim, explicit)
+    logger.info("h3serve admission: %s", resolution.describe())
+    with _lock:
+        _cache[key] = resolution
+    return resolution
+
+
+def _resolve(requirements, selected, platform, model, dtype, head_dim, explicit) -> Resolution:
+    for_model = f" for model {model!r}" if model else ""
+    common = dict(
+        requested=selected,
+        model=model,
+        requirements=requirements.to_dict(),
+        platform=platform,
+        dtype=str(dtype).removeprefix("torch.") if dtype else None,
+        head_dim=head_dim,
+    )
+    if explicit:
+        backend = get_backend(selected)
+        rejection = _judge(backend, requirements, platform, dtype, head_dim)
+        if rejection is not None and rejection.kind == "incapable":
+            raise AdmissionError(
+                f"Attention backend {backend.name!r} {rejection.reason}{', which model %r requires' % model if model else ''}. "
+                f"Choose one that does: {_capable_names(requirements)} (or 'auto').",
+                backend=backend.name,
+                model=model,
+                missing=backend.unsupported_requirements(requirements),
+            )
+        if rejection is not None:
+            raise BackendUnavailable(
+                f"Attention backend {backend.name!r} cannot run{for_model} on the target platform "
+                f"[{platform.describe()}]: {rejection.reason}.",
+                backend=backend.name,
+                model=model,
+            )
+        return Resolution(backend=backend.name, chosen_by="explicit", **common)
+
+    rejected: list[Rejection] = []
+    for backend in auto_candidates(platform.device_type):
+        rejection = _judge(backend, requirements, platform, dtype, head_dim)
+        if rejection is None:
+            return Resolution(backend=backend.name, chosen_by="auto", rejected=tuple(rejected), **common)
+        rejected.append(rejection)
+    listing = "; ".join(f"{r.backend}: {r.kind}, {r.reason}" for r in rejected) or "no candidates for this device"
+    raise AdmissionError(
+        f"No attention backend can serve{for_model} on [{platform.describe()}]: {listing}.",
+        backend="auto",
+        model=model,
+        reason="no_candidate",
+    )

@@ -1,0 +1,42 @@
+"""H3's admission rule, the analogue of sglang's ``validate_server_args``."""
+
+from __future__ import annotations
+
+from attention import Platform, Resolution, parse_dtype, resolve
+
+from .config import H3Config, preset
+from .pipeline import REQUIREMENTS
+
+
+class DeploymentConfigError(ValueError):
+    """Deployment args that can never work for this model, whatever the backend. Names the field."""
+
+    reason = "invalid_config"
+
+
+def validate_deployment(
+    *,
+    model: str | H3Config,
+    attention_backend: str,
+    platform: Platform,
+    device: str,
+    dtype: str,
+    sp_degree: int = 1,
+) -> Resolution:
+    """Resolve the transformer's attention backend for ``platform`` and check the SP layout.
+
+    Returns the Resolution that every replica builds with. Raises DeploymentConfigError,
+    or the selector's UnknownBackendError / AdmissionError / BackendUnavailable.
+    """
+    config = preset(model) if isinstance(model, str) else model
+    try:
+        config.check_sp_degree(sp_degree)
+    except ValueError as e:
+        raise DeploymentConfigError(str(e)) from None
+    if platform.device_type != device:
+        raise DeploymentConfigError(
+            f"device={device!r} but the replica platform is {platform.device_type!r} [{platform.describe()}]"
+        )
+    torch_dtype = parse_dtype(dtype)
+    return resolve(REQUIREMENTS, attention_backend, platform, model=config.name, dtype=torch_dtype,
+                   head_dim=config.head_dim)

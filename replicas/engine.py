@@ -1,0 +1,241 @@
+"""Step-level continuous batching: every step packs all active requests into one varlen forward.
+
+Requests wait in a bounded queue (a full queue is refused at once), join the running
+pack at the next step, advance one sampler step per forward, and leave when done or
+cancelled. Mixed sizes, mixed step indices and the CFG documents share each forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Protocol
+
+from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestState
+from pipelines.h3.pipeline import StepStats
+
+from .worker_group import WorkerGroup, WorkerGroupBroken
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; retry later (HTTP 503)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is closed or its worker group broke; the replica must be replaced (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    max_queue: int = 64  # waiting requests; one more is refused at once
+    max_active: int = 16  # requests in the running pack
+    max_rows_per_step: int = 16384  # token budget of one packed forward
+
+
+class EngineObserver(Protocol):
+    """Where the engine reports what it does (deploy wires this to Prometheus)."""
+
+    def on_step(self, stats: StepStats, seconds: float) -> None: ...
+
+    def on_queue(self, waiting: int, active: int) -> None: ...
+
+
+@dataclasses.dataclass
+class EngineStats:
+    forwards: int = 0
+    rows: int = 0
+    padding_rows: int = 0
+    completed: int = 0
+
+
+class Ticket:
+    """A submitted request: its future, progress and cost."""
+
+    def __init__(self, request_id: str, request: GenerationRequest, rows: int, loop: asyncio.AbstractEventLoop):
+        self.id, self.request, self.rows = request_id, request, rows
+        self.future: asyncio.Future[GeneratedMedia] = loop.create_future()
+        self.state: RequestState | None = None
+        self.forwards = 0  # how many packed forwards this request was part of
+        self.submitted_at = time.monotonic()
+        self.changed = asyncio.Event()
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return (self.state.step_index if self.state else 0), self.request.steps
+
+    @property
+    def cancelled(self) -> bool:
+        return self.future.done() and self.future.cancelled()
+
+
+class Engine:
+    def __init__(self, group: WorkerGroup, limits: EngineLimits = EngineLimits(),
+                 observer: EngineObserver | None = None):
+        self.group, self.pipeline, self.limits, self.observer = group, group.pipeline, limits, observer
+        self.stats = EngineStats()
+        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._active: list[Ticket] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopped: str | None = None
+        self._ids = itertools.count()
+        # one thread for all model work: steps must not interleave on the device
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
+
+    # -- API ------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, request_id: str | None = None) -> Ticket:
+        """Queue a request, or raise at once: ValueError (bad request), QueueFull, EngineStopped."""
+        if self._stopped:
+            raise EngineStopped(self._stopped)
+        rows = self.pipeline.validate(request)
+        if rows > self.limits.max_rows_per_step:
+            raise ValueError(f"request needs {rows} rows per step, above this replica's budget of "
+                             f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens")
+        if len(self._waiting) >= self.limits.max_queue:
+            raise QueueFull(f"queue is full ({self.limits.max_queue} waiting); retry later")
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(request_id or f"req-{next(self._ids)}", request, rows, loop)
+        self._waiting.append(ticket)
+        self._report_queue()
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        self._wake.set()
+        return ticket
+
+    async def generate(self, request: GenerationRequest, request_id: str | None = None) -> GeneratedMedia:
+        ticket = self.submit(request, request_id)
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:  # the caller went away: leave the pack
+            self.cancel(ticket)
+            raise
+
+    def cancel(self, ticket: Ticket) -> None:
+        if not ticket.future.done():
+            ticket.future.cancel()
+        self._wake.set()
+
+    @property
+    def queue_depth(self) -> tuple[int, int]:
+        return len(self._waiting), len(self._active)
+
+    def check_health(self) -> None:
+        if self._stopped:
+            raise EngineStopped(self._stopped)
+        self.group.check_health()
+
+    async def close(self, reason: str = "engine closed") -> None:
+        self._fail_all(EngineStopped(reason))
+        self._stopped = reason
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- the step loop --------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                while await self._admit() or self._active:
+                    await self._step_once()
+            except WorkerGroupBroken as e:
+                self._stopped = f"SP worker group failed: {e}"
+                self._fail_all(EngineStopped(self._stopped))
+                return
+            except Exception:  # never let one bad step kill the loop silently
+                logger.exception("engine step failed")
+                self._fail_all(RuntimeError("generation failed; see the replica log"), only_active=True)
+
+    async def _admit(self) -> bool:
+        """Move waiting requests into the pack (encoding their prompts); True if any joined."""
+        joined = False
+        loop = asyncio.get_running_loop()
+        while self._waiting and len(self._active) < self.limits.max_active:
+            ticket = self._waiting.popleft()
+            if ticket.future.done():
+                continue
+            try:
+                ticket.state = await loop.run_in_executor(self._executor, self.pipeline.prepare, ticket.request)
+            except Exception as e:
+                ticket.future.set_exception(e)
+                continue
+            self._active.append(ticket)
+            joined = True
+        self._report_queue()
+        return joined
+
+    def _select(self) -> list[Ticket]:
+        """Oldest first, within the row budget."""
+        self._active = [t for t in self._active if not t.future.done()]
+        batch, rows = [], 0
+        for ticket in self._active:
+            if rows + ticket.rows <= self.limits.max_rows_per_step:
+                batch.append(ticket)
+                rows += ticket.rows
+        return batch
+
+    async def _step_once(self) -> None:
+        batch = self._select()
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        states = [t.state for t in batch]
+        started = time.perf_counter()
+        packed = self.pipeline.pack(states)
+        refs = self.group.launch(packed)
+        local = loop.run_in_executor(self._executor, self.group.forward_rank0, packed)
+        watchers = [asyncio.wrap_future(ref.future()) for ref in refs]
+        done, _ = await asyncio.wait([local, *watchers], return_when=asyncio.FIRST_EXCEPTION)
+        for future in done:
+            if future is not local and future.exception() is not None:
+                self.group.mark_broken(f"an SP worker failed mid-step: {future.exception()}")
+                raise WorkerGroupBroken(self.group.broken) from future.exception()
+        out = await local
+        await asyncio.gather(*watchers)
+        stats = self.pipeline.apply(states, packed, out)
+        seconds = time.perf_counter() - started
+        self.stats.forwards += 1
+        self.stats.rows += stats.rows
+        self.stats.padding_rows += stats.padding_rows
+        if self.observer:
+            self.observer.on_step(stats, seconds)
+        for ticket in batch:
+            ticket.forwards += 1
+            ticket.changed.set()
+        for ticket in [t for t in batch if t.state.done]:
+            self._active.remove(ticket)
+            if ticket.future.done():
+                continue
+            try:
+                media = await loop.run_in_executor(self._executor, self.pipeline.decode, ticket.state)
+            except Exception as e:
+                ticket.future.set_exception(e)
+                continue
+            if not ticket.future.done():
+                ticket.future.set_result(media)
+                self.stats.completed += 1
+        self._report_queue()
+
+    def _fail_all(self, error: Exception, only_active: bool = False) -> None:
+        tickets = self._active + ([] if only_active else list(self._waiting))
+        for ticket in tickets:
+            if not ticket.future.done():
+                ticket.future.set_exception(error)
+        self._active = []
+        if not only_active:
+            self._waiting.clear()
+
+    def _report_queue(self) -> None:
+        if self.observer:
+            self.observer.on_queue(len(self._waiting), len(self._active))
+
+
+__all__ = ["Engine", "EngineLimits", "EngineObserver", "EngineStopped", "QueueFull", "Ticket"]

@@ -1,0 +1,60 @@
+"""Ulysses sequence parallelism over packed ``[T, H, D]`` rows.
+
+Rank r holds rows ``r*T/W : (r+1)*T/W`` of the pack with all heads. Before attention
+an all-to-all gives every rank all T rows for H/W heads, so varlen attention runs with
+the pack's global ``cu_seqlens``; a second all-to-all brings the rows home.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class UlyssesGroup:
+    """Implements the DiT's ``SequenceParallel`` hook on a torch.distributed group."""
+
+    def __init__(self, world_size: int, rank: int, num_heads: int, group: dist.ProcessGroup | None = None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not within world_size {world_size}")
+        if num_heads % world_size:
+            raise ValueError(f"Ulysses needs num_heads % world_size == 0; got {num_heads} heads over {world_size} ranks")
+        self.world_size, self.rank, self.num_heads, self.group = world_size, rank, num_heads, group
+
+    def check_rows(self, total_rows: int) -> None:
+        if total_rows % self.world_size:
+            raise ValueError(
+                f"a pack of {total_rows} rows does not split over {self.world_size} ranks; "
+                f"pad it to a multiple of lcm(64, {self.world_size})"
+            )
+
+    def _all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        """chunks [W, ...]: chunk j goes to rank j; returns [W, ...] with chunk i from rank i."""
+        chunks = chunks.contiguous()  # before empty_like, which would copy a transposed view's strides
+        out = torch.empty_like(chunks)
+        dist.all_to_all_single(out, chunks, group=self.group)
+        return out
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, H, D] (my rows, all heads) -> [W*n, H/W, D] (all rows, my heads)."""
+        n, H, D = x.shape
+        if H != self.num_heads:
+            raise ValueError(f"expected {self.num_heads} heads, got {H}")
+        chunks = x.reshape(n, self.world_size, H // self.world_size, D).transpose(0, 1)  # [W, n, H/W, D]
+        return self._all_to_all(chunks).reshape(self.world_size * n, H // self.world_size, D)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[W*n, H/W, D] -> [n, H, D]."""
+        T, h, D = x.shape
+        self.check_rows(T)
+        chunks = x.reshape(self.world_size, T // self.world_size, h, D)  # chunk i: rank i's rows
+        back = self._all_to_all(chunks)  # [W, n, H/W, D]: chunk j holds head group j
+        return back.transpose(0, 1).reshape(T // self.world_size, h * self.world_size, D)
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's output rows, concatenated in rank order, on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(local.contiguous(), parts, dst=0, group=self.group)
+        return torch.cat(parts) if self.rank == 0 else None

@@ -1,0 +1,26 @@
+"""What the driver hands every replica: the admitted backend and how to build the model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from attention import Resolution
+
+
+class ReplicaSpec(BaseModel):
+    """Built once by the driver; every rank builds exactly ``resolution.backend``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    resolution: Resolution
+    model: str = "tiny"
+    checkpoint: str | None = None
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "float32"
+    sp_degree: int = Field(default=1, ge=1)
+    # a collective that waits longer than this on a peer fails instead of hanging
+    collective_timeout_s: float = Field(default=60.0, gt=0)
+    # resources of each SP worker when the group has to reserve its own placement group
+    worker_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})

@@ -1,0 +1,19 @@
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Keep generated tiny weights out of the user's home, shared by every test (and the Ray
+# workers and subprocesses they start, which inherit the environment).
+os.environ.setdefault("H3SERVE_CACHE", str(Path(tempfile.gettempdir()) / "h3serve-test-cache"))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline():
+    from pipelines.h3 import load_pipeline
+
+    return load_pipeline("tiny")
