@@ -27,7 +27,7 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 weights: setup
-	$(BIN)/h3serve weights --preset tiny
+	$(BIN)/h3serve weights
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

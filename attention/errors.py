@@ -13,6 +13,16 @@ class AttentionSelectionError(RuntimeError):
         self.backend = backend
         self.model = model
 
+    def __reduce__(self):  # keep the attributes when Ray ships the error between processes
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild(cls, message, state):
+    error = cls.__new__(cls)
+    RuntimeError.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class AdmissionError(AttentionSelectionError):
     """The backend cannot do what the model needs (a static, code-derived fact)."""

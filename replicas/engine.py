@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Protocol
 
-from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestState
+from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState
 from pipelines.h3.pipeline import StepStats
 
 from .worker_group import WorkerGroup, WorkerGroupBroken
@@ -91,13 +91,10 @@ class Engine:
 
     # -- API ------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, request_id: str | None = None) -> Ticket:
-        """Queue a request, or raise at once: ValueError (bad request), QueueFull, EngineStopped."""
+        """Queue a request, or raise at once: RequestError (bad request), QueueFull, EngineStopped."""
         if self._stopped:
             raise EngineStopped(self._stopped)
-        rows = self.pipeline.validate(request)
-        if rows > self.limits.max_rows_per_step:
-            raise ValueError(f"request needs {rows} rows per step, above this replica's budget of "
-                             f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens")
+        rows = self.validate(request)
         if len(self._waiting) >= self.limits.max_queue:
             raise QueueFull(f"queue is full ({self.limits.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
@@ -108,6 +105,14 @@ class Engine:
             self._task = loop.create_task(self._run())
         self._wake.set()
         return ticket
+
+    def validate(self, request: GenerationRequest) -> int:
+        """The rows the request adds to a pack; RequestError if the model or the budget cannot take it."""
+        rows = self.pipeline.validate(request)
+        if rows > self.limits.max_rows_per_step:
+            raise RequestError("size", f"request needs {rows} rows per step, above this replica's budget of "
+                               f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens")
+        return rows
 
     async def generate(self, request: GenerationRequest, request_id: str | None = None) -> GeneratedMedia:
         ticket = self.submit(request, request_id)

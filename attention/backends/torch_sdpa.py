@@ -40,17 +40,17 @@ class TorchSDPAImpl(AttentionImpl):
                 f"have {q.shape[0]} / {k.shape[0]} rows"
             )
         scale = self.scale_for(q.shape[-1])
-        # [T, H, D] -> [H, T, D] once, so each document is a contiguous slice.
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        # [T, H, D] -> [1, H, T, D] once: each document is a slice, and 4-D lets sdpa use fused kernels
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         out = torch.zeros_like(qh)
         for i in range(len(bounds_q) - 1):
             q0, q1, k0, k1 = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
             if q1 == q0 or k1 == k0:  # an empty document, or one with no keys, yields zeros
                 continue
-            out[:, q0:q1] = F.scaled_dot_product_attention(
-                qh[:, q0:q1], kh[:, k0:k1], vh[:, k0:k1], scale=scale
+            out[:, :, q0:q1] = F.scaled_dot_product_attention(
+                qh[:, :, q0:q1], kh[:, :, k0:k1], vh[:, :, k0:k1], scale=scale
             )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -3,7 +3,7 @@
 from .admission import DeploymentConfigError, validate_deployment
 from .config import PRESETS, H3Config, preset
 from .pipeline import REQUIREMENTS, GeneratedMedia, H3Pipeline, load_pipeline
-from .request import GenerationRequest, RequestState
+from .request import GenerationRequest, RequestError, RequestState
 
 __all__ = [
     "DeploymentConfigError",
@@ -13,6 +13,7 @@ __all__ = [
     "H3Pipeline",
     "PRESETS",
     "REQUIREMENTS",
+    "RequestError",
     "RequestState",
     "load_pipeline",
     "preset",

@@ -18,12 +18,11 @@ import torch.nn as nn
 
 from attention import AttentionRequirements, BackendUnavailable, get_backend, parse_dtype, probe_platform
 
-from . import media
 from .config import H3Config, preset
 from .decoders import AudioDecoder, VideoDecoder, resample_audio
 from .dit import H3DiT
 from .packing import DocumentOutput, PackedBatch, pack_documents
-from .request import GenerationRequest, RequestState
+from .request import GenerationRequest, RequestError, RequestState
 from .text_encoder import build_text_encoder
 from .weights import load_into, read_config, save_checkpoint
 
@@ -68,11 +67,16 @@ class GeneratedMedia:
     fps: int
     sample_rate: int
 
+    # media is imported on use: PyAV is needed to encode, not to build or run the model
     def png(self) -> bytes:
-        return media.encode_png(self.frames[0])
+        from .media import encode_png
+
+        return encode_png(self.frames[0])
 
     def mp4(self) -> bytes:
-        return media.encode_mp4(self.frames, self.fps, self.audio, self.sample_rate)
+        from .media import encode_mp4
+
+        return encode_mp4(self.frames, self.fps, self.audio, self.sample_rate)
 
 
 @dataclasses.dataclass
@@ -163,7 +167,7 @@ class H3Pipeline:
         for field, text in prompts.items():
             tokens = encoder.count_tokens(text)
             if tokens > encoder.max_tokens:
-                raise ValueError(f"{field} is {tokens} tokens, the model takes at most {encoder.max_tokens}")
+                raise RequestError(field, f"{field} is {tokens} tokens, the model takes at most {encoder.max_tokens}")
             text_rows += tokens
         video, audio = request.latent_shapes(self.config)
         per_doc = math.prod(video[1:]) // math.prod(self.config.patch_size) + (audio[0] if audio else 0)
@@ -197,7 +201,7 @@ class H3Pipeline:
         if state.audio is not None:
             wave = self.model.audio_decoder(state.audio.to(self.device)).cpu()
             audio = resample_audio(wave, round(request.duration_s * self.config.audio_sample_rate))
-        return GeneratedMedia(frames[: request.num_frames], audio, request.fps, self.config.audio_sample_rate)
+        return GeneratedMedia(frames[: request.frames_out], audio, request.fps, self.config.audio_sample_rate)
 
     def generate(self, request: GenerationRequest,
                  progress: Callable[[int, int], None] | None = None) -> GeneratedMedia:

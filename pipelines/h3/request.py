@@ -13,6 +13,17 @@ from .packing import Document, DocumentOutput
 from .sampler import FlowMatchEuler, guided
 
 
+class RequestError(ValueError):
+    """A request this model cannot produce; ``field`` names the offending request field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # keep the field across process boundaries (Ray pickles errors)
+        return type(self), (self.field, str(self))
+
+
 class GenerationRequest(BaseModel):
     """One image (num_frames=1, no audio) or one video with audio."""
 
@@ -29,6 +40,8 @@ class GenerationRequest(BaseModel):
     shift: float = Field(default=3.0, gt=0)
     seed: int = Field(default=0, ge=0, lt=2**63)
     audio: bool | None = None  # default: videos have audio, images do not
+    # frames to keep after decoding (latents need 1 + 4k frames; a caller may want exactly N)
+    output_frames: int | None = Field(default=None, ge=1)
 
     @property
     def is_image(self) -> bool:
@@ -43,8 +56,12 @@ class GenerationRequest(BaseModel):
         return self.guidance_scale != 1.0
 
     @property
+    def frames_out(self) -> int:
+        return self.output_frames or self.num_frames
+
+    @property
     def duration_s(self) -> float:
-        return self.num_frames / self.fps
+        return self.frames_out / self.fps
 
     def check(self, config: H3Config) -> None:
         """Raise ValueError naming the field when the model cannot produce this shape."""
@@ -52,11 +69,13 @@ class GenerationRequest(BaseModel):
         for field in ("width", "height"):
             value = getattr(self, field)
             if value % step:
-                raise ValueError(f"{field}={value} must be a multiple of {step}")
+                raise RequestError(field, f"{field}={value} must be a multiple of {step}")
         try:
             latent_frames(self.num_frames, config)
         except ValueError as e:
-            raise ValueError(f"num_frames: {e}") from None
+            raise RequestError("num_frames", f"num_frames: {e}") from None
+        if self.frames_out > self.num_frames:
+            raise RequestError("output_frames", f"output_frames={self.output_frames} exceeds num_frames={self.num_frames}")
 
     def latent_shapes(self, config: H3Config) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         video = (config.video_channels, latent_frames(self.num_frames, config),

@@ -1,0 +1,394 @@
+"""GPU kernel benchmark: packed varlen attention and one full-size H3 block, forward only.
+
+    python -m benchmarks.gpu_kernels --out $OUT/gpu_kernels.json   # one H200, under 5 minutes
+    python -m benchmarks.gpu_kernels --quick --out /tmp/gk.json    # small sizes, seconds
+    python -m benchmarks.gpu_kernels --cpu-dry-run --out /tmp/gk.json  # same code paths, tiny, CPU
+
+Part 1 checks and times each backend's own ``forward_varlen`` on packs of mixed-size
+documents and on one long document. Part 2 times one ``DiTBlock`` with the public H3
+dimensions. Needs only torch plus this repo's ``attention`` and ``pipelines`` packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from attention import get_backend, probe_platform
+
+PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
+BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa")  # best first
+NOTES = [
+    "Attention FLOPs = sum over real documents of 4 * len^2 * H * D; the trailing padding "
+    "segment is computed by the kernels but not counted.",
+    f"% peak is against {PEAK_TFLOPS:.0f} TFLOP/s (H200 bf16 dense spec); bf16 matmul was measured "
+    "earlier at ~790 TFLOP/s on this machine, and this run measures its own (% matmul column).",
+    "Anchors: FlashAttention-2 forward reaches ~35% of H100 bf16 peak, FlashAttention-3 ~75%.",
+]
+SIZES = {  # totals: pack sizes of Part 1; block_rows: T of Part 2
+    "full": dict(totals=[4096, 8192, 16384, 32768, 65536], check_total=8192, doc_range=(256, 16384),
+                 heads=56, head_dim=128, preset="full", block_rows=[16384, 32768], width=512,
+                 warmup=2, reps=5, matmul_n=8192),
+    "quick": dict(totals=[4096, 8192], check_total=4096, doc_range=(256, 16384), heads=56, head_dim=128,
+                  preset="full", block_rows=[4096], width=512, warmup=1, reps=3, matmul_n=4096),
+    "cpu": dict(totals=[256, 512], check_total=512, doc_range=(16, 256), heads=2, head_dim=32,
+                preset="tiny", block_rows=[512], width=64, warmup=1, reps=2, matmul_n=256),
+}
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    def cell(c):
+        return "-" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c)
+
+    cells = [headers] + [[cell(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for j, row in enumerate(cells):
+        log("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if j == 0:
+            log("  " + "  ".join("-" * w for w in widths))
+
+
+def import_h3() -> types.SimpleNamespace:
+    """The DiT, config, packer and request modules. pipelines/h3/__init__ also imports the
+    serving pipeline (av, PIL, safetensors), which a bare GPU box may lack; the DiT needs none."""
+    try:
+        import pipelines.h3  # noqa: F401
+    except Exception as e:
+        import pipelines
+
+        log(f"note: `import pipelines.h3` failed ({type(e).__name__}: {e}); loading its DiT modules directly")
+        pkg = types.ModuleType("pipelines.h3")
+        pkg.__path__ = [os.path.join(os.path.dirname(pipelines.__file__), "h3")]
+        sys.modules["pipelines.h3"] = pkg
+    from pipelines.h3 import config, dit, packing, request
+
+    return types.SimpleNamespace(config=config, dit=dit, packing=packing, request=request)
+
+
+class Budget:
+    """Wall-clock budget: once spent, remaining cases are skipped and listed."""
+
+    def __init__(self, seconds: float):
+        self.t0, self.seconds, self.skipped = time.monotonic(), seconds, []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def over(self, what: str) -> bool:
+        if self.elapsed() <= self.seconds:
+            return False
+        self.skipped.append(what)
+        log(f"  SKIPPED {what}: over the {self.seconds:.0f} s budget")
+        return True
+
+
+def attempt(fn):
+    """(fn(), None), or (None, error) when a kernel fails or runs out of memory: never crash."""
+    try:
+        return fn(), None
+    except Exception as e:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return None, f"{type(e).__name__}: {first}"
+
+
+def median_ms(fn, device: str, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def matmul_tflops(device: str, dtype: torch.dtype, n: int, warmup: int, reps: int) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return tflops(2 * n**3, median_ms(lambda: a @ b, device, warmup, 2 * reps))
+
+
+def sdpa_3d_uses_fused_kernel(device: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """The torch_sdpa loop hands SDPA 3-D [H, L, D] slices; when no fused kernel takes those,
+    it runs the math backend (L x L scores in memory), which explains its speed and OOMs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x = torch.randn(2, 64, head_dim, device=device, dtype=dtype)
+    try:
+        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            warnings.simplefilter("ignore")
+            F.scaled_dot_product_attention(x, x, x)
+        return True
+    except RuntimeError:
+        return False
+
+
+def environment(platform) -> dict:
+    return {"device": platform.device_name, "compute_capability": platform.compute_capability,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "flash_attn": platform.kernel_libraries.get("flash_attn"),
+            "kernel_libraries": dict(platform.kernel_libraries), "platform": platform.describe()}
+
+
+# -- Part 1: packed varlen attention ------------------------------------------------------------
+
+def mixed_lengths(total: int, rng: random.Random, lo: int, hi: int) -> list[int]:
+    """Log-uniform document lengths in [lo, hi] (H3 serves short clips to long videos),
+    drawn until the next document would not fit in ``total`` rows."""
+    lengths, left = [], total
+    while left >= lo:
+        lengths.append(int(math.exp(rng.uniform(math.log(lo), math.log(min(hi, left))))))
+        left -= lengths[-1]
+    return lengths
+
+
+def make_pack(lengths, heads, head_dim, dtype, device, align, seed) -> dict:
+    """q, k, v [T, H, D] laid out as the packer does: documents back to back, then one
+    padding segment up to a multiple of ``align`` rows."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    padded = -(-bounds[-1] // align) * align
+    if padded > bounds[-1]:
+        bounds.append(padded)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(padded, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return dict(q=q, k=k, v=v, cu=cu, max_len=max_len, bounds=bounds, lengths=lengths)
+
+
+def attention_flops(lengths, heads, head_dim) -> int:
+    return 4 * sum(n * n for n in lengths) * heads * head_dim
+
+
+def run_varlen(impl, p):
+    return impl.forward_varlen(p["q"], p["k"], p["v"], cu_seqlens=p["cu"], max_seqlen=p["max_len"])
+
+
+def reference_fp32(p, head_chunk: int = 8) -> torch.Tensor:
+    """fp32 attention per segment (padding segment too, as the kernels do), in plain matmuls."""
+    q, k, v = p["q"], p["k"], p["v"]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    scale = q.shape[-1] ** -0.5
+    for a, b in zip(p["bounds"], p["bounds"][1:]):
+        for h in range(0, q.shape[1], head_chunk):  # chunks of heads bound the L x L scores' memory
+            qs, ks, vs = (t[a:b, h:h + head_chunk].float().transpose(0, 1) for t in (q, k, v))
+            probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+            out[a:b, h:h + head_chunk] = (probs @ vs).transpose(0, 1)
+    return out
+
+
+def part1_varlen(s, h3, device, dtype, platform, budget, res) -> dict:
+    H, D, lo, hi = s["heads"], s["head_dim"], *s["doc_range"]
+    align, mm = h3.packing.ALIGNMENT, res["matmul_tflops"]
+    log(f"\n== Part 1: varlen attention, {H} heads x head_dim {D}, {dtype_name(dtype)}, {device}")
+    impls = {}
+    for name in BACKENDS:
+        backend = get_backend(name)
+        ok = backend.availability(platform, dtype=dtype, head_dim=D)
+        reason = ok.reason or ("" if backend.supports_packed_varlen() else "no forward_varlen")
+        res["availability"][name] = {"ok": not reason, "reason": reason}
+        log(f"  {name:13s} {'SKIP: ' + reason if reason else 'available'}")
+        if not reason:
+            impls[name] = backend.make_impl()
+
+    # Correctness against fp32, on one mixed pack; the bf16 sdpa loop's error sets the bar.
+    p = make_pack(mixed_lengths(s["check_total"], random.Random(0), lo, hi), H, D, dtype, device, align, 0)
+    ref = reference_fp32(p)
+    base = (run_varlen(get_backend("torch_sdpa").make_impl(), p).float() - ref).abs().max().item()
+    limit, status, rows = 2 * base + 1e-3, {}, []
+    for name, impl in impls.items():
+        out, error = attempt(lambda: run_varlen(impl, p))
+        err = None if out is None else (out.float() - ref).abs().max().item()
+        status[name] = error or ("PASS" if err <= limit else "FAIL")
+        res["correctness"].append({"backend": name, "rows": p["bounds"][-1], "docs": len(p["lengths"]),
+                                   "max_abs_err": err, "sdpa_loop_err": base, "limit": limit, "result": status[name]})
+        rows.append([name, p["bounds"][-1], len(p["lengths"]), err, limit, status[name]])
+        del out
+    log(f"\n  correctness vs fp32 reference (torch_sdpa loop in {dtype_name(dtype)}: max abs err {base:.3g})")
+    print_table(["backend", "rows", "docs", "max_abs_err", "limit", "result"], rows)
+    del p, ref
+
+    rows = []
+    for total in s["totals"]:
+        for case, lengths in (("mixed", mixed_lengths(total, random.Random(total), lo, hi)), ("single", [total])):
+            if budget.over(f"varlen {case} {total}"):
+                continue
+            p = make_pack(lengths, H, D, dtype, device, align, total)
+            flops = attention_flops(lengths, H, D)
+            for name, impl in impls.items():
+                if budget.over(f"varlen {case} {total} {name}"):
+                    continue
+                ms, error = attempt(lambda: median_ms(lambda: run_varlen(impl, p), device, s["warmup"], s["reps"]))
+                tf = None if ms is None else tflops(flops, ms)
+                r = {"case": case, "rows": p["bounds"][-1], "docs": len(lengths), "max_len": max(lengths),
+                     "backend": name, "flops": flops, "ms": ms, "tflops": tf, "error": error,
+                     "pct_peak": tf and 100 * tf / PEAK_TFLOPS, "pct_matmul": tf and 100 * tf / mm}
+                res["varlen"].append(r)
+                rows.append([r[c] for c in ("case", "rows", "docs", "max_len", "backend", "ms", "tflops", "pct_peak",
+                                            "pct_matmul")] + [error or status.get(name, "")])
+            del p
+    log("")
+    print_table(["case", "rows", "docs", "max_len", "backend", "ms", "TFLOP/s", "% peak", "% matmul", "note"], rows)
+    return status
+
+
+# -- Part 2: one H3 block --------------------------------------------------------------------------
+
+def h3_documents(h3, cfg, rows: int, width: int, fps: int = 24) -> list:
+    """Two CFG pairs (cond + uncond text over the same latents) of square videos with audio,
+    about rows/3 and rows/6 rows per document, shaped by the request geometry code."""
+    docs = []
+    per_frame = (width // cfg.vae_spatial // cfg.patch_size[1]) ** 2
+    audio_per_frame = cfg.audio_latent_rate * cfg.vae_temporal / fps
+    for i, doc_rows in enumerate((rows // 3, rows // 6)):
+        text_len = min(cfg.text_max_tokens // 2, doc_rows // 8)
+        latent = max(1, int((doc_rows - text_len) / (per_frame + audio_per_frame)))
+        req = h3.request.GenerationRequest(prompt="benchmark", width=width, height=width, fps=fps, audio=True,
+                                           num_frames=1 + cfg.vae_temporal * (latent - 1))
+        video_shape, audio_shape = req.latent_shapes(cfg)
+        video, audio = torch.randn(video_shape), torch.randn(audio_shape)
+        for _ in range(2):
+            docs.append(h3.packing.Document(text=torch.randn(text_len, cfg.hidden_size), video=video,
+                                            audio=audio, timestep=1000.0 * (i + 1) / 3))
+    return docs
+
+
+def part2_block(s, h3, device, dtype, status, budget, res) -> None:
+    cfg = h3.config.PRESETS[s["preset"]]
+    name = next((n for n in BACKENDS if status.get(n) == "PASS"), None)
+    log(f"\n== Part 2: one DiTBlock, preset {cfg.name} (hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
+        f"{cfg.head_dim}, ffn {cfg.ffn_size}), backend {name}")
+    if name is None:
+        log("  no backend passed the correctness check; skipped")
+        budget.skipped.append("block: no passing backend")
+        return
+    impl = get_backend(name).make_impl()
+    with torch.device(device):  # initialise on the GPU: a 385M-parameter CPU init is slow
+        block = h3.dit.DiTBlock(cfg, impl).to(dtype).eval()
+    hid, inner, ffn, H, D = cfg.hidden_size, cfg.inner_dim, cfg.ffn_size, cfg.num_heads, cfg.head_dim
+    rows = []
+    for target in s["block_rows"]:
+        if budget.over(f"block T={target}"):
+            continue
+        batch = h3.packing.pack_documents(h3_documents(h3, cfg, target, s["width"]), cfg)
+        inp = batch.inputs.to(device)
+        T, lengths = inp.num_rows, [layout.length for layout in batch.layouts]
+        # As in H3DiT.forward; x and time_mod come from embeddings there, random values cost the same.
+        x = torch.randn(T, hid, device=device, dtype=dtype)
+        time_mod = 0.1 * torch.randn(len(inp.timesteps), 6, hid, device=device, dtype=dtype)
+        combo = inp.t_index * h3.config.NUM_MODALITIES + inp.modality
+        angles = h3.dit.rope_angles(inp.positions, cfg.rope_freqs_per_axis, cfg.rope_theta)
+        rope = (angles.cos(), angles.sin())
+        q, k, v = (torch.randn(T, H, D, device=device, dtype=dtype) for _ in range(3))
+        mm_flops = 2 * T * (hid * 3 * inner + inner * hid + hid * 2 * ffn + ffn * hid)  # all T rows, padding too
+        at_flops = attention_flops(lengths, H, D)
+        block_fn = lambda: block(x, time_mod, combo, inp.cu_seqlens, inp.max_seqlen, rope, None)
+        attn_fn = lambda: impl.forward_varlen(q, k, v, cu_seqlens=inp.cu_seqlens, max_seqlen=inp.max_seqlen)
+        block_ms, error = attempt(lambda: median_ms(block_fn, device, s["warmup"], s["reps"]))
+        attn_ms, attn_error = attempt(lambda: median_ms(attn_fn, device, s["warmup"], s["reps"]))
+        both = block_ms is not None and attn_ms is not None
+        tf = None if block_ms is None else tflops(mm_flops + at_flops, block_ms)
+        r = {"backend": name, "rows": T, "padding_rows": batch.padding_rows, "doc_lengths": lengths,
+             "matmul_flops": mm_flops, "attention_flops": at_flops, "block_ms": block_ms, "tflops": tf,
+             "mfu_pct": tf and 100 * tf / PEAK_TFLOPS, "attention_kernel_ms": attn_ms,
+             "rest_ms": block_ms - attn_ms if both else None,
+             "attention_pct": 100 * attn_ms / block_ms if both else None, "error": error or attn_error}
+        res["block"].append(r)
+        rows.append([T, len(lengths), max(lengths)] + [r[c] for c in (
+            "block_ms", "tflops", "mfu_pct", "attention_kernel_ms", "rest_ms", "attention_pct", "error")])
+        del inp, x, q, k, v, rope
+    print_table(["T", "docs", "max_len", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %", "note"], rows)
+    log("  FLOPs: matmuls over all T rows (padding too); attention over real documents only.")
+    log("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write every number and the environment to this JSON file")
+    ap.add_argument("--quick", action="store_true", help="much smaller sizes, to dry-run in seconds")
+    ap.add_argument("--max-seconds", type=float, default=270.0, help="skip remaining cases past this")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU, torch_sdpa in float32")
+    args = ap.parse_args(argv)
+    budget = Budget(args.max_seconds)
+    if args.cpu_dry_run:
+        device, dtype, mode = "cpu", torch.float32, "cpu"
+    elif torch.cuda.is_available():
+        device, dtype, mode = "cuda", torch.bfloat16, "quick" if args.quick else "full"
+    else:
+        device, dtype, mode = None, None, None
+    platform = probe_platform(device or "cuda")
+    res = {"env": environment(platform), "mode": mode, "settings": SIZES.get(mode), "peak_tflops": PEAK_TFLOPS,
+           "notes": NOTES, "availability": {}, "correctness": [], "varlen": [], "block": [], "skipped": budget.skipped}
+    log(f"platform: {platform.describe()}; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    if device is None:
+        log("No CUDA device: nothing measured. (Use --cpu-dry-run to exercise the script on CPU.)")
+        res["skipped"].append("everything: no CUDA device")
+    else:
+        s = SIZES[mode]
+        torch.set_float32_matmul_precision("highest")  # the fp32 reference must not use TF32
+        try:
+            h3 = import_h3()
+            with torch.inference_mode():
+                res["matmul_tflops"] = matmul_tflops(device, dtype, s["matmul_n"], s["warmup"], s["reps"])
+                res["sdpa_loop_fused_kernel"] = sdpa_3d_uses_fused_kernel(device, dtype, s["head_dim"])
+                log(f"measured {dtype_name(dtype)} matmul {s['matmul_n']}^3: {res['matmul_tflops']:.4g} TFLOP/s")
+                log(f"torch_sdpa loop's 3-D slices get a fused SDPA kernel: {res['sdpa_loop_fused_kernel']}"
+                    + ("" if res["sdpa_loop_fused_kernel"] else " (math backend: L x L scores in memory)"))
+                for note in NOTES + (["CPU dry run: % of H200 peak is meaningless here."] if device == "cpu" else []):
+                    log(f"note: {note}")
+                status, res["error"] = attempt(lambda: part1_varlen(s, h3, device, dtype, platform, budget, res))
+                _, block_error = attempt(lambda: part2_block(s, h3, device, dtype, status or {}, budget, res))
+                res["error"] = res["error"] or block_error
+                if res["error"]:
+                    log(f"ERROR: {res['error']}")
+        except Exception as e:  # report, write what we have, exit 0
+            res["error"] = f"{type(e).__name__}: {e}"
+            log(f"ERROR: {res['error']}")
+    res["wall_s"] = budget.elapsed()
+    if budget.skipped:
+        log(f"\nskipped ({len(budget.skipped)}): {', '.join(budget.skipped)}")
+    log(f"\nwall {res['wall_s']:.1f} s")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The driver's one admission check: learn the replica platform, run H3's rule, count the outcome."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from attention import AttentionSelectionError, Platform, Resolution, probe_platform
+from pipelines.h3 import DeploymentConfigError, validate_deployment
+
+from .args import DeployArgs
+from .metrics import admission_recorder
+
+logger = logging.getLogger(__name__)
+
+
+class PlatformProbeError(RuntimeError):
+    reason = "probe_failed"
+
+
+@ray.remote(num_cpus=0)
+def _probe(device: str) -> str:
+    return probe_platform(device).model_dump_json()
+
+
+def probe_replica_platform(args: DeployArgs) -> Platform:
+    """Run a short task shaped like one SP rank, so it lands where replicas will."""
+    resources = dict(args.rank_resources)
+    task = _probe.options(num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0),
+                          resources=resources or None)
+    try:
+        return Platform.model_validate_json(ray.get(task.remote(args.device), timeout=args.platform_probe_timeout_s))
+    except ray.exceptions.GetTimeoutError:
+        raise PlatformProbeError(
+            f"no node with {args.rank_resources} ran the platform probe within {args.platform_probe_timeout_s:.0f}s; "
+            "add such nodes (or let the autoscaler), or set probe_platform: false with an assumed_platform"
+        ) from None
+
+
+def target_platform(args: DeployArgs) -> Platform:
+    if args.probe_platform:
+        return probe_replica_platform(args)
+    # Without a probe nothing is assumed installed unless the args say so: fail closed.
+    return args.assumed_platform or Platform(device_type=args.device, source="assumed")
+
+
+def decide(args: DeployArgs, platform: Platform) -> Resolution:
+    """H3's admission rule for these args on that platform (raises on refusal)."""
+    return validate_deployment(model=args.model, attention_backend=args.attention_backend, platform=platform,
+                               device=args.device, dtype=args.dtype, sp_degree=args.sp_degree)
+
+
+def outcome_tags(args: DeployArgs, stage: str, resolution: Resolution | None = None,
+                 error: Exception | None = None) -> dict[str, str]:
+    requested = args.attention_backend.strip().lower()
+    return {
+        "model": f"h3-{args.model}",
+        "backend": resolution.backend if resolution else (getattr(error, "backend", None) or requested),
+        "chosen_by": "auto" if requested == "auto" else "explicit",
+        "outcome": "admitted" if error is None else "rejected",
+        "reason": "ok" if error is None else getattr(error, "reason", type(error).__name__),
+        "stage": stage,
+    }
+
+
+ADMISSION_ERRORS = (AttentionSelectionError, DeploymentConfigError, PlatformProbeError)
+
+
+def admit(args: DeployArgs, stage: str = "build") -> Resolution:
+    """Run once in the driver (the application builder); the replicas receive the Resolution."""
+    recorder = admission_recorder()
+    try:
+        resolution = decide(args, target_platform(args))
+    except ADMISSION_ERRORS as e:
+        ray.get(recorder.record_admission.remote(outcome_tags(args, stage, error=e)), timeout=30)
+        logger.error("h3serve admission refused the deployment: %s", e)
+        raise
+    ray.get(recorder.record_admission.remote(outcome_tags(args, stage, resolution)), timeout=30)
+    logger.info("h3serve admission: %s", resolution.describe())
+    return resolution

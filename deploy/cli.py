@@ -1,0 +1,254 @@
+"""The ``h3serve`` command: serve, admit, generate, weights, probe.
+
+    h3serve serve [CONFIG]            admission pre-flight, then run the config like `serve run`
+    h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
+    h3serve generate PROMPT -o OUT    one image (.png) or video (.mp4), locally, no Ray
+    h3serve weights                   create the built-in tiny weights (deterministic, cached)
+    h3serve probe                     this node's platform as JSON (for `admit --platform`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+BUILDER = "deploy.app:build_app"
+EXIT_REFUSED, EXIT_FAILED = 2, 1
+
+
+def default_config() -> Path:
+    return Path(str(importlib.resources.files("deploy") / "serve_config.yaml"))
+
+
+def load_config(path: str | None) -> dict:
+    config_path = Path(path) if path else default_config()
+    if not config_path.is_file():
+        raise SystemExit(f"h3serve: no config file at {config_path}")
+    return yaml.safe_load(config_path.read_text()) or {}
+
+
+def h3_apps(config: dict) -> list[tuple[str, dict]]:
+    """(name, args) of every application in the config that this builder runs."""
+    return [(app.get("name", "default"), app.get("args") or {})
+            for app in config.get("applications", []) if app.get("import_path") == BUILDER]
+
+
+def fail(code: int, message: str):
+    print(f"h3serve: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def parse_args(app_name: str, raw: dict):
+    from pydantic import ValidationError
+
+    from .args import DeployArgs
+
+    try:
+        return DeployArgs.model_validate(raw)
+    except ValidationError as e:
+        fail(EXIT_REFUSED, f"invalid args for application {app_name!r}:\n{e}")
+
+
+# -- admit --------------------------------------------------------------------------------
+def cmd_admit(ns: argparse.Namespace) -> None:
+    from attention import Platform, probe_platform
+    from prometheus_client import CollectorRegistry, Counter, push_to_gateway, write_to_textfile
+
+    from .admission import ADMISSION_ERRORS, decide, outcome_tags
+    from .metrics import ADMISSION_DECISIONS, ADMISSION_FAILURES
+
+    apps = h3_apps(load_config(ns.config))
+    if not apps:
+        fail(EXIT_REFUSED, f"{ns.config} has no application with import_path {BUILDER}")
+    registry = CollectorRegistry()
+    decisions = Counter(ADMISSION_DECISIONS.name, ADMISSION_DECISIONS.description,
+                        ADMISSION_DECISIONS.tag_keys, registry=registry)
+    failures = Counter(ADMISSION_FAILURES.name, ADMISSION_FAILURES.description,
+                       ADMISSION_FAILURES.tag_keys, registry=registry)
+    refused = []
+    for name, raw in apps:
+        args = parse_args(name, raw)
+        if ns.platform:
+            text = Path(ns.platform).read_text() if Path(ns.platform).is_file() else ns.platform
+            platform = Platform.model_validate_json(text)
+        else:
+            platform = probe_platform(args.device)
+            if platform.device_type != args.device:
+                fail(EXIT_REFUSED, f"application {name!r} targets {args.device}, and this machine has no "
+                                   f"{args.device}; pass --platform with the replicas' platform (h3serve probe there)")
+        try:
+            resolution = decide(args, platform)
+        except ADMISSION_ERRORS as e:
+            tags = outcome_tags(args, "preflight", error=e)
+            refused.append(f"application {name!r}: {e}")
+            failures.labels(**{k: v for k, v in tags.items() if k != "outcome"}).inc()
+        else:
+            tags = outcome_tags(args, "preflight", resolution)
+            print(f"h3serve: application {name!r} admitted: {resolution.describe()}")
+        decisions.labels(**tags).inc()
+    if ns.textfile:
+        write_to_textfile(ns.textfile, registry)
+    if ns.pushgateway:
+        push_to_gateway(ns.pushgateway, job=ns.job, registry=registry)
+    if refused:
+        fail(EXIT_REFUSED, "admission refused " + "; ".join(refused))
+
+
+# -- serve --------------------------------------------------------------------------------
+def cmd_serve(ns: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    from .admission import ADMISSION_ERRORS, admit
+
+    raw = load_config(ns.config)
+    schema = ServeDeploySchema.model_validate(raw)
+    apps = [(name, parse_args(name, args)) for name, args in h3_apps(raw)]
+    ray.init(address=ns.address, namespace="serve")
+    for name, args in apps:  # fail before anything is started
+        try:
+            admit(args, stage="preflight")
+        except ADMISSION_ERRORS as e:
+            fail(EXIT_REFUSED, f"admission refused application {name!r}: {e}")
+    client = serve_api.serve_start(
+        http_options=schema.http_options.model_dump(),
+        proxy_location=schema.proxy_location,
+        grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+        controller_options=schema.controller_options,
+    )
+    client.deploy_apps(schema, _blocking=False)
+    host, port = schema.http_options.host, schema.http_options.port
+    names = [app.name for app in schema.applications]
+    print(f"h3serve: deploying {', '.join(names)}", flush=True)
+
+    def stop(*_):
+        print("h3serve: shutting down", flush=True)
+        serve.shutdown()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    announced: set[str] = set()
+    try:
+        while True:
+            statuses = serve.status().applications
+            for name in names:
+                app = statuses.get(name)
+                if app is None:
+                    continue
+                if app.status == "DEPLOY_FAILED":
+                    print(f"h3serve: application {name!r} failed to deploy:\n{app.message}", file=sys.stderr, flush=True)
+                    serve.shutdown()
+                    raise SystemExit(EXIT_FAILED)
+                if app.status == "RUNNING" and name not in announced:
+                    announced.add(name)
+                    route = next(a.route_prefix for a in schema.applications if a.name == name) or "/"
+                    print(f"h3serve: {name} is serving at http://{'localhost' if host == '0.0.0.0' else host}:{port}"
+                          f"{route}", flush=True)
+            time.sleep(1)
+    except KeyboardInterrupt:
+        stop()
+
+
+# -- generate, weights, probe -------------------------------------------------------------
+def cmd_generate(ns: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from attention import resolve
+    from attention.platform import Platform
+    from pipelines.h3 import REQUIREMENTS, GenerationRequest, load_pipeline, preset
+    from attention import probe_platform
+
+    out = Path(ns.output)
+    video = out.suffix.lower() == ".mp4"
+    if out.suffix.lower() not in (".png", ".mp4"):
+        fail(EXIT_REFUSED, f"--output must end in .png (image) or .mp4 (video), got {out}")
+    width, height = (int(v) for v in ns.size.lower().split("x"))
+    frames, keep = (1, None)
+    if video:
+        wanted = round(ns.seconds * ns.fps)
+        frames, keep = 1 + 4 * -(-(wanted - 1) // 4), wanted
+    platform: Platform = probe_platform(ns.device)
+    backend = resolve(REQUIREMENTS, ns.backend, platform, model=preset(ns.model).name).backend
+    pipeline = load_pipeline(ns.model, backend, checkpoint=ns.checkpoint, device=ns.device,
+                             dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
+    request = GenerationRequest(prompt=ns.prompt, negative_prompt=ns.negative_prompt, width=width, height=height,
+                                num_frames=frames, output_frames=keep, fps=ns.fps, steps=ns.steps,
+                                guidance_scale=ns.guidance_scale, seed=ns.seed)
+    with tqdm(total=ns.steps, desc=f"h3 ({backend})", unit="step") as bar:
+        media = pipeline.generate(request, progress=lambda done, total: bar.update(done - bar.n))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(media.mp4() if video else media.png())
+    print(f"h3serve: wrote {out} ({out.stat().st_size} bytes)")
+
+
+def cmd_weights(ns: argparse.Namespace) -> None:
+    from pipelines.h3.pipeline import create_tiny_checkpoint, ensure_checkpoint
+
+    directory = create_tiny_checkpoint(Path(ns.output)) if ns.output else ensure_checkpoint("tiny")
+    print(directory)
+
+
+def cmd_probe(ns: argparse.Namespace) -> None:
+    from attention import probe_platform
+
+    print(json.dumps(json.loads(probe_platform(ns.device).model_dump_json()), indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="h3serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="admission pre-flight, then run a serve config")
+    p.add_argument("config", nargs="?", help="serve config YAML (default: the embedded CPU/tiny config)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("admit", help="the admission pre-flight alone")
+    p.add_argument("config")
+    p.add_argument("--platform", help="replica platform JSON, or a file of it (from `h3serve probe` on a replica node)")
+    p.add_argument("--textfile", help="write the admission counters here (node-exporter textfile format)")
+    p.add_argument("--pushgateway", help="push the admission counters to this Pushgateway address")
+    p.add_argument("--job", default="h3serve-admit", help="Pushgateway job label")
+    p.set_defaults(func=cmd_admit)
+
+    p = sub.add_parser("generate", help="generate locally, without Ray")
+    p.add_argument("prompt")
+    p.add_argument("-o", "--output", default="h3.png", help="*.png for an image, *.mp4 for a video with audio")
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--size", default="256x256")
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--guidance-scale", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--checkpoint")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("weights", help="create the tiny preset's weights")
+    p.add_argument("--output", help="directory (default: the cache that `serve` and `generate` read)")
+    p.set_defaults(func=cmd_weights)
+
+    p = sub.add_parser("probe", help="print this node's attention platform as JSON")
+    p.add_argument("--device", choices=("cpu", "cuda"))
+    p.set_defaults(func=cmd_probe)
+
+    ns = parser.parse_args(argv)
+    ns.func(ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Every h3serve metric, defined once. Exported by Ray's metrics agent as ``ray_<name>`` (+``_total`` for counters).
+
+Replicas record through ``ray.serve.metrics`` (which adds deployment/replica/application
+tags). Admission outcomes go through a small detached actor, so they stay on the metrics
+export port after the build task that produced them has exited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import ray
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
+STEP_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+ROW_BUCKETS = [64, 256, 1024, 4096, 16384, 65536, 262144]
+FRACTION_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: str  # counter | gauge | histogram
+    description: str
+    tag_keys: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The series name Prometheus sees (histograms add _bucket/_sum/_count)."""
+        return f"ray_{self.name}" + ("_total" if self.kind == "counter" else "")
+
+
+ADMISSION_DECISIONS = MetricDef("h3serve_admission_decisions", "counter",
+                                "Attention admission decisions in the driver.",
+                                ("model", "backend", "chosen_by", "outcome", "reason", "stage"))
+ADMISSION_FAILURES = MetricDef("h3serve_admission_failures", "counter",
+                               "Deployments refused by attention admission (no replica was created).",
+                               ("model", "backend", "chosen_by", "reason", "stage"))
+BUILD_FAILURES = MetricDef("h3serve_replica_build_failures", "counter",
+                           "Replicas that failed to build (backend unavailable on the node, bad weights...).",
+                           ("backend", "reason"))
+# "route", not "endpoint": the Prometheus Operator sets its own "endpoint" target label
+REQUESTS = MetricDef("h3serve_requests", "counter", "HTTP requests by route and status code.",
+                     ("route", "status"))
+REQUEST_LATENCY = MetricDef("h3serve_request_latency_seconds", "histogram",
+                            "End-to-end HTTP latency (video jobs: submit to finished).", ("route",),
+                            tuple(LATENCY_BUCKETS))
+QUEUE_DEPTH = MetricDef("h3serve_queue_depth", "gauge", "Requests per replica engine, waiting or active.",
+                        ("state",))
+STEP_SECONDS = MetricDef("h3serve_step_seconds", "histogram", "Wall time of one packed DiT forward and sampler step.",
+                         (), tuple(STEP_BUCKETS))
+TOKENS_PER_STEP = MetricDef("h3serve_tokens_per_step", "histogram", "Rows in one packed forward, padding included.",
+                            (), tuple(ROW_BUCKETS))
+PADDING_FRACTION = MetricDef("h3serve_padding_fraction", "histogram", "Padding rows / all rows of a packed forward.",
+                             (), tuple(FRACTION_BUCKETS))
+
+ALL_METRICS = (ADMISSION_DECISIONS, ADMISSION_FAILURES, BUILD_FAILURES, REQUESTS, REQUEST_LATENCY, QUEUE_DEPTH,
+               STEP_SECONDS, TOKENS_PER_STEP, PADDING_FRACTION)
+
+
+def make(metric: MetricDef):
+    if metric.kind == "counter":
+        return Counter(metric.name, description=metric.description, tag_keys=metric.tag_keys)
+    if metric.kind == "gauge":
+        return Gauge(metric.name, description=metric.description, tag_keys=metric.tag_keys)
+    return Histogram(metric.name, description=metric.description, boundaries=list(metric.boundaries),
+                     tag_keys=metric.tag_keys)
+
+
+# -- admission: a detached recorder ---------------------------------------------------------
+RECORDER_NAME, RECORDER_NAMESPACE = "h3serve-admission-metrics", "h3serve"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class AdmissionRecorder:
+    """Holds the admission counters, and a short log of decisions for diagnostics."""
+
+    def __init__(self):
+        self.decisions, self.failures = make(ADMISSION_DECISIONS), make(ADMISSION_FAILURES)
+        self.build_failures = make(BUILD_FAILURES)
+        self.log: list[dict] = []
+
+    def record_admission(self, tags: dict[str, str]) -> None:
+        self.decisions.inc(1, tags=tags)
+        if tags["outcome"] == "rejected":
+            self.failures.inc(1, tags={k: v for k, v in tags.items() if k != "outcome"})
+        self.log = (self.log + [dict(tags)])[-1000:]
+
+    def record_build_failure(self, backend: str, reason: str) -> None:
+        self.build_failures.inc(1, tags={"backend": backend, "reason": reason})
+
+    def decisions_log(self) -> list[dict]:
+        return list(self.log)
+
+
+def admission_recorder():
+    return AdmissionRecorder.options(name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached",
+                                     get_if_exists=True).remote()
+
+
+# -- replicas: the engine's observer ---------------------------------------------------------
+class EngineMetrics:
+    """replicas.EngineObserver, recording to Prometheus through Ray."""
+
+    def __init__(self):
+        self.queue, self.step = make(QUEUE_DEPTH), make(STEP_SECONDS)
+        self.tokens, self.padding = make(TOKENS_PER_STEP), make(PADDING_FRACTION)
+
+    def on_step(self, stats, seconds: float) -> None:
+        self.step.observe(seconds)
+        self.tokens.observe(stats.rows)
+        self.padding.observe(stats.padding_rows / stats.rows if stats.rows else 0.0)
+
+    def on_queue(self, waiting: int, active: int) -> None:
+        self.queue.set(waiting, tags={"state": "waiting"})
+        self.queue.set(active, tags={"state": "active"})
+
+
+class RequestMetrics:
+    def __init__(self):
+        self.requests, self.latency = make(REQUESTS), make(REQUEST_LATENCY)
+
+    def observe(self, route: str, status: int, seconds: float | None) -> None:
+        self.requests.inc(1, tags={"route": route, "status": str(status)})
+        if seconds is not None:
+            self.latency.observe(seconds, tags={"route": route})

@@ -1,0 +1,124 @@
+"""Fail closed: an incapable backend never gets a replica, and the refusal stays visible in Prometheus."""
+
+import copy
+import json
+import subprocess
+
+import pytest
+import ray
+from ray import serve
+from ray.util.state import list_actors
+
+from serving import REPO, SERVE, default_config, free_port, h3serve, scrape, start_cluster, wait_for, write_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+MESSAGE = "Attention backend 'sage_attn' does not implement packed varlen attention"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    metrics_port = free_port()
+    address = start_cluster(metrics_port, logical_gpus=1)
+    yield address, metrics_port
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def sage_config(tmp_path):
+    config = copy.deepcopy(default_config())
+    config["applications"][0]["args"]["attention_backend"] = "sage_attn"
+    return write_config(tmp_path, config, free_port(), "sage.yaml")
+
+
+def h3_replica_actors(address: str):
+    """Every H3 replica actor this cluster has ever had, dead ones included."""
+    actors = list_actors(address=address, detail=True, limit=10000)
+    return [a for a in actors if "H3Replica" in (a.class_name or "")]
+
+
+def test_admit_refuses_sage_attn_and_writes_the_counter(sage_config, tmp_path):
+    textfile = tmp_path / "admission.prom"
+    result = h3serve("admit", str(sage_config), "--textfile", str(textfile))
+    assert result.returncode == 2, result
+    assert MESSAGE in result.stderr
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
+    failures = families["h3serve_admission_failures"].samples
+    assert [(s.labels["backend"], s.labels["reason"], s.value) for s in failures if s.name.endswith("_total")] == [
+        ("sage_attn", "incapable", 1.0)]
+
+
+def test_admit_passes_both_shipped_configs():
+    assert h3serve("admit", "deploy/serve_config.yaml").returncode == 0
+    gpu = h3serve("admit", "deploy/serve_config.gpu.yaml")
+    assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
+    given = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h100-flash-attn.json")
+    assert given.returncode == 0, given.stderr
+    assert "'flash_attn' explicitly selected" in given.stdout
+
+
+def test_serve_preflight_exits_before_starting_anything(cluster, sage_config):
+    address, _ = cluster
+    result = h3serve("serve", str(sage_config), "--address", address)
+    assert result.returncode == 2
+    assert MESSAGE in result.stderr
+    assert not h3_replica_actors(address)
+
+
+def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(cluster, sage_config):
+    address, metrics_port = cluster
+    # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
+    subprocess.run([*SERVE, "run", str(sage_config), "--non-blocking", "--address", address], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+
+    def failed():
+        app = serve.status().applications.get("h3serve")
+        return app if app is not None and app.status == "DEPLOY_FAILED" else None
+
+    app = wait_for(failed, timeout=120, what="DEPLOY_FAILED")
+    assert MESSAGE in app.message
+    assert not h3_replica_actors(address), "an H3 replica was created for a refused backend"
+
+    def counted():
+        samples = scrape(metrics_port).get("ray_h3serve_admission_failures_total", [])
+        return [s for s in samples if s.labels.get("backend") == "sage_attn" and s.labels.get("stage") == "build"]
+
+    # the build task has exited; the detached recorder keeps the series on the export port
+    samples = wait_for(counted, timeout=60, what="admission failure metric")
+    assert sum(s.value for s in samples) == 1  # refused once, not once per build retry
+    assert {s.labels["reason"] for s in samples} == {"incapable"}
+    serve.delete("h3serve")
+
+
+def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(cluster, tmp_path):
+    """The driver was told (assumed_platform) that replicas have flash_attn on CUDA; this node has
+    neither. The replica must refuse to build, count it, and never fall back to another backend."""
+    address, metrics_port = cluster
+    config = copy.deepcopy(default_config())
+    platform = json.loads((REPO / "deploy" / "platforms" / "h100-flash-attn.json").read_text())
+    config["applications"][0]["args"].update(
+        attention_backend="flash_attn", device="cuda", dtype="bfloat16", probe_platform=False,
+        assumed_platform=platform, rank_resources={"CPU": 0.25, "GPU": 1})
+    path = write_config(tmp_path, config, free_port(), "claims-gpu.yaml")
+    subprocess.run([*SERVE, "run", str(path), "--non-blocking", "--address", address], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+
+    def failed():
+        app = serve.status().applications.get("h3serve")
+        return app if app is not None and app.status == "DEPLOY_FAILED" else None
+
+    app = wait_for(failed, timeout=180, what="DEPLOY_FAILED")
+    replica_status = app.deployments["H3Replica"].message
+    assert "BackendUnavailable" in replica_status and "flash_attn" in replica_status, replica_status
+    replicas = h3_replica_actors(address)
+    assert replicas and all(a.state == "DEAD" for a in replicas)
+
+    def counted():
+        samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
+        return [s for s in samples if s.labels.get("backend") == "flash_attn"]
+
+    samples = wait_for(counted, timeout=60, what="replica build failure metric")
+    assert {s.labels["reason"] for s in samples} == {"unavailable"} and sum(s.value for s in samples) >= 1
+    serve.delete("h3serve")
