@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import get_backend, probe_platform
+from pipelines.h3 import config, dit, packing, request
 
 PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
 BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa")  # best first
@@ -61,23 +62,6 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         log("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if j == 0:
             log("  " + "  ".join("-" * w for w in widths))
-
-
-def import_h3() -> types.SimpleNamespace:
-    """The DiT, config, packer and request modules. pipelines/h3/__init__ also imports the
-    serving pipeline (av, PIL, safetensors), which a bare GPU box may lack; the DiT needs none."""
-    try:
-        import pipelines.h3  # noqa: F401
-    except Exception as e:
-        import pipelines
-
-        log(f"note: `import pipelines.h3` failed ({type(e).__name__}: {e}); loading its DiT modules directly")
-        pkg = types.ModuleType("pipelines.h3")
-        pkg.__path__ = [os.path.join(os.path.dirname(pipelines.__file__), "h3")]
-        sys.modules["pipelines.h3"] = pkg
-    from pipelines.h3 import config, dit, packing, request
-
-    return types.SimpleNamespace(config=config, dit=dit, packing=packing, request=request)
 
 
 class Budget:
@@ -361,7 +345,7 @@ def main(argv=None) -> int:
         s = SIZES[mode]
         torch.set_float32_matmul_precision("highest")  # the fp32 reference must not use TF32
         try:
-            h3 = import_h3()
+            h3 = types.SimpleNamespace(config=config, dit=dit, packing=packing, request=request)
             with torch.inference_mode():
                 res["matmul_tflops"] = matmul_tflops(device, dtype, s["matmul_n"], s["warmup"], s["reps"])
                 res["sdpa_loop_fused_kernel"] = sdpa_3d_uses_fused_kernel(device, dtype, s["head_dim"])

@@ -40,13 +40,14 @@ def root_cause(error: Exception) -> Exception:
     return getattr(error, "cause", None) or error
 
 
-def http_error(error: Exception) -> "APIError":
-    """503 for overload, 400 for a request the model refused, 500 for anything else."""
+def http_error(error: Exception, what: str) -> "APIError":
+    """503 for overload, 400 for a request the model refused, 500 (logged) for anything else."""
     cause = root_cause(error)
     if isinstance(error, OVERLOADED) or isinstance(cause, OVERLOADED):
         return APIError(503, f"overloaded: {cause}", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(cause, RequestError):
         return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
+    logger.error("%s failed", what, exc_info=error)
     return APIError(500, "internal error; see the server log")
 
 
@@ -170,10 +171,8 @@ class H3Ingress:
             status = e.status
             raise
         except Exception as e:
-            error = http_error(e)
+            error = http_error(e, endpoint)
             status = error.status
-            if status == 500:
-                logger.exception("%s failed", endpoint)
             raise error from None
         finally:
             self.metrics.observe(endpoint, status, time.perf_counter() - started)
@@ -275,10 +274,8 @@ class H3Ingress:
             stream.cancel()
             raise
         except Exception as e:
-            error = http_error(e)
+            error = http_error(e, f"video job {job_id}")
             code = error.status
-            if code == 500:
-                logger.exception("video job %s failed", job_id)
             await self.jobs.update.remote(job_id, {"status": "failed", "completed_at": now(),
                                                    "error": {"code": str(code), "message": error.message}})
         finally:

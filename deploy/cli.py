@@ -146,7 +146,10 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                 if app is None:
                     continue
                 if app.status == "DEPLOY_FAILED":
-                    print(f"h3serve: application {name!r} failed to deploy:\n{app.message}", file=sys.stderr, flush=True)
+                    details = [app.message] + [f"{d}: {info.message}" for d, info in app.deployments.items()
+                                               if info.status == "DEPLOY_FAILED"]
+                    print(f"h3serve: application {name!r} failed to deploy:\n" + "\n".join(filter(None, details)),
+                          file=sys.stderr, flush=True)
                     serve.shutdown()
                     raise SystemExit(EXIT_FAILED)
                 if app.status == "RUNNING" and name not in announced:
@@ -161,29 +164,34 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
 # -- generate, weights, probe -------------------------------------------------------------
 def cmd_generate(ns: argparse.Namespace) -> None:
+    from pydantic import ValidationError
     from tqdm import tqdm
 
-    from attention import resolve
-    from attention.platform import Platform
+    from attention import AttentionSelectionError, probe_platform, resolve
     from pipelines.h3 import REQUIREMENTS, GenerationRequest, load_pipeline, preset
-    from attention import probe_platform
 
     out = Path(ns.output)
     video = out.suffix.lower() == ".mp4"
     if out.suffix.lower() not in (".png", ".mp4"):
         fail(EXIT_REFUSED, f"--output must end in .png (image) or .mp4 (video), got {out}")
-    width, height = (int(v) for v in ns.size.lower().split("x"))
+    try:
+        width, height = (int(v) for v in ns.size.lower().split("x"))
+    except ValueError:
+        fail(EXIT_REFUSED, f"--size must look like WIDTHxHEIGHT, got {ns.size!r}")
     frames, keep = (1, None)
     if video:
         wanted = round(ns.seconds * ns.fps)
         frames, keep = 1 + 4 * -(-(wanted - 1) // 4), wanted
-    platform: Platform = probe_platform(ns.device)
-    backend = resolve(REQUIREMENTS, ns.backend, platform, model=preset(ns.model).name).backend
-    pipeline = load_pipeline(ns.model, backend, checkpoint=ns.checkpoint, device=ns.device,
-                             dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
-    request = GenerationRequest(prompt=ns.prompt, negative_prompt=ns.negative_prompt, width=width, height=height,
-                                num_frames=frames, output_frames=keep, fps=ns.fps, steps=ns.steps,
-                                guidance_scale=ns.guidance_scale, seed=ns.seed)
+    try:
+        backend = resolve(REQUIREMENTS, ns.backend, probe_platform(ns.device), model=preset(ns.model).name).backend
+        pipeline = load_pipeline(ns.model, backend, checkpoint=ns.checkpoint, device=ns.device,
+                                 dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
+        request = GenerationRequest(prompt=ns.prompt, negative_prompt=ns.negative_prompt, width=width, height=height,
+                                    num_frames=frames, output_frames=keep, fps=ns.fps, steps=ns.steps,
+                                    guidance_scale=ns.guidance_scale, seed=ns.seed)
+        pipeline.validate(request)
+    except (AttentionSelectionError, ValueError, ValidationError) as e:  # includes RequestError
+        fail(EXIT_REFUSED, str(e))
     with tqdm(total=ns.steps, desc=f"h3 ({backend})", unit="step") as bar:
         media = pipeline.generate(request, progress=lambda done, total: bar.update(done - bar.n))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -102,18 +102,17 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(cluster, tm
         attention_backend="flash_attn", device="cuda", dtype="bfloat16", probe_platform=False,
         assumed_platform=platform, rank_resources={"CPU": 0.25, "GPU": 1})
     path = write_config(tmp_path, config, free_port(), "claims-gpu.yaml")
-    subprocess.run([*SERVE, "run", str(path), "--non-blocking", "--address", address], cwd=REPO,
-                   check=True, capture_output=True, timeout=120)
-
-    def failed():
-        app = serve.status().applications.get("h3serve")
-        return app if app is not None and app.status == "DEPLOY_FAILED" else None
-
-    app = wait_for(failed, timeout=180, what="DEPLOY_FAILED")
-    replica_status = app.deployments["H3Replica"].message
-    assert "BackendUnavailable" in replica_status and "flash_attn" in replica_status, replica_status
+    # the pre-flight passes (the assumed platform has flash_attn); the replicas then refuse, and
+    # `h3serve serve` must notice DEPLOY_FAILED and exit non-zero instead of serving nothing forever
+    result = h3serve("serve", str(path), "--address", address, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "failed to deploy" in result.stderr
+    assert "BackendUnavailable" in result.stderr and "flash_attn" in result.stderr
     replicas = h3_replica_actors(address)
     assert replicas and all(a.state == "DEAD" for a in replicas)
+    recorder = ray.get_actor("h3serve-admission-metrics", namespace="h3serve")
+    flash = [e for e in ray.get(recorder.decisions_log.remote()) if e["backend"] == "flash_attn"]
+    assert {e["outcome"] for e in flash} == {"admitted"}  # the driver admitted; no replica fell back
 
     def counted():
         samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
@@ -121,4 +120,3 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(cluster, tm
 
     samples = wait_for(counted, timeout=60, what="replica build failure metric")
     assert {s.labels["reason"] for s in samples} == {"unavailable"} and sum(s.value for s in samples) >= 1
-    serve.delete("h3serve")

@@ -11,13 +11,15 @@ from ..backend import AttentionBackend
 from ..impl import AttentionImpl, check_varlen_inputs
 
 
+def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[B, S, H, D] -> sdpa's [B, H, S, D] and back."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return out.transpose(1, 2)
+
+
 class TorchSDPAImpl(AttentionImpl):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # [B, S, H, D] -> sdpa's [B, H, S, D] and back
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale_for(q.shape[-1])
-        )
-        return out.transpose(1, 2)
+        return dense_sdpa(q, k, v, self.scale_for(q.shape[-1]))
 
     def forward_varlen(
         self,

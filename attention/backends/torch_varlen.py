@@ -6,18 +6,15 @@ import inspect
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ..backend import AttentionBackend
 from ..impl import AttentionImpl, check_varlen_inputs
+from .torch_sdpa import dense_sdpa
 
 
 class TorchVarlenImpl(AttentionImpl):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=self.scale_for(q.shape[-1])
-        )
-        return out.transpose(1, 2)
+        return dense_sdpa(q, k, v, self.scale_for(q.shape[-1]))  # varlen_attn is packed-only
 
     def forward_varlen(
         self,
