@@ -167,7 +167,8 @@ class WorkerGroup:
         """Synchronous step (the pipeline's DiTRunner); the engine uses launch/forward_rank0."""
         refs = self.launch(packed)
         out = self.forward_rank0(packed)
-        ray.get(refs)
+        if refs:  # sp=1 never touches Ray
+            ray.get(refs)
         return out
 
     def mark_broken(self, reason: str) -> None:

@@ -120,7 +120,7 @@ class DiTBlock(nn.Module):
     def forward(self, x, time_mod, combo, cu_seqlens, max_seqlen, rope, sp):
         # time_mod [n_t, 6, hidden]; table row (t, m) sits at t * 3 + m, chosen per row by combo [n]
         table = (time_mod[:, None] + self.modulation[None]).flatten(0, 1)
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (table[:, i][combo] for i in range(6))
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = table[combo].unbind(1)  # each [n, hidden]
         h = self.norm1(x) * (1 + scale_a) + shift_a
         x = x + gate_a * self.attn(h, cu_seqlens, max_seqlen, rope, sp)
         h = self.norm2(x) * (1 + scale_m) + shift_m

@@ -84,7 +84,8 @@ def encode_png(image) -> bytes:
     if 0 in arr.shape[:2]:
         raise MediaError("image", f"height and width must be > 0, got {list(arr.shape)}")
     buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
+    # level 1: ~4x faster than PIL's default 6 for ~25% more bytes; encoding sits on the request path
+    Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 

@@ -1,0 +1,145 @@
+"""The driver's admission check: what it costs, and proof that it is not on the request path.
+
+    python -m benchmarks.admission [--smoke] [--json PATH]
+
+Part 1 times ``deploy.admission.decide(args, platform)`` and the raw ``attention.resolve`` with the
+selector cache cleared before every call (cold, as a fresh driver sees it), for the CPU config and for
+the GPU config against ``deploy/platforms/h100-flash-attn.json``. Part 2 serves requests through
+``replicas.Engine`` in-process and shows the selector never runs there: its call counter stays
+equal, and a profile of every Python call on the request path (event loop and the engine's model
+thread) finds no frame in the admission or selector modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+import threading
+from pathlib import Path
+
+import attention
+import attention.selector
+from attention import Platform, probe_platform
+from deploy.admission import decide
+from deploy.args import DeployArgs
+from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
+from replicas import Engine, ReplicaSpec, WorkerGroup
+
+from .common import cpu_resolution, machine, median, parser, percentile, say, table, time_ms, write_json
+
+REPO = Path(__file__).resolve().parents[1]
+H100 = REPO / "deploy" / "platforms" / "h100-flash-attn.json"
+# modules whose code is admission: none of their functions may run while serving
+PACKAGES = ("attention", "pipelines", "replicas", "deploy")
+ADMISSION_FILES = ("attention/selector.py", "deploy/admission.py", "pipelines/h3/admission.py", "attention/platform.py")
+
+
+def configs() -> dict[str, tuple[DeployArgs, Platform]]:
+    gpu = Platform.model_validate_json(H100.read_text())
+    full = dict(model="full", checkpoint="/models/h3-full", device="cuda", dtype="bfloat16", sp_degree=4)
+    return {
+        "cpu tiny auto": (DeployArgs(), probe_platform("cpu")),
+        "gpu full flash_attn (h100 json)": (DeployArgs(attention_backend="flash_attn", **full), gpu),
+        "gpu full auto (h100 json)": (DeployArgs(attention_backend="auto", **full), gpu),
+    }
+
+
+def cold(fn):
+    def call():
+        attention.clear_cache()
+        return fn()
+    return call
+
+
+def part1(reps: int) -> list[dict]:
+    rows = []
+    for name, (args, platform) in configs().items():
+        cfg = preset(args.model)
+        resolution = decide(args, platform)
+        raw = lambda: attention.resolve(REQUIREMENTS, args.attention_backend, platform, model=cfg.name,  # noqa: E731
+                                        dtype=args.dtype, head_dim=cfg.head_dim)
+        for what, fn in (("decide (cold)", cold(lambda: decide(args, platform))), ("resolve (cold)", cold(raw)),
+                         ("resolve (cached)", raw)):
+            ms = time_ms(fn, reps=reps, warmup=3)
+            rows.append({"config": name, "call": what, "backend": resolution.backend, "median_ms": median(ms),
+                         "p90_ms": percentile(ms, 90), "reps": reps})
+    ms = time_ms(lambda: probe_platform("cpu"), reps=max(5, reps // 10))
+    rows.append({"config": "this node", "call": "probe_platform (local)", "backend": "-", "median_ms": median(ms),
+                 "p90_ms": percentile(ms, 90), "reps": len(ms)})
+    return rows
+
+
+def serve_requests(n: int) -> dict:
+    """N requests through the in-process engine, with every Python call of every thread recorded."""
+    resolution = cpu_resolution()  # the driver's decision, made before anything is counted
+    group = WorkerGroup.create(ReplicaSpec(resolution=resolution, sp_degree=1))
+    requests = [GenerationRequest(prompt=f"request {i}", width=64 * (1 + i % 2), height=64, steps=2, seed=i)
+                for i in range(n)]
+    calls: collections.Counter[str] = collections.Counter()
+
+    def record(frame, event, arg):
+        if event == "call":
+            calls[frame.f_code.co_filename] += 1
+
+    results = []
+
+    async def serve() -> None:  # returns nothing: asyncio.run's teardown reprs its main task's result
+        engine = Engine(group)  # created inside the profile: its model thread starts profiled
+        results.extend(await asyncio.gather(*(engine.generate(r) for r in requests)))
+        await engine.close("benchmark done")
+
+    before = (attention.selector.stats.calls, attention.selector.stats.cache_hits)
+    threading.setprofile(record)
+    sys.setprofile(record)
+    try:
+        asyncio.run(serve())
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    after = (attention.selector.stats.calls, attention.selector.stats.cache_hits)
+    per_file = collections.Counter()
+    for filename, count in calls.items():
+        path = Path(filename).resolve()
+        ours = path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in PACKAGES
+        per_file[path.relative_to(REPO).as_posix() if ours else "(libraries: torch, asyncio, stdlib)"] += count
+    admission_frames = {f: per_file.get(f, 0) for f in ADMISSION_FILES}
+    return {"requests": n, "completed": len(results), "selector_calls_before": before[0], "selector_calls_after": after[0],
+            "selector_cache_hits_before": before[1], "selector_cache_hits_after": after[1],
+            "admission_frames": admission_frames, "calls_per_file": dict(per_file.most_common()),
+            "ok": before == after and not any(admission_frames.values()) and len(results) == n}
+
+
+def run(smoke: bool = False) -> dict:
+    say(f"machine: {machine()}")
+    rows = part1(reps=20 if smoke else 300)
+    table(["config", "call", "backend", "median ms", "p90 ms", "reps"],
+          [[r["config"], r["call"], r["backend"], r["median_ms"], r["p90_ms"], r["reps"]] for r in rows],
+          title="Part 1: admission cost in the driver (cold = selector cache cleared before each call)")
+    say("  decide = H3's rule (sp_degree, device) + resolve; runs once per deployment, before any replica.\n"
+        "  In Serve the platform comes from a probe task shaped like one SP rank (a Ray task, ~ms to s),\n"
+        "  also once per deployment.")
+    path = serve_requests(2 if smoke else 8)
+    say()
+    table(["evidence", "before", "after"],
+          [["attention.selector.stats.calls", path["selector_calls_before"], path["selector_calls_after"]],
+           ["attention.selector.stats.cache_hits", path["selector_cache_hits_before"], path["selector_cache_hits_after"]]],
+          title=f"Part 2: {path['requests']} requests served through replicas.Engine in-process")
+    table(["module (request path, all threads)", "python calls"],
+          [[f, n] for f, n in path["admission_frames"].items()]
+          + [[f, n] for f, n in path["calls_per_file"].items() if f not in path["admission_frames"]],
+          title="Python calls on the request path, by module (admission modules first)")
+    say(f"\nadmission stays off the request path: {'YES' if path['ok'] else 'NO'}")
+    return {"benchmark": "admission", "smoke": smoke, "machine": machine(), "cost": rows, "request_path": path,
+            "ok": path["ok"]}
+
+
+def main(argv=None) -> int:
+    args = parser(__doc__).parse_args(argv)
+    result = run(args.smoke)
+    write_json(args.json, result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
