@@ -26,7 +26,7 @@ from deploy.args import DeployArgs
 from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
 from replicas import Engine, ReplicaSpec, WorkerGroup
 
-from .common import cpu_resolution, machine, median, parser, percentile, say, table, time_ms, write_json
+from .common import cpu_resolution, machine, main_for, median, percentile, say, table, time_ms
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = REPO / "deploy" / "platforms" / "h100-flash-attn.json"
@@ -134,11 +134,7 @@ def run(smoke: bool = False) -> dict:
             "ok": path["ok"]}
 
 
-def main(argv=None) -> int:
-    args = parser(__doc__).parse_args(argv)
-    result = run(args.smoke)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+main = main_for(__doc__, run)
 
 
 if __name__ == "__main__":

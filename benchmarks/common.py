@@ -25,6 +25,18 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
+def main_for(doc: str | None, run: Callable[[bool], dict]) -> Callable[..., int]:
+    """The `python -m benchmarks.X [--smoke] [--json PATH]` entry point; exits 1 when a check fails."""
+
+    def main(argv=None) -> int:
+        args = parser(doc).parse_args(argv)
+        result = run(args.smoke)
+        write_json(args.json, result)
+        return 0 if result["ok"] else 1
+
+    return main
+
+
 def now() -> float:
     return time.perf_counter()
 

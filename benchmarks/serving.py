@@ -33,7 +33,7 @@ from deploy.args import DeployArgs
 from pipelines.h3 import GenerationRequest
 from replicas import Engine, ReplicaSpec, WorkerGroup
 
-from .common import cpu_resolution, machine, median, now, parser, percentile, say, table, write_json
+from .common import cpu_resolution, machine, main_for, median, now, percentile, say, table
 
 TARGET = 1.2
 
@@ -144,11 +144,7 @@ def run(smoke: bool = False) -> dict:
             "pixel_diff_vs_in_process": diffs, "ok": ok}
 
 
-def main(argv=None) -> int:
-    args = parser(__doc__).parse_args(argv)
-    result = run(args.smoke)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+main = main_for(__doc__, run)
 
 
 if __name__ == "__main__":

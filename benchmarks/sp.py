@@ -22,7 +22,7 @@ from pipelines.h3 import GenerationRequest
 from replicas import ReplicaSpec, WorkerGroup
 
 from . import packing
-from .common import cpu_resolution, machine, median, parser, say, table, time_ms, write_json
+from .common import cpu_resolution, machine, main_for, median, say, table, time_ms
 
 
 def spec(sp: int) -> ReplicaSpec:
@@ -95,11 +95,7 @@ def run(smoke: bool = False) -> dict:
     return {"benchmark": "sp", "smoke": smoke, "machine": machine(), "reps": reps, "rows": rows, "ok": bool(ok)}
 
 
-def main(argv=None) -> int:
-    args = parser(__doc__).parse_args(argv)
-    result = run(args.smoke)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+main = main_for(__doc__, run)
 
 
 if __name__ == "__main__":
