@@ -35,22 +35,6 @@ OVERLOADED = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailable
 API_PARAM = {"width": "size", "height": "size", "num_frames": "seconds", "output_frames": "seconds"}
 
 
-def root_cause(error: Exception) -> Exception:
-    """The replica's own exception inside Ray's wrapper (whose str() is a remote traceback)."""
-    return getattr(error, "cause", None) or error
-
-
-def http_error(error: Exception, what: str) -> "APIError":
-    """503 for overload, 400 for a request the model refused, 500 (logged) for anything else."""
-    cause = root_cause(error)
-    if isinstance(error, OVERLOADED) or isinstance(cause, OVERLOADED):
-        return APIError(503, f"overloaded: {cause}", headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(cause, RequestError):
-        return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
-    logger.error("%s failed", what, exc_info=error)
-    return APIError(500, "internal error; see the server log")
-
-
 class APIError(Exception):
     """An error the client can act on, in OpenAI's error shape."""
 
@@ -62,6 +46,22 @@ class APIError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def root_cause(error: Exception) -> Exception:
+    """The replica's own exception inside Ray's wrapper (whose str() is a remote traceback)."""
+    return getattr(error, "cause", None) or error
+
+
+def http_error(error: Exception, what: str) -> APIError:
+    """503 for overload, 400 for a request the model refused, 500 (logged) for anything else."""
+    cause = root_cause(error)
+    if isinstance(error, OVERLOADED) or isinstance(cause, OVERLOADED):
+        return APIError(503, f"overloaded: {cause}", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(cause, RequestError):
+        return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
+    logger.error("%s failed", what, exc_info=error)
+    return APIError(500, "internal error; see the server log")
 
 
 def parse_size(size: str, limits: RequestLimits) -> tuple[int, int]:

@@ -63,7 +63,6 @@ class Ticket:
         self.future: asyncio.Future[GeneratedMedia] = loop.create_future()
         self.state: RequestState | None = None
         self.forwards = 0  # how many packed forwards this request was part of
-        self.submitted_at = time.monotonic()
         self.changed = asyncio.Event()
 
     @property
