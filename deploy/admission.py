@@ -7,7 +7,7 @@ import logging
 import ray
 
 from attention import AttentionSelectionError, Platform, Resolution, probe_platform
-from pipelines.h3 import DeploymentConfigError, validate_deployment
+from pipelines.h3 import DeploymentConfigError, preset, validate_deployment
 
 from .args import DeployArgs
 from .metrics import admission_recorder
@@ -55,7 +55,7 @@ def outcome_tags(args: DeployArgs, stage: str, resolution: Resolution | None = N
                  error: Exception | None = None) -> dict[str, str]:
     requested = args.attention_backend.strip().lower()
     return {
-        "model": f"h3-{args.model}",
+        "model": preset(args.model).name,
         "backend": resolution.backend if resolution else (getattr(error, "backend", None) or requested),
         "chosen_by": "auto" if requested == "auto" else "explicit",
         "outcome": "admitted" if error is None else "rejected",
@@ -69,13 +69,15 @@ ADMISSION_ERRORS = (AttentionSelectionError, DeploymentConfigError, PlatformProb
 
 def admit(args: DeployArgs, stage: str = "build") -> Resolution:
     """Run once in the driver (the application builder); the replicas receive the Resolution."""
-    recorder = admission_recorder()
+    resolution, error = None, None
     try:
         resolution = decide(args, target_platform(args))
     except ADMISSION_ERRORS as e:
-        ray.get(recorder.record_admission.remote(outcome_tags(args, stage, error=e)), timeout=30)
-        logger.error("h3serve admission refused the deployment: %s", e)
-        raise
-    ray.get(recorder.record_admission.remote(outcome_tags(args, stage, resolution)), timeout=30)
+        error = e
+    tags = outcome_tags(args, stage, resolution, error)
+    ray.get(admission_recorder().record_admission.remote(tags), timeout=30)
+    if error is not None:
+        logger.error("h3serve admission refused the deployment: %s", error)
+        raise error
     logger.info("h3serve admission: %s", resolution.describe())
     return resolution

@@ -3,7 +3,6 @@
 import asyncio
 import base64
 import logging
-import math
 import os
 import re
 import secrets
@@ -20,7 +19,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from pipelines.h3 import RequestError
+from pipelines.h3 import RequestError, preset, video_frames
 from replicas import EngineStopped, QueueFull
 
 from .args import RequestLimits
@@ -62,6 +61,13 @@ def http_error(error: Exception, what: str) -> APIError:
         return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
     logger.error("%s failed", what, exc_info=error)
     return APIError(500, "internal error; see the server log")
+
+
+def invalid(errors: list[dict]) -> APIError:
+    """A 422 naming the first invalid field (FastAPI's body errors carry a leading "body")."""
+    first = errors[0]
+    field = ".".join(str(p) for p in first["loc"] if p != "body") or None
+    return APIError(422, f"{field}: {first['msg']}", field)
 
 
 def parse_size(size: str, limits: RequestLimits) -> tuple[int, int]:
@@ -117,12 +123,6 @@ def check_common(limits: RequestLimits, prompt: str, negative: str, steps: int, 
         raise APIError(400, f"{steps_field}={steps} exceeds the limit of {limits.max_steps}", steps_field)
 
 
-def video_frames(seconds: int, fps: int) -> tuple[int, int]:
-    """(latent-aligned frames to generate, frames to keep): the model needs 1 + 4k frames."""
-    wanted = seconds * fps
-    return 1 + 4 * math.ceil((wanted - 1) / 4), wanted
-
-
 app = FastAPI(title="h3serve", version="0.1.0", description="OpenAI-style image and video generation with H3")
 
 
@@ -133,9 +133,7 @@ async def _api_error(request: Request, exc: APIError):
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    first = exc.errors()[0]
-    field = ".".join(str(p) for p in first["loc"] if p != "body") or None
-    return APIError(422, f"{field}: {first['msg']}", field).response()
+    return invalid(exc.errors()).response()
 
 
 def require_auth(request: Request) -> None:
@@ -150,8 +148,9 @@ def require_auth(request: Request) -> None:
 @serve.deployment(name="H3Ingress")
 @serve.ingress(app)
 class H3Ingress:
-    def __init__(self, replica: DeploymentHandle, model_name: str, limits: dict, api_key_env: str):
+    def __init__(self, replica: DeploymentHandle, model: str, model_name: str, limits: dict, api_key_env: str):
         self.replica, self.model_name, self.limits = replica, model_name, RequestLimits(**limits)
+        self.config = preset(model)
         app.state.api_key = os.environ.get(api_key_env, "")
         self.metrics = RequestMetrics()
         self.jobs = job_store(serve.get_replica_context().app_name, self.limits.max_video_jobs)
@@ -162,9 +161,9 @@ class H3Ingress:
         if model not in (None, "", self.model_name):
             raise APIError(404, f"model {model!r} is not served here; available: {self.model_name}", "model")
 
-    async def _call(self, endpoint: str, started: float, call):
-        """Run ``call``, map replica errors to HTTP, count the request."""
-        status = 200
+    async def _call(self, endpoint: str, call):
+        """Run ``call``, map replica errors to HTTP, count and time the request."""
+        started, status = time.perf_counter(), 200
         try:
             return await call()
         except APIError as e:
@@ -180,8 +179,6 @@ class H3Ingress:
     # -- images --------------------------------------------------------------------------
     @app.post("/v1/images/generations", dependencies=[Depends(require_auth)])
     async def images(self, body: ImagesRequest):
-        started = time.perf_counter()
-
         async def run():
             self._check_model(body.model)
             if body.response_format != "b64_json":
@@ -204,13 +201,11 @@ class H3Ingress:
             return {"created": int(time.time()),
                     "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs]}
 
-        return await self._call("/v1/images/generations", started, run)
+        return await self._call("/v1/images/generations", run)
 
     # -- videos --------------------------------------------------------------------------
     @app.post("/v1/videos", dependencies=[Depends(require_auth)])
     async def create_video(self, request: Request):
-        started = time.perf_counter()
-
         async def run():
             body = await self._video_body(request)
             self._check_model(body.model)
@@ -220,7 +215,7 @@ class H3Ingress:
             if body.fps > self.limits.max_fps:
                 raise APIError(400, f"fps={body.fps} exceeds the limit of {self.limits.max_fps}", "fps")
             width, height = parse_size(body.size, self.limits)
-            frames, keep = video_frames(body.seconds, body.fps)
+            frames, keep = video_frames(body.seconds, body.fps, self.config)
             if frames > self.limits.max_frames:
                 raise APIError(400, f"{body.seconds}s at {body.fps} fps is {frames} frames; the limit is "
                                     f"{self.limits.max_frames}", "seconds")
@@ -236,7 +231,7 @@ class H3Ingress:
             self.tasks[job["id"]] = asyncio.get_running_loop().create_task(self._run_job(job["id"], generation))
             return job
 
-        return await self._call("/v1/videos", started, run)
+        return await self._call("/v1/videos", run)
 
     async def _video_body(self, request: Request) -> VideosRequest:
         try:
@@ -246,9 +241,7 @@ class H3Ingress:
                 raw = dict(await request.form())
             return VideosRequest.model_validate(raw)
         except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(422, f"{field}: {first['msg']}", field) from None
+            raise invalid(e.errors()) from None
         except ValueError as e:
             raise APIError(400, f"request body is not valid JSON or form data: {e}") from None
 
@@ -290,7 +283,7 @@ class H3Ingress:
 
     @app.get("/v1/videos/{video_id}", dependencies=[Depends(require_auth)])
     async def get_video(self, video_id: str):
-        return await self._call("/v1/videos/{id}", time.perf_counter(), lambda: self._job(video_id))
+        return await self._call("/v1/videos/{id}", lambda: self._job(video_id))
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[Depends(require_auth)])
     async def video_content(self, video_id: str):
@@ -301,7 +294,7 @@ class H3Ingress:
             content = await self.jobs.get_content.remote(video_id)
             return Response(content, media_type="video/mp4")
 
-        return await self._call("/v1/videos/{id}/content", time.perf_counter(), run)
+        return await self._call("/v1/videos/{id}/content", run)
 
     @app.delete("/v1/videos/{video_id}", dependencies=[Depends(require_auth)])
     async def delete_video(self, video_id: str):
@@ -313,7 +306,7 @@ class H3Ingress:
                 task.cancel()
             return {"id": video_id, "object": "video.deleted", "deleted": True}
 
-        return await self._call("/v1/videos/{id}:delete", time.perf_counter(), run)
+        return await self._call("/v1/videos/{id}:delete", run)
 
     # -- models and health ----------------------------------------------------------------
     @app.get("/v1/models", dependencies=[Depends(require_auth)])

@@ -49,4 +49,4 @@ def build_app(args: DeployArgs) -> Application:
         # route past it rather than queue in front of it
         max_ongoing_requests=2 * (args.engine.max_queue + args.engine.max_active),
     ).bind(spec.model_dump_json(), args.engine.model_dump())
-    return H3Ingress.bind(replica, args.served_model_name, args.limits.model_dump(), args.api_key_env)
+    return H3Ingress.bind(replica, args.model, args.served_model_name, args.limits.model_dump(), args.api_key_env)

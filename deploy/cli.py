@@ -168,7 +168,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from attention import AttentionSelectionError, probe_platform, resolve
-    from pipelines.h3 import REQUIREMENTS, GenerationRequest, load_pipeline, preset
+    from pipelines.h3 import REQUIREMENTS, GenerationRequest, load_pipeline, preset, video_frames
 
     out = Path(ns.output)
     video = out.suffix.lower() == ".mp4"
@@ -178,10 +178,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         width, height = (int(v) for v in ns.size.lower().split("x"))
     except ValueError:
         fail(EXIT_REFUSED, f"--size must look like WIDTHxHEIGHT, got {ns.size!r}")
-    frames, keep = (1, None)
-    if video:
-        wanted = round(ns.seconds * ns.fps)
-        frames, keep = 1 + 4 * -(-(wanted - 1) // 4), wanted
+    frames, keep = video_frames(ns.seconds, ns.fps, preset(ns.model)) if video else (1, None)
     try:
         backend = resolve(REQUIREMENTS, ns.backend, probe_platform(ns.device), model=preset(ns.model).name).backend
         pipeline = load_pipeline(ns.model, backend, checkpoint=ns.checkpoint, device=ns.device,

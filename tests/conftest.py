@@ -8,9 +8,6 @@ import pytest
 # workers and subprocesses they start, which inherit the environment).
 os.environ.setdefault("H3SERVE_CACHE", str(Path(tempfile.gettempdir()) / "h3serve-test-cache"))
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-
 
 @pytest.fixture(scope="session")
 def tiny_pipeline():

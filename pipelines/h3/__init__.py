@@ -3,7 +3,7 @@
 from .admission import DeploymentConfigError, validate_deployment
 from .config import PRESETS, H3Config, preset
 from .pipeline import REQUIREMENTS, GeneratedMedia, H3Pipeline, load_pipeline
-from .request import GenerationRequest, RequestError, RequestState
+from .request import GenerationRequest, RequestError, RequestState, video_frames
 
 __all__ = [
     "DeploymentConfigError",
@@ -18,4 +18,5 @@ __all__ = [
     "load_pipeline",
     "preset",
     "validate_deployment",
+    "video_frames",
 ]

@@ -13,6 +13,13 @@ from .packing import Document, DocumentOutput
 from .sampler import FlowMatchEuler, guided
 
 
+def video_frames(seconds: float, fps: int, config: H3Config) -> tuple[int, int]:
+    """(frames to generate, frames to keep) for a clip: latents need 1 + vae_temporal * k frames."""
+    keep = round(seconds * fps)
+    step = config.vae_temporal
+    return 1 + step * math.ceil((keep - 1) / step), keep
+
+
 class RequestError(ValueError):
     """A request this model cannot produce; ``field`` names the offending request field."""
 
@@ -73,7 +80,7 @@ class GenerationRequest(BaseModel):
         try:
             latent_frames(self.num_frames, config)
         except ValueError as e:
-            raise RequestError("num_frames", f"num_frames: {e}") from None
+            raise RequestError("num_frames", str(e)) from None
         if self.frames_out > self.num_frames:
             raise RequestError("output_frames", f"output_frames={self.output_frames} exceeds num_frames={self.num_frames}")
 
