@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from attention import get_backend, probe_platform
 from pipelines.h3 import config, dit, packing, request
 
+from .common import say, table
+
 PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
 BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa")  # best first
 NOTES = [
@@ -48,22 +50,6 @@ SIZES = {  # totals: pack sizes of Part 1; block_rows: T of Part 2
 }
 
 
-def log(msg: str = "") -> None:
-    print(msg, flush=True)
-
-
-def print_table(headers: list[str], rows: list[list]) -> None:
-    def cell(c):
-        return "-" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c)
-
-    cells = [headers] + [[cell(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for j, row in enumerate(cells):
-        log("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
-        if j == 0:
-            log("  " + "  ".join("-" * w for w in widths))
-
-
 class Budget:
     """Wall-clock budget: once spent, remaining cases are skipped and listed."""
 
@@ -77,7 +63,7 @@ class Budget:
         if self.elapsed() <= self.seconds:
             return False
         self.skipped.append(what)
-        log(f"  SKIPPED {what}: over the {self.seconds:.0f} s budget")
+        say(f"  SKIPPED {what}: over the {self.seconds:.0f} s budget")
         return True
 
 
@@ -200,14 +186,14 @@ def reference_fp32(p, head_chunk: int = 8) -> torch.Tensor:
 def part1_varlen(s, h3, device, dtype, platform, budget, res) -> dict:
     H, D, lo, hi = s["heads"], s["head_dim"], *s["doc_range"]
     align, mm = h3.packing.ALIGNMENT, res["matmul_tflops"]
-    log(f"\n== Part 1: varlen attention, {H} heads x head_dim {D}, {dtype_name(dtype)}, {device}")
+    say(f"\n== Part 1: varlen attention, {H} heads x head_dim {D}, {dtype_name(dtype)}, {device}")
     impls = {}
     for name in BACKENDS:
         backend = get_backend(name)
         ok = backend.availability(platform, dtype=dtype, head_dim=D)
         reason = ok.reason or ("" if backend.supports_packed_varlen() else "no forward_varlen")
         res["availability"][name] = {"ok": not reason, "reason": reason}
-        log(f"  {name:13s} {'SKIP: ' + reason if reason else 'available'}")
+        say(f"  {name:13s} {'SKIP: ' + reason if reason else 'available'}")
         if not reason:
             impls[name] = backend.make_impl()
 
@@ -224,8 +210,8 @@ def part1_varlen(s, h3, device, dtype, platform, budget, res) -> dict:
                                    "max_abs_err": err, "sdpa_loop_err": base, "limit": limit, "result": status[name]})
         rows.append([name, p["bounds"][-1], len(p["lengths"]), err, limit, status[name]])
         del out
-    log(f"\n  correctness vs fp32 reference (torch_sdpa loop in {dtype_name(dtype)}: max abs err {base:.3g})")
-    print_table(["backend", "rows", "docs", "max_abs_err", "limit", "result"], rows)
+    say(f"\n  correctness vs fp32 reference (torch_sdpa loop in {dtype_name(dtype)}: max abs err {base:.3g})")
+    table(["backend", "rows", "docs", "max_abs_err", "limit", "result"], rows)
     del p, ref
 
     rows = []
@@ -247,8 +233,8 @@ def part1_varlen(s, h3, device, dtype, platform, budget, res) -> dict:
                 rows.append([r[c] for c in ("case", "rows", "docs", "max_len", "backend", "ms", "tflops", "pct_peak",
                                             "pct_matmul")] + [error or status.get(name, "")])
             del p
-    log("")
-    print_table(["case", "rows", "docs", "max_len", "backend", "ms", "TFLOP/s", "% peak", "% matmul", "note"], rows)
+    say("")
+    table(["case", "rows", "docs", "max_len", "backend", "ms", "TFLOP/s", "% peak", "% matmul", "note"], rows)
     return status
 
 
@@ -276,10 +262,10 @@ def h3_documents(h3, cfg, rows: int, width: int, fps: int = 24) -> list:
 def part2_block(s, h3, device, dtype, status, budget, res) -> None:
     cfg = h3.config.PRESETS[s["preset"]]
     names = [n for n in BACKENDS if status.get(n) == "PASS"]
-    log(f"\n== Part 2: one DiTBlock, preset {cfg.name} (hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
+    say(f"\n== Part 2: one DiTBlock, preset {cfg.name} (hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
         f"{cfg.head_dim}, ffn {cfg.ffn_size}), every backend that passed")
     if not names:
-        log("  no backend passed the correctness check; skipped")
+        say("  no backend passed the correctness check; skipped")
         budget.skipped.append("block: no passing backend")
         return
     with torch.device(device):  # initialise on the GPU: a 385M-parameter CPU init is slow
@@ -319,10 +305,10 @@ def part2_block(s, h3, device, dtype, status, budget, res) -> None:
             rows.append([T, len(lengths), max(lengths), name] + [r[c] for c in (
                 "block_ms", "tflops", "mfu_pct", "attention_kernel_ms", "rest_ms", "attention_pct", "error")])
         del inp, x, q, k, v, rope
-    print_table(["T", "docs", "max_len", "backend", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %",
+    table(["T", "docs", "max_len", "backend", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %",
                  "note"], rows)
-    log("  FLOPs: matmuls over all T rows (padding too); attention over real documents only.")
-    log("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")
+    say("  FLOPs: matmuls over all T rows (padding too); attention over real documents only.")
+    say("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")
 
 
 def main(argv=None) -> int:
@@ -342,9 +328,9 @@ def main(argv=None) -> int:
     platform = probe_platform(device or "cuda")
     res = {"env": environment(platform), "mode": mode, "settings": SIZES.get(mode), "peak_tflops": PEAK_TFLOPS,
            "notes": NOTES, "availability": {}, "correctness": [], "varlen": [], "block": [], "skipped": budget.skipped}
-    log(f"platform: {platform.describe()}; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    say(f"platform: {platform.describe()}; torch {torch.__version__}, CUDA {torch.version.cuda}")
     if device is None:
-        log("No CUDA device: nothing measured. (Use --cpu-dry-run to exercise the script on CPU.)")
+        say("No CUDA device: nothing measured. (Use --cpu-dry-run to exercise the script on CPU.)")
         res["skipped"].append("everything: no CUDA device")
     else:
         s = SIZES[mode]
@@ -354,28 +340,28 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 res["matmul_tflops"] = matmul_tflops(device, dtype, s["matmul_n"], s["warmup"], s["reps"])
                 res["sdpa_loop_fused_kernels"] = sdpa_fused_backends(device, dtype, s["head_dim"])
-                log(f"measured {dtype_name(dtype)} matmul {s['matmul_n']}^3: {res['matmul_tflops']:.4g} TFLOP/s")
-                log("fused SDPA kernels that take the torch_sdpa loop's [1, H, L, D] slices: "
+                say(f"measured {dtype_name(dtype)} matmul {s['matmul_n']}^3: {res['matmul_tflops']:.4g} TFLOP/s")
+                say("fused SDPA kernels that take the torch_sdpa loop's [1, H, L, D] slices: "
                     + (", ".join(res["sdpa_loop_fused_kernels"]) or "none (math backend: L x L scores in memory)"))
                 for note in NOTES + (["CPU dry run: % of H200 peak is meaningless here."] if device == "cpu" else []):
-                    log(f"note: {note}")
+                    say(f"note: {note}")
                 status, res["error"] = attempt(lambda: part1_varlen(s, h3, device, dtype, platform, budget, res))
                 _, block_error = attempt(lambda: part2_block(s, h3, device, dtype, status or {}, budget, res))
                 res["error"] = res["error"] or block_error
                 if res["error"]:
-                    log(f"ERROR: {res['error']}")
+                    say(f"ERROR: {res['error']}")
         except Exception as e:  # report, write what we have, exit 0
             res["error"] = f"{type(e).__name__}: {e}"
-            log(f"ERROR: {res['error']}")
+            say(f"ERROR: {res['error']}")
     res["wall_s"] = budget.elapsed()
     if budget.skipped:
-        log(f"\nskipped ({len(budget.skipped)}): {', '.join(budget.skipped)}")
-    log(f"\nwall {res['wall_s']:.1f} s")
+        say(f"\nskipped ({len(budget.skipped)}): {', '.join(budget.skipped)}")
+    say(f"\nwall {res['wall_s']:.1f} s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
-        log(f"wrote {args.out}")
+        say(f"wrote {args.out}")
     return 0
 
 

@@ -7,34 +7,28 @@ Needs torch, pydantic and safetensors (no Ray). Prints a table; invents nothing 
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from attention import AttentionRequirements, get_backend, probe_platform
 from pipelines.h3 import GenerationRequest, load_pipeline
 
+from .common import median, table, time_ms
+
 BACKENDS = ("torch_varlen", "flash_attn", "torch_sdpa")
 MIXED = [GenerationRequest(prompt=f"request {i}", width=64 * (1 + i % 4), height=64 * (1 + (i // 4) % 2),
                            num_frames=1 if i % 3 else 5, steps=8, seed=i) for i in range(16)]
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed(fn, reps: int = 5) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    """Median wall ms; each call waits for the GPU, so the time covers its kernels."""
+
+    def call():
         fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    return median(time_ms(call, reps))
 
 
 def check_backend(name: str, device: str, dtype: str) -> dict:
@@ -88,10 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:13s} SKIP: {ok.reason}")
             continue
         results.append(check_backend(name, device, str(dtype).removeprefix("torch.")))
-    keys = list(results[0]) if results else []
-    print("  ".join(f"{k:>26s}" for k in keys))
-    for r in results:
-        print("  ".join(f"{v:>26.4g}" if isinstance(v, float) else f"{v!s:>26s}" for v in r.values()))
+    if results:
+        table(list(results[0]), [list(r.values()) for r in results])
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"platform": json.loads(platform.model_dump_json()), "results": results}, f, indent=2)
