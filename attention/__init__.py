@@ -9,6 +9,7 @@ from .backend import AttentionBackend, Availability, overrides
 from .errors import AdmissionError, AttentionSelectionError, BackendUnavailable, UnknownBackendError
 from .impl import AttentionImpl
 from .platform import Platform
+from .ranking import RankedBackend, Ranking, RankingError
 from .registry import BACKENDS, backend_names, get_backend, probe_platform
 from .requirements import AttentionRequirements
 from .selector import Rejection, Resolution, clear_cache, parse_dtype, resolve
@@ -23,6 +24,9 @@ __all__ = [
     "BACKENDS",
     "BackendUnavailable",
     "Platform",
+    "RankedBackend",
+    "Ranking",
+    "RankingError",
     "Rejection",
     "Resolution",
     "UnknownBackendError",

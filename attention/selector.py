@@ -1,12 +1,14 @@
 """Resolve an explicit or automatic backend choice for a platform, failing closed.
 
 One function, ``resolve``. It never falls back: an explicit choice either
-satisfies the requirements on the platform or raises.
+satisfies the requirements on the platform or raises. ``auto`` tries the candidates in
+declared ``auto_rank`` order, or in a measured order when a ranking applies (see .ranking).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Literal
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from .backend import AttentionBackend
 from .errors import AdmissionError, BackendUnavailable
 from .platform import Platform
+from .ranking import Ranking, configured, order
 from .registry import auto_candidates, backend_names, get_backend, probe_platform
 from .requirements import AttentionRequirements
 
@@ -56,10 +59,15 @@ class Resolution(BaseModel):
     dtype: str | None = None
     head_dim: int | None = None
     rejected: tuple[Rejection, ...] = ()
+    # auto's candidate order: the backends' declared auto_rank, or a measured ranking that applied
+    order: Literal["declared", "measured"] = "declared"
+    ranking: str | None = None  # the ranking consulted, or why it was ignored
 
     def describe(self) -> str:
         why = "explicitly selected" if self.chosen_by == "explicit" else "auto-selected"
         text = f"attention backend {self.backend!r} {why} for model {self.model or '?'} on {self.platform.describe()}"
+        if self.ranking:
+            text += f"; {self.order} order, ranking {self.ranking}"
         if self.rejected:
             text += "; passed over: " + "; ".join(f"{r.backend} ({r.reason})" for r in self.rejected)
         return text
@@ -110,30 +118,36 @@ def resolve(
     *,
     dtype: torch.dtype | str | None = None,
     head_dim: int | None = None,
+    ranking: Ranking | str | os.PathLike | None = None,
 ) -> Resolution:
     """Choose the attention backend for ``model`` on ``platform`` (probed here if None).
 
+    ``ranking`` (a Ranking or a file path; None: ``$H3SERVE_ATTENTION_RANKING`` if set) orders
+    auto's candidates when it matches the platform; an explicit choice ignores it.
+
     Raises UnknownBackendError (a ValueError) for a bad name, AdmissionError when the
     backend cannot meet the requirements (or auto finds none), BackendUnavailable when
-    an explicitly chosen, capable backend cannot run on the platform.
+    an explicitly chosen, capable backend cannot run on the platform; RankingError (a ValueError)
+    for a ranking file that cannot be read.
     """
     stats.calls += 1
     platform = platform if platform is not None else probe_platform()
     dtype = parse_dtype(dtype)
     explicit = selected.strip().lower() != "auto"
-    key = (requirements, selected.strip().lower(), platform.cache_key(), model, dtype, head_dim)
+    measured = None if explicit else configured(ranking)  # the file's content, not its path, is in the key
+    key = (requirements, selected.strip().lower(), platform.cache_key(), model, dtype, head_dim, measured)
     with _lock:
         if key in _cache:
             stats.cache_hits += 1
             return _cache[key]
-    resolution = _resolve(requirements, selected, platform, model, dtype, head_dim, explicit)
+    resolution = _resolve(requirements, selected, platform, model, dtype, head_dim, explicit, measured)
     logger.info("h3serve admission: %s", resolution.describe())
     with _lock:
         _cache[key] = resolution
     return resolution
 
 
-def _resolve(requirements, selected, platform, model, dtype, head_dim, explicit) -> Resolution:
+def _resolve(requirements, selected, platform, model, dtype, head_dim, explicit, measured) -> Resolution:
     for_model = f" for model {model!r}" if model else ""
     common = dict(
         requested=selected,
@@ -163,8 +177,14 @@ def _resolve(requirements, selected, platform, model, dtype, head_dim, explicit)
             )
         return Resolution(backend=backend.name, chosen_by="explicit", **common)
 
+    candidates = auto_candidates(platform.device_type)
+    if measured is not None:
+        mismatch = measured.mismatch(platform, dtype, head_dim)
+        common["ranking"] = f"ignored: {mismatch}" if mismatch else measured.describe()
+        if not mismatch:
+            candidates, common["order"] = order(candidates, measured), "measured"
     rejected: list[Rejection] = []
-    for backend in auto_candidates(platform.device_type):
+    for backend in candidates:
         rejection = _judge(backend, requirements, platform, dtype, head_dim)
         if rejection is None:
             return Resolution(backend=backend.name, chosen_by="auto", rejected=tuple(rejected), **common)

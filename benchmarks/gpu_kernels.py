@@ -5,8 +5,10 @@
     python -m benchmarks.gpu_kernels --cpu-dry-run --out /tmp/gk.json  # same code paths, tiny, CPU
 
 Part 1 checks and times each backend's own ``forward_varlen`` on packs of mixed-size
-documents and on one long document. Part 2 times one ``DiTBlock`` with the public H3
-dimensions. Needs only torch plus this repo's ``attention`` and ``pipelines`` packages.
+documents and on one long document, and ranks the backends that passed (fastest first) into a
+ranking file for this platform (``--ranking-out``; see attention/ranking.py for how ``auto``
+uses it). Part 2 times one ``DiTBlock`` with the public H3 dimensions. Needs only torch plus
+this repo's ``attention`` and ``pipelines`` packages.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from attention import get_backend, probe_platform
+from attention import Ranking, get_backend, probe_platform
+from attention.ranking import save as save_ranking
 from pipelines.h3 import config, dit, packing, request
 
 from .common import say, table
 
 PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
-BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa")  # best first
+BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa", "flex_attn")  # Part 2 builds its block with the first
 NOTES = [
     "Attention FLOPs = sum over real documents of 4 * len^2 * H * D; the trailing padding "
     "segment is computed by the kernels but not counted.",
@@ -238,6 +241,24 @@ def part1_varlen(s, h3, device, dtype, platform, budget, res) -> dict:
     return status
 
 
+def measured_ranking(res, status, platform, dtype, s, mode) -> Ranking | None:
+    """Part 1's backends that passed the check and ran every pack without error, fastest first.
+
+    One that failed or errored is left out: auto then tries it after the ranked ones, in declared order.
+    """
+    failed = {r["backend"] for r in res["varlen"] if r["error"]}
+    ranked = [n for n in BACKENDS if status.get(n) == "PASS" and n not in failed]
+    times: dict[tuple, dict[str, float]] = {}  # (case, rows) -> backend -> ms
+    for r in res["varlen"]:
+        if r["backend"] in ranked:
+            times.setdefault((r["case"], r["rows"]), {})[r["backend"]] = r["ms"]
+    left_out = sorted(set(status) - set(ranked))
+    return Ranking.from_times(
+        platform, times, dtype=dtype, head_dim=s["head_dim"],
+        measured=f"benchmarks.gpu_kernels {mode}, forward_varlen, {s['heads']} heads"
+                 + (f", left out (failed or errored): {', '.join(left_out)}" if left_out else ""))
+
+
 # -- Part 2: one H3 block --------------------------------------------------------------------------
 
 def h3_documents(h3, cfg, rows: int, width: int, fps: int = 24) -> list:
@@ -316,8 +337,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write every number and the environment to this JSON file")
     ap.add_argument("--quick", action="store_true", help="much smaller sizes, to dry-run in seconds")
     ap.add_argument("--max-seconds", type=float, default=270.0, help="skip remaining cases past this")
-    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU, torch_sdpa in float32")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU, float32")
+    ap.add_argument("--ranking-out", metavar="PATH",
+                    help="write the measured backend ranking here (default: attention_ranking.json beside --out); "
+                         "point H3SERVE_ATTENTION_RANKING at it for auto selection")
     args = ap.parse_args(argv)
+    if args.ranking_out is None and args.out:
+        args.ranking_out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "attention_ranking.json")
     budget = Budget(args.max_seconds)
     if args.cpu_dry_run:
         device, dtype, mode = "cpu", torch.float32, "cpu"
@@ -327,7 +353,8 @@ def main(argv=None) -> int:
         device, dtype, mode = None, None, None
     platform = probe_platform(device or "cuda")
     res = {"env": environment(platform), "mode": mode, "settings": SIZES.get(mode), "peak_tflops": PEAK_TFLOPS,
-           "notes": NOTES, "availability": {}, "correctness": [], "varlen": [], "block": [], "skipped": budget.skipped}
+           "notes": NOTES, "availability": {}, "correctness": [], "varlen": [], "block": [], "ranking": None,
+           "skipped": budget.skipped}
     say(f"platform: {platform.describe()}; torch {torch.__version__}, CUDA {torch.version.cuda}")
     if device is None:
         say("No CUDA device: nothing measured. (Use --cpu-dry-run to exercise the script on CPU.)")
@@ -346,6 +373,11 @@ def main(argv=None) -> int:
                 for note in NOTES + (["CPU dry run: % of H200 peak is meaningless here."] if device == "cpu" else []):
                     say(f"note: {note}")
                 status, res["error"] = attempt(lambda: part1_varlen(s, h3, device, dtype, platform, budget, res))
+                ranking = measured_ranking(res, status or {}, platform, dtype, s, mode)
+                res["ranking"] = ranking and ranking.model_dump(mode="json")
+                say("\nranking: " + (ranking.describe() if ranking else "none (no backend passed every pack)"))
+                if ranking and args.ranking_out:
+                    say(f"wrote {save_ranking(ranking, args.ranking_out)}")
                 _, block_error = attempt(lambda: part2_block(s, h3, device, dtype, status or {}, budget, res))
                 res["error"] = res["error"] or block_error
                 if res["error"]:

@@ -7,7 +7,7 @@ import logging
 import ray
 
 from attention import AttentionSelectionError, Platform, Resolution, probe_platform
-from pipelines.h3 import DeploymentConfigError, preset, validate_deployment
+from pipelines.h3 import DeploymentConfigError, validate_deployment
 
 from .args import DeployArgs
 from .metrics import admission_recorder
@@ -47,15 +47,16 @@ def target_platform(args: DeployArgs) -> Platform:
 
 def decide(args: DeployArgs, platform: Platform) -> Resolution:
     """H3's admission rule for these args on that platform (raises on refusal)."""
-    return validate_deployment(model=args.model, attention_backend=args.attention_backend, platform=platform,
-                               device=args.device, dtype=args.dtype, sp_degree=args.sp_degree)
+    return validate_deployment(model=args.served_model_name, geometry=args.geometry,
+                               attention_backend=args.attention_backend, platform=platform, device=args.device,
+                               dtype=args.dtype, sp_degree=args.sp_degree)
 
 
 def outcome_tags(args: DeployArgs, stage: str, resolution: Resolution | None = None,
                  error: Exception | None = None) -> dict[str, str]:
     requested = args.attention_backend.strip().lower()
     return {
-        "model": preset(args.model).name,
+        "model": args.served_model_name,
         "backend": resolution.backend if resolution else (getattr(error, "backend", None) or requested),
         "chosen_by": "auto" if requested == "auto" else "explicit",
         "outcome": "admitted" if error is None else "rejected",

@@ -1,37 +1,50 @@
-"""The OpenAI-style HTTP API (FastAPI under @serve.ingress): validation, auth, error mapping."""
+"""The OpenAI-style HTTP API (FastAPI under @serve.ingress).
+
+Every route goes through ``H3Ingress._call``: bearer auth, the body size limit, error mapping to
+OpenAI's error shape, and request metrics, in one place. Request bodies are parsed here (not by
+FastAPI's body binding) so that every malformed body gets a 4xx that says what is wrong.
+"""
+
 
 import asyncio
 import base64
+import binascii
+import json
 import logging
 import os
-import re
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipelines.h3 import RequestError, preset, video_frames
+from pipelines.h3 import GenerationRequest, ModelRules, Reference, RequestError, VisionUnavailable
 from replicas import EngineStopped, QueueFull
 
-from .args import RequestLimits
-from .jobs import job_store, now
+from .args import DeployArgs, RequestLimits
+from .jobs import epoch_seconds, job_store
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "2"
-SIZE = re.compile(r"^(\d+)x(\d+)$")
 OVERLOADED = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailableError, RayActorError)
-# request fields of the model's errors -> the API parameter a client set
-API_PARAM = {"width": "size", "height": "size", "num_frames": "seconds", "output_frames": "seconds"}
+# fields of the model's errors -> the API parameter a client set
+API_PARAM = {"width": "size", "height": "size", "num_frames": "seconds", "first_frame": "input_reference",
+             "last_frame": "last_reference"}
+# Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
+DISTILLED = ("guidance_scale", "negative_prompt")
+PUBLIC_ROUTES = ("/health",)  # a liveness probe answers without the token; everything else needs it
 
 
 class APIError(Exception):
@@ -47,218 +60,350 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def root_cause(error: Exception) -> Exception:
+def root_cause(error: BaseException) -> BaseException:
     """The replica's own exception inside Ray's wrapper (whose str() is a remote traceback)."""
     return getattr(error, "cause", None) or error
 
 
-def http_error(error: Exception, what: str) -> APIError:
+def http_error(error: BaseException, what: str) -> APIError:
     """503 for overload, 400 for a request the model refused, 500 (logged) for anything else."""
     cause = root_cause(error)
     if isinstance(error, OVERLOADED) or isinstance(cause, OVERLOADED):
         return APIError(503, f"overloaded: {cause}", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(cause, RequestError):
         return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
+    if isinstance(cause, VisionUnavailable):
+        return APIError(400, str(cause), "references")
     logger.error("%s failed", what, exc_info=error)
     return APIError(500, "internal error; see the server log")
 
 
-def invalid(errors: list[dict]) -> APIError:
-    """A 422 naming the first invalid field (FastAPI's body errors carry a leading "body")."""
-    first = errors[0]
-    field = ".".join(str(p) for p in first["loc"] if p != "body") or None
-    return APIError(422, f"{field}: {first['msg']}", field)
+def invalid(error: ValidationError) -> APIError:
+    """A 400 naming the first invalid field."""
+    first = error.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or None
+    return APIError(400, f"{field}: {first['msg']}" if field else first["msg"], field)
 
 
-def parse_size(size: str, limits: RequestLimits) -> tuple[int, int]:
-    match = SIZE.match(size.strip())
-    if not match:
-        raise APIError(400, f"size must look like 'WIDTHxHEIGHT' (e.g. '256x256'), got {size!r}", "size")
-    width, height = int(match[1]), int(match[2])
-    if width * height > limits.max_pixels or width == 0 or height == 0:
-        raise APIError(400, f"size {size} is {width * height} pixels; allowed 1..{limits.max_pixels}", "size")
-    return width, height
+def resolve_api_key(env: str | None) -> str | None:
+    """The bearer token, or None in explicit open mode; a configured but empty variable refuses to start."""
+    if env is None:
+        return None
+    key = os.environ.get(env, "")
+    if not key:
+        raise RuntimeError(f"api_key_env is {env!r} but that environment variable is empty or unset: set it (a "
+                           "Kubernetes Secret, or `export` before `h3serve serve`), or set api_key_env: null in the "
+                           "serve config to run without auth")
+    return key
 
 
-class ImagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use (quality, style, user...)
+# -- request bodies ----------------------------------------------------------------------------
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI fields h3serve does not use (quality, style, user...)
 
-    prompt: str
+    prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int = Field(default=1, ge=1)
-    size: str = "256x256"
-    response_format: str = "b64_json"
-    seed: int = Field(default=0, ge=0, lt=2**62)
-    num_inference_steps: int = Field(default=8, ge=1)
-    guidance_scale: float = Field(default=4.0, ge=0, le=30)
-    negative_prompt: str = ""
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT; default: the model's own canvas")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    num_inference_steps: int | None = Field(default=None, ge=2)
 
-
-class VideosRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: str
-    model: str | None = None
-    seconds: int = Field(default=4, ge=1)
-    size: str = "256x256"
-    fps: int = Field(default=8, ge=1)
-    seed: int = Field(default=0, ge=0, lt=2**62)
-    steps: int = Field(default=8, ge=1)
-    guidance_scale: float = Field(default=4.0, ge=0, le=30)
-    negative_prompt: str = ""
-
-    @field_validator("seconds", mode="before")
+    @field_validator("prompt")
     @classmethod
-    def _numeric_string(cls, v: Any) -> Any:  # the openai client sends seconds as "4"
-        return int(v) if isinstance(v, str) and v.strip().isdigit() else v
+    def _unicode(cls, prompt: str) -> str:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+        return prompt
 
 
-def check_common(limits: RequestLimits, prompt: str, negative: str, steps: int, steps_field: str) -> None:
-    for field, text in (("prompt", prompt), ("negative_prompt", negative)):
-        if len(text) > limits.max_prompt_chars:
-            raise APIError(400, f"{field} is {len(text)} characters; the limit is {limits.max_prompt_chars}", field)
-    if not prompt.strip():
-        raise APIError(400, "prompt must not be empty", "prompt")
-    if steps > limits.max_steps:
-        raise APIError(400, f"{steps_field}={steps} exceeds the limit of {limits.max_steps}", steps_field)
+class ImagesBody(Body):
+    n: int = Field(default=1, ge=1)
+    response_format: str = "b64_json"
 
 
-app = FastAPI(title="h3serve", version="0.1.0", description="OpenAI-style image and video generation with H3")
+class VideosBody(Body):
+    seconds: float | None = Field(default=None, description="clip length; default: the shortest the model makes")
+    fps: int | None = None
+    input_reference: bytes | None = None  # the first frame (FL2VA)
+    last_reference: bytes | None = None  # the last frame (FL2VA)
+    references: list[Reference] = Field(default_factory=list)  # ordered references (Ref2VA)
 
 
-@app.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError):
-    return exc.response()
+def parse_size(size: str | None, limits: RequestLimits) -> tuple[int, int] | None:
+    if size is None:
+        return None
+    width, sep, height = size.strip().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and len(width) <= 5 and len(height) <= 5):
+        raise APIError(400, f"size must look like 'WIDTHxHEIGHT' (e.g. '1280x768'), got {size[:40]!r}", "size")
+    w, h = int(width), int(height)
+    if not 0 < w * h <= limits.max_pixels:
+        raise APIError(400, f"size {w}x{h} is {w * h} pixels; this server allows 1..{limits.max_pixels}", "size")
+    return w, h
+
+
+def decode_upload(value: Any, field: str) -> bytes:
+    """An uploaded file, or in JSON a base64 string or data URL."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str):
+        payload = value.split(",", 1)[1] if value.startswith("data:") else value
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(400, f"{field} must be an uploaded file, a base64 string or a data: URL", field) from None
+    raise APIError(400, f"{field} must be an uploaded file, a base64 string or a data: URL", field)
+
+
+MEDIA_KINDS = {"image": "image", "video": "video", "audio": "audio"}
+EXTENSION_KINDS = {".png": "image", ".jpg": "image", ".jpeg": "image", ".webp": "image", ".mp4": "video",
+                   ".mov": "video", ".webm": "video", ".wav": "audio", ".mp3": "audio", ".flac": "audio",
+                   ".ogg": "audio", ".m4a": "audio"}
+
+
+def upload_kind(content_type: str | None, filename: str | None) -> str | None:
+    """image / video / audio from an upload's content type, else its file extension."""
+    major = (content_type or "").split("/")[0].lower()
+    if major in MEDIA_KINDS:
+        return MEDIA_KINDS[major]
+    return EXTENSION_KINDS.get(os.path.splitext(filename or "")[1].lower())
+
+
+def parse_references(value: Any) -> list[Reference]:
+    """Ordered Ref2VA references: uploads (kind from their type) or JSON {"kind", "data": base64}."""
+    if not isinstance(value, list):
+        raise APIError(400, "references must be a list", "references")
+    references = []
+    for i, item in enumerate(value):
+        field = f"references[{i}]"
+        if isinstance(item, dict) and isinstance(item.get("data"), str):
+            item = {**item, "data": decode_upload(item["data"], field)}
+        try:
+            references.append(Reference.model_validate(item))
+        except ValidationError as e:
+            raise APIError(400, f"{field}: {e.errors()[0]['msg']} (a reference is an uploaded image, video or "
+                                "audio file, or {\"kind\": ..., \"data\": base64})", field) from None
+    return references
+
+
+app = FastAPI(title="h3serve", version="0.2.0", docs_url=None, redoc_url=None, openapi_url=None,
+              description="OpenAI-style video (with stereo audio) and still generation with MiniMax-H3")
+
+
+# FastAPI's own errors (unknown route, wrong method, a path parameter) in OpenAI's shape
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
-    return invalid(exc.errors()).response()
-
-
-def require_auth(request: Request) -> None:
-    expected = request.app.state.api_key
-    if not expected:
-        return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {expected}".encode()):
-        raise APIError(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    first = exc.errors()[0]
+    return APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}").response()
 
 
 @serve.deployment(name="H3Ingress")
 @serve.ingress(app)
 class H3Ingress:
-    def __init__(self, replica: DeploymentHandle, model: str, model_name: str, limits: dict, api_key_env: str):
-        self.replica, self.model_name, self.limits = replica, model_name, RequestLimits(**limits)
-        self.config = preset(model)
-        app.state.api_key = os.environ.get(api_key_env, "")
+    def __init__(self, replica: DeploymentHandle, args: DeployArgs):
+        self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
+        self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
         self.metrics = RequestMetrics()
         self.jobs = job_store(serve.get_replica_context().app_name, self.limits.max_video_jobs)
         self.tasks: dict[str, asyncio.Task] = {}
+        self._rules: ModelRules | None = None
 
     # -- plumbing ------------------------------------------------------------------------
+    async def _call(self, route: str, request: Request, handler: Callable[[], Awaitable[Any]]):
+        """Auth, then ``handler``; errors become OpenAI-shaped answers; every answer is timed and counted."""
+        started, status = time.perf_counter(), 200
+        try:
+            self._authorize(route, request)
+            result = await handler()
+            status = getattr(result, "status_code", 200)
+            return result
+        except Exception as e:
+            error = e if isinstance(e, APIError) else http_error(e, route)
+            status = error.status
+            return error.response()
+        finally:
+            self.metrics.observe(route, status, time.perf_counter() - started)
+
+    def _authorize(self, route: str, request: Request) -> None:
+        if self.api_key is None or route in PUBLIC_ROUTES:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refusing more than ``max_body_bytes`` before reading it all."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is {declared} bytes; this server takes at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body is over {limit} bytes, the most this server takes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, model: type[Body], uploads: tuple[str, ...] = ()) -> Body:
+        """A JSON object, or (where ``uploads`` are allowed) a multipart/urlencoded form, validated."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        raw = await self._body(request)
+        if kind == "application/json" or (not uploads and kind in ("", "text/plain")):
+            try:
+                fields = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                fields = None
+            if not isinstance(fields, dict):
+                raise APIError(400, "the body must be a JSON object")
+        elif uploads and kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            fields = await self._form(request, raw, uploads)
+        else:
+            allowed = "application/json" + (", multipart/form-data" if uploads else "")
+            raise APIError(415, f"content-type {kind or 'none'!r} is not accepted here; send {allowed}")
+        for name in DISTILLED:
+            if name in fields:
+                raise APIError(400, f"{name}: MiniMax-H3 is guidance-distilled and takes no {name}", name)
+        for name in uploads:
+            if fields.get(name) is not None:
+                fields[name] = decode_upload(fields[name], name)
+        if "references" in fields and uploads:
+            fields["references"] = parse_references(fields["references"])
+        try:
+            return model.model_validate(fields)
+        except ValidationError as e:
+            raise invalid(e) from None
+
+    @staticmethod
+    async def _form(request: Request, raw: bytes, uploads: tuple[str, ...]) -> dict[str, Any]:
+        from starlette.datastructures import UploadFile
+        from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
+
+        async def stream():
+            yield raw
+
+        content_type = request.headers.get("content-type", "")
+        parser_cls = MultiPartParser if content_type.lower().startswith("multipart/") else FormParser
+        try:
+            form = await parser_cls(request.headers, stream()).parse()
+        except (MultiPartException, ValueError, KeyError) as e:
+            raise APIError(400, f"malformed form body: {e}") from None
+        fields: dict[str, Any] = {}
+        for name, value in form.multi_items():
+            if name in ("references", "references[]"):
+                if not isinstance(value, UploadFile):
+                    raise APIError(400, "references must be uploaded files", "references")
+                kind = upload_kind(value.content_type, value.filename)
+                if kind is None:
+                    raise APIError(400, f"reference {value.filename!r}: cannot tell whether it is an image, a video "
+                                        "or audio; send it with an image/*, video/* or audio/* content type",
+                                   "references")
+                fields.setdefault("references", []).append({"kind": kind, "data": await value.read()})
+            else:
+                fields[name] = await value.read() if isinstance(value, UploadFile) else value
+        return fields
+
+    async def rules(self) -> ModelRules:
+        if self._rules is None:
+            self._rules = await self.replica.rules.remote()
+        return self._rules
+
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):
             raise APIError(404, f"model {model!r} is not served here; available: {self.model_name}", "model")
 
-    async def _call(self, endpoint: str, call):
-        """Run ``call``, map replica errors to HTTP, count and time the request."""
-        started, status = time.perf_counter(), 200
-        try:
-            return await call()
-        except APIError as e:
-            status = e.status
-            raise
-        except Exception as e:
-            error = http_error(e, endpoint)
-            status = error.status
-            raise error from None
-        finally:
-            self.metrics.observe(endpoint, status, time.perf_counter() - started)
+    def _steps(self, steps: int | None, field: str = "num_inference_steps") -> int:
+        steps = self.limits.default_steps if steps is None else steps
+        if steps > self.limits.max_steps:
+            raise APIError(400, f"{field}={steps} exceeds this server's limit of {self.limits.max_steps}", field)
+        return steps
 
-    # -- images --------------------------------------------------------------------------
-    @app.post("/v1/images/generations", dependencies=[Depends(require_auth)])
-    async def images(self, body: ImagesRequest):
+    def _common(self, body: Body) -> dict[str, Any]:
+        self._check_model(body.model)
+        if len(body.prompt) > self.limits.max_prompt_chars:
+            raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {self.limits.max_prompt_chars}",
+                           "prompt")
+        if not body.prompt.strip():
+            raise APIError(400, "prompt must not be blank", "prompt")
+        size = parse_size(body.size, self.limits)
+        width, height = size if size else (None, None)
+        return dict(prompt=body.prompt, width=width, height=height, seed=body.seed,
+                    num_inference_steps=self._steps(body.num_inference_steps))
+
+    # -- images: a still of the shortest clip ----------------------------------------------------
+    @app.post("/v1/images/generations")
+    async def images(self, request: Request):
         async def run():
-            self._check_model(body.model)
+            body = await self._parse(request, ImagesBody)
             if body.response_format != "b64_json":
                 raise APIError(400, "response_format must be 'b64_json'", "response_format")
             if body.n > self.limits.max_n:
                 raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", "n")
-            check_common(self.limits, body.prompt, body.negative_prompt, body.num_inference_steps,
-                         "num_inference_steps")
-            width, height = parse_size(body.size, self.limits)
-            base = dict(prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
-                        steps=body.num_inference_steps, guidance_scale=body.guidance_scale)
-            # n images are n requests: the engine packs them into the same forwards
-            calls = [self.replica.generate_image.remote({**base, "seed": body.seed + i}) for i in range(body.n)]
+            base = self._common(body)
+            # n images are n clips: the engine packs them into the same forwards
+            calls = [self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
+                     for i in range(body.n)]
             try:
                 pngs = await asyncio.gather(*calls)
             except BaseException:
                 for call in calls:
                     call.cancel()
                 raise
-            return {"created": int(time.time()),
+            return {"created": epoch_seconds(),
                     "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs]}
 
-        return await self._call("/v1/images/generations", run)
+        return await self._call("/v1/images/generations", request, run)
 
-    # -- videos --------------------------------------------------------------------------
-    @app.post("/v1/videos", dependencies=[Depends(require_auth)])
+    # -- videos --------------------------------------------------------------------------------
+    @app.post("/v1/videos")
     async def create_video(self, request: Request):
         async def run():
-            body = await self._video_body(request)
-            self._check_model(body.model)
-            check_common(self.limits, body.prompt, body.negative_prompt, body.steps, "steps")
-            if body.seconds > self.limits.max_seconds:
-                raise APIError(400, f"seconds={body.seconds} exceeds the limit of {self.limits.max_seconds}", "seconds")
-            if body.fps > self.limits.max_fps:
-                raise APIError(400, f"fps={body.fps} exceeds the limit of {self.limits.max_fps}", "fps")
-            width, height = parse_size(body.size, self.limits)
-            frames, keep = video_frames(body.seconds, body.fps, self.config)
-            if frames > self.limits.max_frames:
-                raise APIError(400, f"{body.seconds}s at {body.fps} fps is {frames} frames; the limit is "
-                                    f"{self.limits.max_frames}", "seconds")
-            generation = dict(prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
-                              num_frames=frames, output_frames=keep, fps=body.fps, steps=body.steps,
-                              guidance_scale=body.guidance_scale, seed=body.seed)
-            await self.replica.validate.remote(generation)  # refuse now, not in a failed job later
+            body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
+            rules = await self.rules()
+            if body.fps is not None and body.fps != rules.fps:
+                raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
+            generation = self._common(body)
+            if body.seconds is not None:
+                if body.seconds > self.limits.max_seconds:
+                    raise APIError(400, f"seconds={body.seconds:g} exceeds this server's limit of "
+                                        f"{self.limits.max_seconds:g}", "seconds")
+                generation["num_frames"] = rules.frames_for_seconds(body.seconds)
+            request_ = GenerationRequest(**generation, first_frame=body.input_reference,
+                                         last_frame=body.last_reference, references=tuple(body.references))
+            await self.replica.validate.remote(request_)  # refuse now, not in a failed job later
+            num_frames = request_.num_frames or rules.min_frames
+            width, height = (request_.width, request_.height) if request_.width else rules.default_canvas
             job = {"id": f"video_{uuid.uuid4().hex}", "object": "video", "model": self.model_name,
-                   "status": "queued", "progress": 0, "created_at": now(), "completed_at": None,
-                   "seconds": str(body.seconds), "size": f"{width}x{height}", "prompt": body.prompt, "error": None}
+                   "status": "queued", "progress": 0, "created_at": epoch_seconds(), "completed_at": None,
+                   "seconds": f"{num_frames / rules.fps:g}", "size": f"{width}x{height}", "prompt": body.prompt,
+                   "error": None}
             if not await self.jobs.create.remote(job):
-                raise APIError(503, "too many unfinished video jobs; retry later", headers={"Retry-After": RETRY_AFTER_S})
-            self.tasks[job["id"]] = asyncio.get_running_loop().create_task(self._run_job(job["id"], generation))
+                raise APIError(503, "too many unfinished video jobs; retry later",
+                               headers={"Retry-After": RETRY_AFTER_S})
+            self.tasks[job["id"]] = asyncio.get_running_loop().create_task(self._run_job(job["id"], request_))
             return job
 
-        return await self._call("/v1/videos", run)
+        return await self._call("/v1/videos", request, run)
 
-    async def _video_body(self, request: Request) -> VideosRequest:
-        try:
-            if request.headers.get("content-type", "").startswith("application/json"):
-                raw = await request.json()
-            else:  # multipart or urlencoded form, as the openai client sends it
-                raw = dict(await request.form())
-            return VideosRequest.model_validate(raw)
-        except ValidationError as e:
-            raise invalid(e.errors()) from None
-        except ValueError as e:
-            raise APIError(400, f"request body is not valid JSON or form data: {e}") from None
-
-    async def _run_job(self, job_id: str, generation: dict) -> None:
+    async def _run_job(self, job_id: str, request: GenerationRequest) -> None:
         started = time.perf_counter()
         code = 500
-        stream = self.replica.options(stream=True).generate_video.remote(generation)
+        stream = self.replica.options(stream=True).generate_video.remote(request)
         try:
             async for event in stream:
                 if "mp4" in event:
                     code = 200
                     await self.jobs.update.remote(job_id, {"status": "completed", "progress": 100,
-                                                           "completed_at": now()}, event["mp4"])
+                                                           "completed_at": epoch_seconds()}, event["mp4"])
                     return
                 done, total = event["progress"]
                 if not await self.jobs.update.remote(job_id, {"status": "in_progress",
-                                                              "progress": int(100 * done / total)}):
+                                                              "progress": int(100 * done / max(total, 1))}):
                     code = 499  # deleted meanwhile: stop generating
                     stream.cancel()
                     return
@@ -269,7 +414,7 @@ class H3Ingress:
         except Exception as e:
             error = http_error(e, f"video job {job_id}")
             code = error.status
-            await self.jobs.update.remote(job_id, {"status": "failed", "completed_at": now(),
+            await self.jobs.update.remote(job_id, {"status": "failed", "completed_at": epoch_seconds(),
                                                    "error": {"code": str(code), "message": error.message}})
         finally:
             self.tasks.pop(job_id, None)
@@ -281,12 +426,12 @@ class H3Ingress:
             raise APIError(404, f"no video job {video_id!r}", "video_id")
         return job
 
-    @app.get("/v1/videos/{video_id}", dependencies=[Depends(require_auth)])
-    async def get_video(self, video_id: str):
-        return await self._call("/v1/videos/{id}", lambda: self._job(video_id))
+    @app.get("/v1/videos/{video_id}")
+    async def get_video(self, video_id: str, request: Request):
+        return await self._call("/v1/videos/{id}", request, lambda: self._job(video_id))
 
-    @app.get("/v1/videos/{video_id}/content", dependencies=[Depends(require_auth)])
-    async def video_content(self, video_id: str):
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(self, video_id: str, request: Request):
         async def run():
             job = await self._job(video_id)
             if job["status"] != "completed":
@@ -294,10 +439,10 @@ class H3Ingress:
             content = await self.jobs.get_content.remote(video_id)
             return Response(content, media_type="video/mp4")
 
-        return await self._call("/v1/videos/{id}/content", run)
+        return await self._call("/v1/videos/{id}/content", request, run)
 
-    @app.delete("/v1/videos/{video_id}", dependencies=[Depends(require_auth)])
-    async def delete_video(self, video_id: str):
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(self, video_id: str, request: Request):
         async def run():
             if not await self.jobs.delete.remote(video_id):
                 raise APIError(404, f"no video job {video_id!r}", "video_id")
@@ -306,18 +451,46 @@ class H3Ingress:
                 task.cancel()
             return {"id": video_id, "object": "video.deleted", "deleted": True}
 
-        return await self._call("/v1/videos/{id}:delete", run)
+        return await self._call("/v1/videos/{id}:delete", request, run)
 
-    # -- models and health ----------------------------------------------------------------
-    @app.get("/v1/models", dependencies=[Depends(require_auth)])
-    async def models(self):
-        return {"object": "list",
-                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}]}
+    # -- models, health, docs --------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        async def run():
+            return {"object": "list",
+                    "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}]}
+
+        return await self._call("/v1/models", request, run)
 
     @app.get("/health")
-    async def health(self):
-        try:
-            info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
-        except Exception as e:
-            return JSONResponse({"status": "unavailable", "error": str(e).splitlines()[0]}, status_code=503)
-        return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
+    async def health(self, request: Request):
+        async def run():
+            try:
+                info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+            except Exception as e:
+                return JSONResponse({"status": "unavailable", "error": str(e).splitlines()[0]}, status_code=503)
+            return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
+
+        return await self._call("/health", request, run)
+
+    @app.get("/openapi.json")
+    async def openapi(self, request: Request):
+        return await self._call("/openapi.json", request, self._openapi)
+
+    async def _openapi(self):
+        return app.openapi()
+
+    @app.get("/docs")
+    async def docs(self, request: Request):
+        return await self._call("/docs", request, self._html(get_swagger_ui_html, "h3serve API"))
+
+    @app.get("/redoc")
+    async def redoc(self, request: Request):
+        return await self._call("/redoc", request, self._html(get_redoc_html, "h3serve API"))
+
+    @staticmethod
+    def _html(render, title: str) -> Callable[[], Awaitable[HTMLResponse]]:
+        async def run():
+            return render(openapi_url="/openapi.json", title=title)
+
+        return run

@@ -6,62 +6,70 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from attention import Platform
-from replicas import EngineLimits
-
-
-class EngineArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    max_queue: int = Field(default=64, ge=1, description="waiting requests per replica; more get HTTP 503")
-    max_active: int = Field(default=16, ge=1, description="requests in the running pack")
-    max_rows_per_step: int = Field(default=16384, ge=64, description="token budget of one packed forward")
-
-    def limits(self) -> EngineLimits:
-        return EngineLimits(max_queue=self.max_queue, max_active=self.max_active,
-                            max_rows_per_step=self.max_rows_per_step)
+from attention import Platform, Resolution
+from pipelines.h3 import TransformerGeometry, preset
+from replicas import EngineLimits, ReplicaSpec
 
 
 class RequestLimits(BaseModel):
-    """What one HTTP request may ask for. Violations are 4xx errors naming the field."""
+    """What one HTTP request may ask for, on top of the model's own rules. Violations are 4xx naming the field."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_pixels: int = Field(default=512 * 512, ge=1)
-    max_frames: int = Field(default=33, ge=1)
-    max_seconds: int = Field(default=8, ge=1)
-    max_fps: int = Field(default=24, ge=1)
-    max_n: int = Field(default=4, ge=1)
-    max_steps: int = Field(default=50, ge=1)
-    max_prompt_chars: int = Field(default=1000, ge=1)
-    max_video_jobs: int = Field(default=256, ge=1, description="stored video jobs; the oldest finished ones are dropped")
+    max_pixels: int = Field(default=1344 * 768, ge=1, description="largest width x height a request may ask for")
+    max_seconds: float = Field(default=15.0, gt=0, description="longest clip a request may ask for, in seconds")
+    max_n: int = Field(default=4, ge=1, description="images per /v1/images/generations request")
+    max_steps: int = Field(default=50, ge=2, description="largest num_inference_steps a request may ask for")
+    default_steps: int = Field(default=50, ge=2, description="num_inference_steps when a request gives none")
+    max_prompt_chars: int = Field(default=4000, ge=1, description="longest prompt, in characters")
+    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="largest HTTP request body (uploaded "
+                                "keyframes and references included); larger bodies get HTTP 413")
+    max_video_jobs: int = Field(default=256, ge=1, description="stored video jobs; the oldest finished ones are "
+                                "dropped first")
+
+    @model_validator(mode="after")
+    def _steps(self) -> RequestLimits:
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps={self.default_steps} exceeds max_steps={self.max_steps}")
+        return self
 
 
 class DeployArgs(BaseModel):
-    """Everything the driver needs to admit and build one H3 application."""
+    """Everything the driver needs to admit and build one MiniMax-H3 application."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Literal["tiny", "full"] = "tiny"
-    checkpoint: str | None = Field(default=None, description="directory of safetensors; tiny has built-in weights")
-    attention_backend: str = "auto"
-    device: Literal["cpu", "cuda"] = "cpu"
+    model: Literal["tiny", "full"] = Field(
+        default="tiny", description="the architecture: 'full' is the released MiniMax-H3, 'tiny' the CPU default")
+    checkpoint: str | None = Field(
+        default=None, description="directory holding a copy of the released checkpoint layout (modular_model_index."
+        "json, transformer/, vae/, ...) on every replica node; none: the built-in tiny checkpoint (tiny only)")
+    attention_backend: str = Field(default="auto", description="attention backend name or alias, or 'auto'; an "
+                                   "explicit choice that cannot do packed varlen attention is refused")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the replicas run")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        default=None, description="default: float32 on cpu, bfloat16 on cuda")
-    sp_degree: int = Field(default=1, ge=1, description="Ulysses ranks per replica, one placement-group bundle each")
+        default=None, description="transformer and text encoder dtype (the VAEs and boundary layers stay float32); "
+        "default: float32 on cpu, bfloat16 on cuda")
+    sp_degree: int = Field(default=1, ge=1, description="Ulysses ranks per replica, one placement-group bundle each; "
+                           "must divide the attention heads (56 for the released model)")
     rank_resources: dict[str, float] | None = Field(
-        default=None, description="one bundle per SP rank; default {CPU: 1} on cpu, {CPU: 4, GPU: 1} on cuda")
+        default=None, description="one placement-group bundle per SP rank; default {CPU: 1} on cpu, "
+        "{CPU: 4, GPU: 1} on cuda")
 
-    probe_platform: bool = Field(default=True, description="learn the replica platform with a probe task")
-    platform_probe_timeout_s: float = Field(default=600.0, gt=0)
+    probe_platform: bool = Field(default=True, description="learn the replica platform with a probe task shaped "
+                                 "like one SP rank (false: use assumed_platform)")
+    platform_probe_timeout_s: float = Field(default=600.0, gt=0, description="how long the probe may wait for a node")
     assumed_platform: Platform | None = Field(
         default=None, description="the replica platform when probe_platform is false; default: bare `device`")
 
-    collective_timeout_s: float = Field(default=60.0, gt=0)
-    engine: EngineArgs = EngineArgs()
-    limits: RequestLimits = RequestLimits()
-    served_model_name: str | None = Field(default=None, description="the id in /v1/models; default h3-<model>")
-    api_key_env: str = Field(default="H3SERVE_API_KEY", description="bearer token env var; unset or empty: no auth")
+    collective_timeout_s: float = Field(default=60.0, gt=0, description="a torch.distributed collective waiting "
+                                        "longer on a peer fails the step instead of hanging")
+    engine: EngineLimits = Field(default_factory=EngineLimits, description="the step engine's bounds per replica")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="what one HTTP request may ask for")
+    served_model_name: str | None = Field(default=None, description="the id in /v1/models; default: the preset's")
+    api_key_env: str | None = Field(
+        default="H3SERVE_API_KEY", description="environment variable holding the bearer token every API call needs; "
+        "an empty or unset variable refuses to start. null: open mode, no token (explicitly)")
 
     @model_validator(mode="after")
     def _defaults(self) -> DeployArgs:
@@ -72,10 +80,23 @@ class DeployArgs(BaseModel):
         if self.device == "cuda" and self.rank_resources.get("GPU", 0) < 1:
             raise ValueError(f"rank_resources must hold GPU >= 1 on device cuda, got {self.rank_resources}")
         if self.model != "tiny" and self.checkpoint is None:
-            raise ValueError(f"checkpoint is required for model {self.model!r} (only tiny has built-in weights)")
+            raise ValueError(f"checkpoint is required for model {self.model!r}: a directory holding the released "
+                             "MiniMax-H3 layout (only tiny has a built-in checkpoint)")
         if self.served_model_name is None:
-            self.served_model_name = f"h3-{self.model}"
+            self.served_model_name = preset(self.model).name
         return self
+
+    @property
+    def geometry(self) -> TransformerGeometry:
+        """The transformer's heads as the preset declares them; every replica checks its checkpoint against it."""
+        return preset(self.model).geometry()
 
     def placement_bundles(self) -> list[dict[str, float]]:
         return [dict(self.rank_resources) for _ in range(self.sp_degree)]
+
+    def replica_spec(self, resolution: Resolution) -> ReplicaSpec:
+        """What every replica builds: these args with the driver's admitted backend."""
+        return ReplicaSpec(resolution=resolution, checkpoint=self.checkpoint, model_name=self.served_model_name,
+                           num_heads=self.geometry.num_heads, head_dim=self.geometry.head_dim, device=self.device,
+                           dtype=self.dtype, sp_degree=self.sp_degree, collective_timeout_s=self.collective_timeout_s,
+                           worker_resources=dict(self.rank_resources))

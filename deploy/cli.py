@@ -114,6 +114,14 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     raw = load_config(ns.config)
     schema = ServeDeploySchema.model_validate(raw)
     apps = [(name, parse_args(name, args)) for name, args in h3_apps(raw)]
+    if ns.address is None:  # a local cluster: the ingress reads this process's environment
+        from .api import resolve_api_key
+
+        for name, args in apps:
+            try:
+                resolve_api_key(args.api_key_env)
+            except RuntimeError as e:
+                fail(EXIT_REFUSED, f"application {name!r}: {e}")
     ray.init(address=ns.address, namespace="serve")
     for name, args in apps:  # fail before anything is started
         try:
@@ -168,39 +176,48 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from attention import AttentionSelectionError, probe_platform, resolve
-    from pipelines.h3 import REQUIREMENTS, GenerationRequest, load_pipeline, preset, video_frames
+    from pipelines.h3 import REQUIREMENTS, CheckpointError, GenerationRequest, H3Pipeline, TransformerGeometry
+    from pipelines.h3.checkpoint import resolve_checkpoint
 
     out = Path(ns.output)
-    video = out.suffix.lower() == ".mp4"
     if out.suffix.lower() not in (".png", ".mp4"):
-        fail(EXIT_REFUSED, f"--output must end in .png (image) or .mp4 (video), got {out}")
+        fail(EXIT_REFUSED, f"--output must end in .mp4 (a clip with sound) or .png (its middle frame), got {out}")
+    size = None
+    if ns.size:
+        try:
+            size = tuple(int(v) for v in ns.size.lower().split("x"))
+            width, height = size
+        except ValueError:
+            fail(EXIT_REFUSED, f"--size must look like WIDTHxHEIGHT, got {ns.size!r}")
     try:
-        width, height = (int(v) for v in ns.size.lower().split("x"))
-    except ValueError:
-        fail(EXIT_REFUSED, f"--size must look like WIDTHxHEIGHT, got {ns.size!r}")
-    frames, keep = video_frames(ns.seconds, ns.fps, preset(ns.model)) if video else (1, None)
-    try:
-        backend = resolve(REQUIREMENTS, ns.backend, probe_platform(ns.device), model=preset(ns.model).name).backend
-        pipeline = load_pipeline(ns.model, backend, checkpoint=ns.checkpoint, device=ns.device,
-                                 dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
-        request = GenerationRequest(prompt=ns.prompt, negative_prompt=ns.negative_prompt, width=width, height=height,
-                                    num_frames=frames, output_frames=keep, fps=ns.fps, steps=ns.steps,
-                                    guidance_scale=ns.guidance_scale, seed=ns.seed)
+        directory = resolve_checkpoint(ns.checkpoint)
+        geometry = TransformerGeometry.from_checkpoint(directory)
+        backend = resolve(REQUIREMENTS, ns.backend, probe_platform(ns.device), model=str(directory),
+                          head_dim=geometry.head_dim).backend
+        pipeline = H3Pipeline.load(directory, backend, device=ns.device,
+                                   dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
+        frames = pipeline.rules.frames_for_seconds(ns.seconds) if ns.seconds else None
+        first, last = (Path(p).read_bytes() if p else None for p in (ns.first_frame, ns.last_frame))
+        request = GenerationRequest(prompt=ns.prompt, width=size[0] if size else None,
+                                    height=size[1] if size else None, num_frames=frames,
+                                    num_inference_steps=ns.steps, seed=ns.seed, first_frame=first, last_frame=last)
         pipeline.validate(request)
-    except (AttentionSelectionError, ValueError, ValidationError) as e:  # includes RequestError
-        fail(EXIT_REFUSED, str(e))
-    with tqdm(total=ns.steps, desc=f"h3 ({backend})", unit="step") as bar:
+    except (AttentionSelectionError, CheckpointError, ValueError, ValidationError, OSError) as e:
+        fail(EXIT_REFUSED, str(e))  # RequestError is a ValueError: it names the field
+    with tqdm(total=ns.steps - 1, desc=f"minimax-h3 ({backend})", unit="step") as bar:
         media = pipeline.generate(request, progress=lambda done, total: bar.update(done - bar.n))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(media.mp4() if video else media.png())
+    out.write_bytes(media.mp4() if out.suffix.lower() == ".mp4" else media.png())
     print(f"h3serve: wrote {out} ({out.stat().st_size} bytes)")
 
 
 def cmd_weights(ns: argparse.Namespace) -> None:
-    from pipelines.h3.pipeline import create_tiny_checkpoint, ensure_checkpoint
+    from pipelines.h3.checkpoint import random_tiny_checkpoint, write_tiny_checkpoint
 
-    directory = create_tiny_checkpoint(Path(ns.output)) if ns.output else ensure_checkpoint("tiny")
-    print(directory)
+    if ns.output:
+        print(write_tiny_checkpoint(Path(ns.output), seed=ns.seed, with_ref=ns.with_ref))
+    else:
+        print(random_tiny_checkpoint(ns.seed))
 
 
 def cmd_probe(ns: argparse.Namespace) -> None:
@@ -226,25 +243,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job", default="h3serve-admit", help="Pushgateway job label")
     p.set_defaults(func=cmd_admit)
 
-    p = sub.add_parser("generate", help="generate locally, without Ray")
+    p = sub.add_parser("generate", help="generate one clip locally, without Ray")
     p.add_argument("prompt")
-    p.add_argument("-o", "--output", default="h3.png", help="*.png for an image, *.mp4 for a video with audio")
-    p.add_argument("--negative-prompt", default="")
-    p.add_argument("--size", default="256x256")
-    p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--fps", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--guidance-scale", type=float, default=4.0)
+    p.add_argument("-o", "--output", default="h3.mp4", help="*.mp4 for the clip with its stereo sound, *.png for "
+                   "its middle frame")
+    p.add_argument("--size", help="WIDTHxHEIGHT (default: the model's own canvas, or the first frame's aspect)")
+    p.add_argument("--seconds", type=float, help="clip length (default: the shortest the model makes)")
+    p.add_argument("--steps", type=int, default=50, help="num_inference_steps, the sigma grid's points")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--checkpoint")
+    p.add_argument("--first-frame", help="an image the clip starts from (FL2VA)")
+    p.add_argument("--last-frame", help="an image the clip ends on (FL2VA)")
+    p.add_argument("--checkpoint", help="checkpoint directory in the released layout (default: the built-in tiny)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("weights", help="create the tiny preset's weights")
+    p = sub.add_parser("weights", help="write a tiny checkpoint in the released layout (random weights)")
     p.add_argument("--output", help="directory (default: the cache that `serve` and `generate` read)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--with-ref", action="store_true", help="include a transformer_ref/ partition (Ref2VA)")
     p.set_defaults(func=cmd_weights)
 
     p = sub.add_parser("probe", help="print this node's attention platform as JSON")

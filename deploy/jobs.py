@@ -55,5 +55,5 @@ def job_store(app_name: str, max_jobs: int):
                             get_if_exists=True).remote(max_jobs)
 
 
-def now() -> int:
+def epoch_seconds() -> int:
     return int(time.time())

@@ -1,8 +1,9 @@
 """Step-level continuous batching: every step packs all active requests into one varlen forward.
 
-Requests wait in a bounded queue (a full queue is refused at once), join the running
-pack at the next step, advance one sampler step per forward, and leave when done or
-cancelled. Mixed sizes, mixed step indices and the CFG documents share each forward.
+Requests wait in a bounded queue (a full queue is refused at once), join the running pack at the
+next step once diffusers' blocks prepared them, advance one denoising step per forward, and leave
+when done or cancelled. Mixed sizes, tasks and step indices share each forward (Ref2VA requests,
+which use their own transformer partition, share a second one).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import logging
 import time
 from typing import Protocol
 
-from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState
-from pipelines.h3.pipeline import StepStats
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState, StepStats
 
 from .worker_group import WorkerGroup, WorkerGroupBroken
 
@@ -32,11 +34,15 @@ class EngineStopped(RuntimeError):
     """The engine is closed or its worker group broke; the replica must be replaced (HTTP 503)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineLimits:
-    max_queue: int = 64  # waiting requests; one more is refused at once
-    max_active: int = 16  # requests in the running pack
-    max_rows_per_step: int = 16384  # token budget of one packed forward
+class EngineLimits(BaseModel):
+    """The bounds of one replica's engine (the ``engine:`` block of the deploy args)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_queue: int = Field(default=64, ge=1, description="waiting requests per replica; one more gets HTTP 503")
+    max_active: int = Field(default=16, ge=1, description="requests in the running pack")
+    max_rows_per_step: int = Field(default=16384, ge=64, description="rows of one packed forward: text, "
+                                   "conditioning, audio and video rows of every request in it")
 
 
 class EngineObserver(Protocol):
@@ -53,6 +59,7 @@ class EngineStats:
     rows: int = 0
     padding_rows: int = 0
     completed: int = 0
+    failed_steps: int = 0
 
 
 class Ticket:
@@ -67,7 +74,9 @@ class Ticket:
 
     @property
     def progress(self) -> tuple[int, int]:
-        return (self.state.step_index if self.state else 0), self.request.steps
+        if self.state is None:
+            return 0, self.request.num_inference_steps - 1  # the schedule's model evaluations
+        return self.state.progress
 
     @property
     def cancelled(self) -> bool:
@@ -94,6 +103,7 @@ class Engine:
         if self._stopped:
             raise EngineStopped(self._stopped)
         rows = self.validate(request)
+        self._drop_finished_waiting()
         if len(self._waiting) >= self.limits.max_queue:
             raise QueueFull(f"queue is full ({self.limits.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
@@ -106,12 +116,15 @@ class Engine:
         return ticket
 
     def validate(self, request: GenerationRequest) -> int:
-        """The rows the request adds to a pack; RequestError if the model or the budget cannot take it."""
+        """About the rows the request adds to a pack; RequestError if the model or the budget cannot take it."""
         rows = self.pipeline.validate(request)
+        self._check_budget(rows)
+        return rows
+
+    def _check_budget(self, rows: int) -> None:
         if rows > self.limits.max_rows_per_step:
             raise RequestError("size", f"request needs {rows} rows per step, above this replica's budget of "
-                               f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens")
-        return rows
+                                       f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens")
 
     async def generate(self, request: GenerationRequest, request_id: str | None = None) -> GeneratedMedia:
         ticket = self.submit(request, request_id)
@@ -124,6 +137,8 @@ class Engine:
     def cancel(self, ticket: Ticket) -> None:
         if not ticket.future.done():
             ticket.future.cancel()
+        self._drop_finished_waiting()
+        self._report_queue()
         self._wake.set()
 
     @property
@@ -136,31 +151,33 @@ class Engine:
         self.group.check_health()
 
     async def close(self, reason: str = "engine closed") -> None:
-        self._fail_all(EngineStopped(reason))
         self._stopped = reason
+        self._fail_all(EngineStopped(reason))
         if self._task is not None:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
+        while not self._stopped:
+            if not self._waiting and not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             try:
-                while await self._admit() or self._active:
-                    await self._step_once()
+                await self._join_waiting()
+                await self._step_once()
             except WorkerGroupBroken as e:
                 self._stopped = f"SP worker group failed: {e}"
                 self._fail_all(EngineStopped(self._stopped))
                 return
-            except Exception:  # never let one bad step kill the loop silently
+            except Exception:  # one bad step fails its pack, never the loop or the requests still waiting
                 logger.exception("engine step failed")
+                self.stats.failed_steps += 1
                 self._fail_all(RuntimeError("generation failed; see the replica log"), only_active=True)
 
-    async def _admit(self) -> bool:
-        """Move waiting requests into the pack (encoding their prompts); True if any joined."""
-        joined = False
+    async def _join_waiting(self) -> None:
+        """Prepare waiting requests (diffusers' blocks before the loop) into the pack, oldest first."""
         loop = asyncio.get_running_loop()
         while self._waiting and len(self._active) < self.limits.max_active:
             ticket = self._waiting.popleft()
@@ -168,13 +185,14 @@ class Engine:
                 continue
             try:
                 ticket.state = await loop.run_in_executor(self._executor, self.pipeline.prepare, ticket.request)
+                ticket.rows = ticket.state.rows
+                self._check_budget(ticket.rows)  # the estimate at submit was short (keyframe vision tokens)
             except Exception as e:
-                ticket.future.set_exception(e)
+                if not ticket.future.done():
+                    ticket.future.set_exception(e)
                 continue
             self._active.append(ticket)
-            joined = True
         self._report_queue()
-        return joined
 
     def _select(self) -> list[Ticket]:
         """Oldest first, within the row budget."""
@@ -186,16 +204,11 @@ class Engine:
                 rows += ticket.rows
         return batch
 
-    async def _step_once(self) -> None:
-        batch = self._select()
-        if not batch:
-            return
+    async def _forward(self, pack):
+        """One packed forward on every rank; a dead worker fails it at once, not at the collective timeout."""
         loop = asyncio.get_running_loop()
-        states = [t.state for t in batch]
-        started = time.perf_counter()
-        packed = self.pipeline.pack(states)
-        refs = self.group.launch(packed)
-        local = loop.run_in_executor(self._executor, self.group.forward_rank0, packed)
+        refs = self.group.launch(pack)
+        local = loop.run_in_executor(self._executor, self.group.forward_rank0, pack)
         watchers = [asyncio.wrap_future(ref.future()) for ref in refs]
         done, _ = await asyncio.wait([local, *watchers], return_when=asyncio.FIRST_EXCEPTION)
         for future in done:
@@ -204,16 +217,27 @@ class Engine:
                 raise WorkerGroupBroken(self.group.broken) from future.exception()
         out = await local
         await asyncio.gather(*watchers)
-        stats = self.pipeline.apply(states, packed, out)
-        seconds = time.perf_counter() - started
-        self.stats.forwards += 1
-        self.stats.rows += stats.rows
-        self.stats.padding_rows += stats.padding_rows
-        if self.observer:
-            self.observer.on_step(stats, seconds)
-        for ticket in batch:
-            ticket.forwards += 1
-            ticket.changed.set()
+        return out
+
+    async def _step_once(self) -> None:
+        batch = self._select()
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        by_state = {id(t.state): t for t in batch}
+        for states, pack in self.pipeline.packs([t.state for t in batch]):
+            started = time.perf_counter()
+            out = await self._forward(pack)
+            stats = self.pipeline.apply(states, pack, out)
+            self.stats.forwards += 1
+            self.stats.rows += stats.rows
+            self.stats.padding_rows += stats.padding_rows
+            if self.observer:
+                self.observer.on_step(stats, time.perf_counter() - started)
+            for state in states:
+                ticket = by_state[id(state)]
+                ticket.forwards += 1
+                ticket.changed.set()
         for ticket in [t for t in batch if t.state.done]:
             self._active.remove(ticket)
             if ticket.future.done():
@@ -228,6 +252,11 @@ class Engine:
                 self.stats.completed += 1
         self._report_queue()
 
+    def _drop_finished_waiting(self) -> None:
+        """Cancelled waiting requests leave the queue at once, so they never count against its bound."""
+        if any(t.future.done() for t in self._waiting):
+            self._waiting = collections.deque(t for t in self._waiting if not t.future.done())
+
     def _fail_all(self, error: Exception, only_active: bool = False) -> None:
         tickets = self._active + ([] if only_active else list(self._waiting))
         for ticket in tickets:
@@ -236,6 +265,7 @@ class Engine:
         self._active = []
         if not only_active:
             self._waiting.clear()
+        self._report_queue()
 
     def _report_queue(self) -> None:
         if self.observer:

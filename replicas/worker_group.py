@@ -1,8 +1,9 @@
 """The SP worker group of one replica: rank 0 is the replica process, ranks 1..W-1 are Ray actors.
 
-The actors are placed in the replica's own placement group (bundle i for rank i), the
-way Ray Serve LLM places multi-GPU engines; outside Serve the group reserves one.
-torch.distributed runs nccl on CUDA and gloo on CPU, rendezvousing at rank 0.
+The actors are placed in the replica's own placement group (bundle i for rank i), the way Ray Serve
+LLM places multi-GPU engines; outside Serve the group reserves one. torch.distributed runs nccl on
+CUDA and gloo on CPU, rendezvousing at rank 0. Rank 0 holds the whole pipeline (conditioning and
+decoding run there); the other ranks hold only the transformer partitions.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pipelines.h3 import H3Pipeline, load_pipeline
-from pipelines.h3.packing import PackedBatch
+from pipelines.h3 import H3Denoiser, H3Pipeline, TransformerGeometry
+from pipelines.h3.checkpoint import resolve_checkpoint
+from pipelines.h3.packing import Pack
 
 from .sequence_parallel import UlyssesGroup
 from .spec import ReplicaSpec
@@ -30,13 +32,28 @@ class WorkerGroupBroken(RuntimeError):
     """A rank died or a collective failed; the group must be rebuilt (Serve replaces the replica)."""
 
 
-def build_rank(spec: ReplicaSpec) -> H3Pipeline:
-    """Every rank builds exactly the resolved backend; BackendUnavailable if this node cannot run it."""
-    return load_pipeline(spec.model, spec.resolution.backend, checkpoint=spec.checkpoint,
-                         device=spec.device, dtype=spec.dtype)
+def _load_kwargs(spec: ReplicaSpec) -> dict:
+    return dict(device=spec.device, dtype=spec.dtype,
+                expected=TransformerGeometry(num_heads=spec.num_heads, head_dim=spec.head_dim))
 
 
-def init_distributed(spec: ReplicaSpec, rank: int, master: str, num_heads: int) -> UlyssesGroup:
+def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
+    """Rank 0's whole pipeline with exactly the resolved backend; fails closed if this node cannot run it."""
+    return H3Pipeline.load(resolve_checkpoint(spec.checkpoint), spec.resolution.backend, name=spec.model_name,
+                           **_load_kwargs(spec))
+
+
+def build_worker(spec: ReplicaSpec) -> H3Denoiser:
+    return H3Denoiser.load(resolve_checkpoint(spec.checkpoint), spec.resolution.backend, **_load_kwargs(spec))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(spec: ReplicaSpec, rank: int, master: str) -> UlyssesGroup:
     if dist.is_initialized():  # a previous, broken group in this process
         dist.destroy_process_group()
     if spec.device == "cuda":
@@ -48,78 +65,67 @@ def init_distributed(spec: ReplicaSpec, rank: int, master: str, num_heads: int) 
         world_size=spec.sp_degree,
         timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
     )
-    return UlyssesGroup(spec.sp_degree, rank, num_heads)
-
-
-def run_rank(pipeline: H3Pipeline, sp: UlyssesGroup, packed: PackedBatch) -> torch.Tensor | None:
-    """This rank's share of one packed forward; rank 0 gets every rank's rows back."""
-    sp.check_rows(packed.total_rows)
-    with torch.no_grad():
-        local = pipeline.model.dit(packed.shard(sp.rank, sp.world_size).to(pipeline.device), sp)
-    return sp.gather_rows(local)
+    return UlyssesGroup(spec.sp_degree, rank, spec.num_heads)
 
 
 @ray.remote
 class SPWorker:
     """Ranks 1..W-1. Two concurrent calls so ``ping`` answers while ``forward`` runs."""
 
-    def __init__(self, spec_json: str, rank: int):
-        self.spec, self.rank = ReplicaSpec.model_validate_json(spec_json), rank
-        self.pipeline: H3Pipeline | None = None
+    def __init__(self, spec: ReplicaSpec, rank: int):
+        self.spec, self.rank = spec, rank
+        self.denoiser: H3Denoiser | None = None
         self.sp: UlyssesGroup | None = None
 
     def build(self) -> str:
-        self.pipeline = build_rank(self.spec)
+        self.denoiser = build_worker(self.spec)
         return ray.util.get_node_ip_address()
 
     def join(self, master: str) -> None:
-        self.sp = init_distributed(self.spec, self.rank, master, self.pipeline.config.num_heads)
+        self.sp = init_distributed(self.spec, self.rank, master)
 
-    def forward(self, packed: PackedBatch) -> None:
-        run_rank(self.pipeline, self.sp, packed)
+    def forward(self, pack: Pack) -> None:
+        self.denoiser.forward(pack, self.sp)
 
     def ping(self) -> int:
         return self.rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class WorkerGroup:
-    """Rank 0's view of the group: build, launch a step on every rank, check health."""
+    """Rank 0's view of the group: build, launch a step on every rank, check health, shut down."""
 
     def __init__(self, spec: ReplicaSpec, pipeline: H3Pipeline, workers: list, sp: UlyssesGroup | None,
                  own_pg: PlacementGroup | None):
         self.spec, self.pipeline, self.workers, self.sp, self._own_pg = spec, pipeline, workers, sp, own_pg
         self.broken: str | None = None
-        pipeline.runner = self  # packs are now aligned for, and run on, the whole group
+        # packs are now aligned for, and run on, the whole group
+        pipeline.row_multiple = spec.sp_degree
+        pipeline.forward = self
 
     @property
-    def world_size(self) -> int:
+    def sp_degree(self) -> int:
         return self.spec.sp_degree
 
     @classmethod
     def create(cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0) -> WorkerGroup:
-        pipeline = build_rank(spec)  # rank 0 fails closed first, before reserving anything
+        pipeline = build_rank0(spec)  # rank 0 fails closed first, before reserving anything
         if spec.sp_degree == 1:
             return cls(spec, pipeline, [], None, None)
-        pg, own_pg, first = cls._placement(spec)
-        workers = []
+        workers: list = []
+        own_pg = None
         try:
+            pg, own_pg, first = cls._placement(spec)
             for rank in range(1, spec.sp_degree):
                 bundle = pg.bundle_specs[first + rank - 1]
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank - 1)
                 workers.append(SPWorker.options(
                     num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank - 1),
-                ).remote(spec.model_dump_json(), rank))
+                    scheduling_strategy=strategy).remote(spec, rank))
             # build everywhere before any rendezvous, so BackendUnavailable surfaces at once
             ray.get([w.build.remote() for w in workers], timeout=startup_timeout_s)
-            master = f"{ray.util.get_node_ip_address()}:{_free_port()}"
+            master = f"{ray.util.get_node_ip_address()}:{free_port()}"
             joins = [w.join.remote(master) for w in workers]
-            sp = init_distributed(spec, 0, master, pipeline.config.num_heads)
+            sp = init_distributed(spec, 0, master)
             ray.get(joins, timeout=spec.collective_timeout_s)
         except BaseException:
             for w in workers:
@@ -140,33 +146,37 @@ class WorkerGroup:
                                  f"the replica has {len(pg.bundle_specs)}")
             return pg, None, 1
         pg = placement_group([dict(spec.worker_resources)] * (spec.sp_degree - 1), strategy="PACK")
-        ray.get(pg.ready(), timeout=120)
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except BaseException:
+            remove_placement_group(pg)  # never leave a reservation behind
+            raise
         return pg, pg, 0
 
-    # -- one step: launch on ranks 1..W-1, run rank 0 -------------------------------------
-    def launch(self, packed: PackedBatch) -> list[ray.ObjectRef]:
+    # -- one forward: launch on ranks 1..W-1, run rank 0 -------------------------------------
+    def launch(self, pack: Pack) -> list[ray.ObjectRef]:
         """Start ranks 1..W-1 on this pack; run ``forward_rank0`` next, on rank 0."""
         if self.broken:
             raise WorkerGroupBroken(self.broken)
         if not self.workers:
             return []
-        ref = ray.put(packed)
+        ref = ray.put(pack)
         return [w.forward.remote(ref) for w in self.workers]
 
-    def forward_rank0(self, packed: PackedBatch) -> torch.Tensor:
-        if self.sp is None:
-            with torch.no_grad():
-                return self.pipeline.model.dit(packed.inputs.to(self.pipeline.device))
+    def forward_rank0(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return run_rank(self.pipeline, self.sp, packed)
-        except RuntimeError as e:  # a collective timed out or a peer reset the connection
+            return self.pipeline.denoiser.forward(pack, self.sp)
+        except RuntimeError as e:
+            if self.sp is None:
+                raise
+            # a collective timed out or a peer reset the connection
             self.mark_broken(f"collective failed on rank 0: {e}")
             raise WorkerGroupBroken(self.broken) from e
 
-    def __call__(self, packed: PackedBatch) -> torch.Tensor:
-        """Synchronous step (the pipeline's DiTRunner); the engine uses launch/forward_rank0."""
-        refs = self.launch(packed)
-        out = self.forward_rank0(packed)
+    def __call__(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
+        """Synchronous forward (the pipeline's); the engine uses launch/forward_rank0 to watch the workers."""
+        refs = self.launch(pack)
+        out = self.forward_rank0(pack)
         if refs:  # sp=1 never touches Ray
             ray.get(refs)
         return out
@@ -183,9 +193,8 @@ class WorkerGroup:
             raise WorkerGroupBroken(self.broken)
         if not self.workers:
             return
-        pings = {w.ping.remote(): rank for rank, w in enumerate(self.workers, start=1)}
         try:
-            ray.get(list(pings), timeout=timeout_s)
+            ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
         except Exception as e:
             self.mark_broken(f"SP worker did not answer a health check: {type(e).__name__}: {e}")
             raise WorkerGroupBroken(self.broken) from e

@@ -134,7 +134,7 @@ def test_names_are_case_insensitive_with_aliases(name, expected):
 
 def test_capability_is_derived_from_the_code_not_the_name():
     assert {n for n in backend_names() if get_backend(n).supports_packed_varlen()} == {
-        "flash_attn", "torch_sdpa", "torch_varlen"}
+        "flash_attn", "flex_attn", "torch_sdpa", "torch_varlen"}
     assert get_backend("sage_attn").unsupported_requirements(VARLEN) == ("packed_varlen",)
     assert get_backend("flash_attn").unsupported_requirements(VARLEN) == ()
     assert get_backend("sage_attn").unsupported_requirements(AttentionRequirements()) == ()

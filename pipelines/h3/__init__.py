@@ -1,22 +1,28 @@
-"""The H3 joint video+audio DiT pipeline (no Ray here)."""
+"""MiniMax-H3 served by h3serve: diffusers' model under a packed multi-request varlen forward (no Ray here)."""
 
 from .admission import DeploymentConfigError, validate_deployment
-from .config import PRESETS, H3Config, preset
-from .pipeline import REQUIREMENTS, GeneratedMedia, H3Pipeline, load_pipeline
-from .request import GenerationRequest, RequestError, RequestState, video_frames
+from .checkpoint import CheckpointError, VisionUnavailable
+from .config import PRESETS, H3Preset, TransformerGeometry, preset
+from .pipeline import REQUIREMENTS, GeneratedMedia, H3Denoiser, H3Pipeline, RequestState, StepStats
+from .request import GenerationRequest, ModelRules, Reference, RequestError
 
 __all__ = [
+    "CheckpointError",
     "DeploymentConfigError",
     "GeneratedMedia",
     "GenerationRequest",
-    "H3Config",
+    "H3Denoiser",
     "H3Pipeline",
+    "H3Preset",
+    "ModelRules",
     "PRESETS",
     "REQUIREMENTS",
+    "Reference",
     "RequestError",
     "RequestState",
-    "load_pipeline",
+    "StepStats",
+    "TransformerGeometry",
+    "VisionUnavailable",
     "preset",
     "validate_deployment",
-    "video_frames",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attention import Platform, Resolution, parse_dtype, resolve
 
-from .config import H3Config, preset
+from .config import TransformerGeometry
 from .pipeline import REQUIREMENTS
 
 
@@ -16,7 +16,8 @@ class DeploymentConfigError(ValueError):
 
 def validate_deployment(
     *,
-    model: str | H3Config,
+    model: str,
+    geometry: TransformerGeometry,
     attention_backend: str,
     platform: Platform,
     device: str,
@@ -28,15 +29,13 @@ def validate_deployment(
     Returns the Resolution that every replica builds with. Raises DeploymentConfigError,
     or the selector's UnknownBackendError / AdmissionError / BackendUnavailable.
     """
-    config = preset(model) if isinstance(model, str) else model
     try:
-        config.check_sp_degree(sp_degree)
+        geometry.check_sp_degree(sp_degree)
     except ValueError as e:
         raise DeploymentConfigError(str(e)) from None
     if platform.device_type != device:
         raise DeploymentConfigError(
             f"device={device!r} but the replica platform is {platform.device_type!r} [{platform.describe()}]"
         )
-    torch_dtype = parse_dtype(dtype)
-    return resolve(REQUIREMENTS, attention_backend, platform, model=config.name, dtype=torch_dtype,
-                   head_dim=config.head_dim)
+    return resolve(REQUIREMENTS, attention_backend, platform, model=model, dtype=parse_dtype(dtype),
+                   head_dim=geometry.head_dim)

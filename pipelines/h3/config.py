@@ -1,141 +1,163 @@
-"""H3 model configuration: two presets (``tiny`` for CPU, ``full`` = the public H3), validated."""
+"""H3 presets: ``full`` is the released MiniMax-H3, ``tiny`` the same library classes at tiny dims.
+
+A preset names an architecture, so the driver can admit a deployment (heads, head size) before any
+weights are read. ``full`` is ``MiniMaxH3Transformer3DModel``'s own default config, which is the
+released one. ``tiny`` also carries the configs of every other component, which is what
+``h3serve weights`` builds a checkpoint in the released layout from.
+"""
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+# The tiny text encoder must be deeper than the layer H3 reads (`hidden_states[50]`); its width is tiny.
+TINY_TEXT_LAYERS = 51
+# Tokens the tiny tokenizer knows as pieces; anything else falls back to byte-level pieces.
+TINY_VOCAB_SIZE = 512
 
-MODALITY_TEXT, MODALITY_VIDEO, MODALITY_AUDIO = 0, 1, 2
-NUM_MODALITIES = 3
+
+@dataclasses.dataclass(frozen=True)
+class H3Preset:
+    """An H3 architecture: the transformer config, and for ``tiny`` every other component's too."""
+
+    name: str  # the model id the API serves by default
+    transformer: dict[str, Any]  # MiniMaxH3Transformer3DModel kwargs; {} is the released config
+    components: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    pipeline_config: dict[str, Any] = dataclasses.field(default_factory=dict)  # canvas configs of the blocks
+
+    def transformer_config(self) -> dict[str, Any]:
+        """The whole transformer config: the class's defaults (the released values), then this preset's."""
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        defaults = {name: p.default for name, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__)
+                    .parameters.items() if p.default is not inspect.Parameter.empty}
+        return {**defaults, **self.transformer}
+
+    def geometry(self) -> TransformerGeometry:
+        return TransformerGeometry.of(self.transformer_config())
 
 
-class H3Config(BaseModel):
-    """Architecture and codec geometry. Every violation names its field."""
+@dataclasses.dataclass(frozen=True)
+class TransformerGeometry:
+    """What admission and Ulysses need to know about a transformer, from a preset or a checkpoint."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_heads: int
+    head_dim: int
 
-    name: str
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    ffn_size: int = Field(gt=0)
-    norm_eps: float = Field(default=1e-6, gt=0)
-    freq_dim: int = Field(default=256, gt=0)  # sinusoidal timestep features
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> TransformerGeometry:
+        return cls(num_heads=int(config["num_attention_heads"]), head_dim=int(config["attention_head_dim"]))
 
-    # 3D RoPE over (t, h, w): rope_freqs_per_axis frequencies per axis, each rotating 2 dims
-    rope_freqs_per_axis: int = Field(gt=0)
-    rope_theta: float = Field(default=10000.0, gt=0)
-
-    video_channels: int = Field(default=24, gt=0)
-    audio_channels: int = Field(default=32, gt=0)
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-
-    # text: encoder features -> condition projection -> token refiner (pre-norm, no AdaLN/RoPE)
-    text_encoder: Literal["byte"] = "byte"
-    text_dim: int = Field(gt=0)
-    text_max_tokens: int = Field(gt=1)
-    text_encoder_layers: int = Field(default=2, ge=0)
-    refiner_layers: int = Field(default=2, ge=0)
-
-    # latent codec geometry (the stand-in decoders in decoders.py follow it)
-    vae_spatial: int = Field(default=16, gt=0)
-    vae_temporal: int = Field(default=4, gt=0)
-    decoder_hidden: int = Field(default=64, gt=0)
-    audio_sample_rate: int = Field(default=16000, gt=0)
-    audio_latent_rate: int = Field(default=25, gt=0)  # audio latents per second
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def rope_dims(self) -> int:
-        return 3 * 2 * self.rope_freqs_per_axis
-
-    @property
-    def video_patch_dim(self) -> int:
-        return self.video_channels * math.prod(self.patch_size)
-
-    @property
-    def out_dim(self) -> int:
-        """Width of the DiT's per-row output: video patch or audio latent, zero-padded."""
-        return max(self.video_patch_dim, self.audio_channels)
-
-    @property
-    def audio_hop(self) -> int:
-        return self.audio_sample_rate // self.audio_latent_rate
-
-    @model_validator(mode="after")
-    def _check(self) -> H3Config:
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_dims > self.head_dim:
-            raise ValueError(
-                f"rope_freqs_per_axis={self.rope_freqs_per_axis} rotates {self.rope_dims} dims, "
-                f"more than head_dim={self.head_dim}"
-            )
-        if any(p <= 0 for p in self.patch_size):
-            raise ValueError(f"patch_size entries must be positive, got {self.patch_size}")
-        if self.patch_size[0] != 1:
-            raise ValueError("patch_size[0] (temporal) must be 1: one latent frame per token row")
-        if self.audio_sample_rate % self.audio_latent_rate:
-            raise ValueError(
-                f"audio_sample_rate={self.audio_sample_rate} must be a multiple of "
-                f"audio_latent_rate={self.audio_latent_rate}"
-            )
-        return self
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path) -> TransformerGeometry:
+        path = Path(directory) / "transformer" / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: not a MiniMax-H3 checkpoint directory")
+        return cls.of(json.loads(path.read_text()))
 
     def check_sp_degree(self, sp_degree: int) -> None:
-        """Ulysses splits heads across ranks, so the degree must divide num_heads."""
+        """Ulysses splits heads across ranks, so the degree must divide the head count."""
         if sp_degree < 1:
             raise ValueError(f"sp_degree must be >= 1, got {sp_degree}")
         if self.num_heads % sp_degree:
             allowed = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise ValueError(f"sp_degree={sp_degree} must divide num_heads={self.num_heads}; allowed: {allowed}")
-
-    def parameter_count(self) -> int:
-        from .dit import H3DiT  # local import: building a model is not needed to read a config
-
-        import torch
-
-        with torch.device("meta"):
-            return sum(p.numel() for p in H3DiT(self).parameters())
+            raise ValueError(f"sp_degree={sp_degree} must divide the transformer's {self.num_heads} attention heads; "
+                             f"allowed: {allowed}")
 
 
-PRESETS: dict[str, H3Config] = {
-    # CPU default: a 256x256 image at 8 steps in about a second on 2 cores.
-    "tiny": H3Config(
-        name="h3-tiny",
-        num_layers=4,
-        hidden_size=96,
-        num_heads=4,
-        head_dim=32,  # inner 128 != hidden 96, like the full model's 7168 != 5376
-        ffn_size=256,
-        rope_freqs_per_axis=4,
-        text_dim=64,
-        text_max_tokens=256,
-        freq_dim=64,
-    ),
-    # The public H3 dimensions (sglang configs/models/dits/minimax_h3.py).
-    "full": H3Config(
-        name="h3-full",
-        num_layers=50,
-        hidden_size=5376,
-        num_heads=56,
-        head_dim=128,
-        ffn_size=14336,
-        rope_freqs_per_axis=16,
-        text_dim=5120,
-        text_max_tokens=512,
-        decoder_hidden=256,
+PRESETS: dict[str, H3Preset] = {
+    # The released MiniMax-H3: 50 blocks, hidden 5376, 56 heads x 128 (diffusers' defaults).
+    "full": H3Preset(name="minimax-h3", transformer={}),
+    "tiny": H3Preset(
+        name="minimax-h3-tiny",
+        transformer=dict(
+            num_attention_heads=4,
+            attention_head_dim=32,  # inner 128 != hidden 96, as the released 7168 != 5376
+            hidden_size=96,
+            num_layers=4,
+            num_refiner_layers=2,
+            ffn_dim=256,
+            in_channels=8,
+            audio_in_channels=8,
+            text_dim=32,
+            freq_dim=64,
+            time_embed_hidden_dim=96,
+            time_embed_dim=48,
+            rope_freq_dim=4,  # 2 * 3 * 4 = 24 of 32 channels rotated, the released 96 of 128
+        ),
+        components=dict(
+            vae=dict(
+                latent_channels=8,
+                block_out_channels=(16, 32, 32, 32),
+                layers_per_block=1,
+                spatial_downsample_factors=(2, 2, 2, 2),  # 16x, as released
+                temporal_downsample_factors=(1, 2, 2, 1),  # 17 frames -> 5 latents, as released
+                norm_num_groups=8,
+                decoder_num_layers=2,
+                decoder_num_attention_heads=2,
+                decoder_attention_head_dim=16,
+                decoder_num_register_tokens=1,
+                decoder_ffn_mult=2,
+                latents_mean=(0.0,) * 8,
+                latents_std=(1.0,) * 8,
+            ),
+            audio_vae=dict(
+                encoder_dim=8,
+                encoder_rates=(2, 4, 5, 5),  # 200 samples a latent: 40 latents/s at 8 kHz, as released at 32 kHz
+                latent_dim=32,
+                latent_channels=8,
+                num_attention_heads=2,
+                decoder_dim=32,
+                decoder_rates=(5, 5, 4, 2),
+                decoder_kernel_sizes=(10, 10, 8, 4),
+                resblock_kernel_sizes=(3,),
+                resblock_dilation_sizes=((1, 3),),
+                sampling_rate=8000,
+                latents_mean=[0.0] * 8,
+                latents_std=[1.0] * 8,
+            ),
+            text_encoder=dict(
+                text_config=dict(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=TINY_TEXT_LAYERS,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    head_dim=16,
+                    max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                     "mrope_interleaved": True},
+                ),
+                vision_config=dict(
+                    depth=1,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_heads=2,
+                    patch_size=16,
+                    spatial_merge_size=2,
+                    temporal_patch_size=2,
+                    out_hidden_size=32,
+                    num_position_embeddings=256,
+                    deepstack_visual_indexes=[0],
+                ),
+                tie_word_embeddings=True,
+            ),
+            processor=dict(patch_size=16, merge_size=2, temporal_patch_size=2,
+                           min_pixels=32 * 32, max_pixels=256 * 256),
+            scheduler=dict(shift=12.0),
+            audio_scheduler=dict(shift=3.0),
+        ),
+        # A 128x64 default canvas (16:9 rounded to the 32-pixel grid), 5-15 s at 24 fps as released.
+        pipeline_config=dict(canvas_short_edge=64, canvas_max_pixels=128 * 64, reference_image_short_edge=64),
     ),
 }
 
 
-def preset(name: str) -> H3Config:
+def preset(name: str) -> H3Preset:
     if name not in PRESETS:
         raise ValueError(f"model preset {name!r} is not one of {', '.join(PRESETS)}")
     return PRESETS[name]

@@ -1,77 +1,120 @@
-"""H3Pipeline: text -> packed DiT steps -> decoded frames and audio.
+"""MiniMax-H3 from a checkpoint directory: the denoiser every SP rank holds, and rank 0's whole pipeline.
 
-``step`` advances any number of requests by one sampler step with a single packed
-forward; ``generate`` is the one-request local loop built on it.
+``H3Denoiser`` is the transformer partition(s) with h3serve's attention processor on exactly the
+admitted backend. ``H3Pipeline`` adds what runs once per request on rank 0 — diffusers' blocks
+before and after the loop — and advances any number of requests by one step per packed forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
+import numpy as np
 import torch
-import torch.nn as nn
+from diffusers import MiniMaxH3Scheduler
+from diffusers.modular_pipelines import PipelineState
 
-from attention import AttentionRequirements, BackendUnavailable, get_backend, parse_dtype, probe_platform
+from attention import (
+    AdmissionError,
+    AttentionRequirements,
+    BackendUnavailable,
+    get_backend,
+    parse_dtype,
+    probe_platform,
+)
 
-from .config import H3Config, preset
-from .decoders import AudioDecoder, VideoDecoder, resample_audio
-from .dit import H3DiT
-from .packing import DocumentOutput, PackedBatch, pack_documents
-from .request import GenerationRequest, RequestError, RequestState
-from .text_encoder import build_text_encoder
-from .weights import load_into, read_config, save_checkpoint
+from . import checkpoint as ckpt
+from .attention_processor import SequenceParallel, install
+from .config import TransformerGeometry
+from .forward import packed_forward
+from .packing import Document, Pack, pack_documents
+from .request import GenerationRequest, ModelRules, RequestError
+from .stages import H3Stages
+
+logger = logging.getLogger(__name__)
 
 # What H3 needs from attention: many documents packed into one [T, H, D] forward.
 REQUIREMENTS = AttentionRequirements(packed_varlen=True)
 
 
-class DiTRunner(Protocol):
-    """Runs the DiT over a whole pack and returns all rows' outputs [T, out_dim] on rank 0."""
+def _quiet_libraries() -> None:
+    """No per-call progress bars in a server's log."""
+    import diffusers
+    import transformers
 
-    world_size: int
-
-    def __call__(self, packed: PackedBatch) -> torch.Tensor: ...
-
-
-class LocalRunner:
-    world_size = 1
-
-    def __init__(self, dit: H3DiT, device: torch.device):
-        self.dit, self.device = dit, device
-
-    @torch.no_grad()
-    def __call__(self, packed: PackedBatch) -> torch.Tensor:
-        return self.dit(packed.inputs.to(self.device))
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
 
 
-class H3Model(nn.Module):
-    """Every module whose weights live in an H3 checkpoint, under these prefixes."""
+def check_backend_runs_here(backend: str, device: str, dtype: torch.dtype, head_dim: int, model: str) -> None:
+    """Fail closed unless the admitted backend can do what H3 needs and runs on this node.
 
-    def __init__(self, config: H3Config, impl=None):
-        super().__init__()
-        self.dit = H3DiT(config, impl)
-        self.text_encoder = build_text_encoder(config)
-        self.video_decoder = VideoDecoder(config)
-        self.audio_decoder = AudioDecoder(config)
+    The driver admitted it already; a replica checks again rather than trust its spec, and never
+    swaps in another backend.
+    """
+    attention = get_backend(backend)
+    missing = attention.unsupported_requirements(REQUIREMENTS)
+    if missing:
+        raise AdmissionError(f"Attention backend {attention.name!r} does not implement "
+                             f"{', '.join(AttentionRequirements.describe(m) for m in missing)}, which MiniMax-H3 "
+                             "requires; this replica refuses to build with it", backend=attention.name, model=model,
+                             missing=missing)
+    here = probe_platform(device)
+    available = attention.availability(here, dtype=dtype, head_dim=head_dim)
+    if not available or here.device_type != device:
+        reason = available.reason or f"the node has no {device} device"
+        raise BackendUnavailable(f"Attention backend {attention.name!r} cannot run on this node: {reason}",
+                                 backend=attention.name, model=model)
+
+
+class H3Denoiser:
+    """The transformer partition(s) of a checkpoint, attending only through the admitted backend."""
+
+    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device):
+        self.transformers, self.backend, self.device = transformers, backend, device
+        for model in transformers.values():
+            install(model, get_backend(backend).make_impl())
+
+    @classmethod
+    def load(cls, directory: str | Path, backend: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32",
+             expected: TransformerGeometry | None = None) -> H3Denoiser:
+        """Build with exactly ``backend`` (the driver's choice); never re-resolve.
+
+        Raises BackendUnavailable when this node cannot run it, CheckpointError when the checkpoint
+        does not fit, ValueError when its geometry is not what the deployment was admitted for.
+        """
+        _quiet_libraries()
+        index = ckpt.CheckpointIndex(directory)
+        geometry = TransformerGeometry.from_checkpoint(directory)
+        if expected is not None and geometry != expected:
+            raise ckpt.CheckpointError(f"{directory}/transformer has {geometry}, but the deployment was admitted "
+                                       f"for {expected}")
+        torch_dtype = parse_dtype(dtype)
+        check_backend_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
+        models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}
+        return cls(models, backend, torch.device(device))
+
+    def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's share of one packed forward; rank 0 gets every row's velocity back."""
+        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp)
 
 
 @dataclasses.dataclass
 class GeneratedMedia:
-    frames: torch.Tensor  # uint8 [N, H, W, 3]
-    audio: torch.Tensor | None  # float32 [S]
+    frames: np.ndarray  # uint8 [F, H, W, 3]
+    audio: np.ndarray  # float32 [2, S] stereo
     fps: int
     sample_rate: int
 
     # media is imported on use: PyAV is needed to encode, not to build or run the model
     def png(self) -> bytes:
+        """A still: the middle frame of the clip."""
         from .media import encode_png
 
-        return encode_png(self.frames[0])
+        return encode_png(self.frames[len(self.frames) // 2])
 
     def mp4(self) -> bytes:
         from .media import encode_mp4
@@ -79,129 +122,141 @@ class GeneratedMedia:
         return encode_mp4(self.frames, self.fps, self.audio, self.sample_rate)
 
 
+class RequestState:
+    """One request between diffusers' stages: its packed rows, layout, and its own two schedulers."""
+
+    def __init__(self, request: GenerationRequest, state: PipelineState, video: MiniMaxH3Scheduler,
+                 audio: MiniMaxH3Scheduler, device: torch.device):
+        self.request, self.state = request, state
+        self.partition = ckpt.PARTITIONS[request.task]
+        self.video_rows: torch.Tensor = state.get("latents")  # [n_video, C*p] fp32, conditioning rows first
+        self.audio_rows: torch.Tensor = state.get("audio_latents")  # [n_audio, C_audio] fp32
+        self.plan = state.get("row_timestep_plan")  # per step: (distinct timesteps, row -> index)
+        self.video_scheduler, self.audio_scheduler = video, audio
+        for scheduler in (video, audio):
+            scheduler.set_timesteps(request.num_inference_steps, device=device)
+        if not torch.equal(video.timesteps, state.get("timesteps")):
+            raise RuntimeError("the request's own video schedule differs from the one its layout was planned with")
+        self.num_condition_video = state.get("num_condition_video_rows") or 0
+        self.num_condition_audio = state.get("num_condition_audio_rows") or 0
+        self.step_index = 0
+        embeds = state.get("prompt_embeds")[0]  # [n_text, text_dim]
+        self.layout = dict(prompt_embeds=embeds, position_ids=state.get("position_ids"),
+                           token_tags=state.get("token_tags"), video_indices=state.get("video_indices"),
+                           audio_indices=state.get("audio_indices"), text_indices=state.get("text_indices"))
+
+    @property
+    def steps(self) -> int:
+        return len(self.plan)
+
+    @property
+    def rows(self) -> int:
+        return int(self.layout["position_ids"].shape[0])
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.steps
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return self.step_index, self.steps
+
+    def document(self) -> Document:
+        timestep, timestep_indices = self.plan[self.step_index]
+        return Document(video_rows=self.video_rows, audio_rows=self.audio_rows, timestep=timestep,
+                        timestep_indices=timestep_indices, **self.layout)
+
+    def advance(self, video_velocity: torch.Tensor, audio_velocity: torch.Tensor) -> None:
+        """One step of each schedule on the generated rows; conditioning rows are never written."""
+        i, nv, na = self.step_index, self.num_condition_video, self.num_condition_audio
+        t_video, t_audio = self.video_scheduler.timesteps[i], self.audio_scheduler.timesteps[i]
+        video_velocity, audio_velocity = video_velocity.to(self.video_rows.device), audio_velocity.to(self.audio_rows.device)
+        self.video_rows[nv:] = self.video_scheduler.step(video_velocity[nv:].float(), t_video, self.video_rows[nv:],
+                                                         return_dict=False)[0]
+        self.audio_rows[na:] = self.audio_scheduler.step(audio_velocity[na:].float(), t_audio, self.audio_rows[na:],
+                                                         return_dict=False)[0]
+        self.step_index += 1
+
+
 @dataclasses.dataclass
 class StepStats:
     requests: int
-    documents: int
     rows: int
     padding_rows: int
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("H3SERVE_CACHE", Path.home() / ".cache" / "h3serve"))
-
-
-def ensure_checkpoint(model: str, checkpoint: str | Path | None = None) -> Path:
-    """The checkpoint directory to load; for ``tiny`` without one, the deterministic cached weights."""
-    if checkpoint is not None:
-        return Path(checkpoint)
-    if model != "tiny":
-        raise ValueError(f"model {model!r} has no built-in weights; set checkpoint to a directory of safetensors")
-    directory = default_cache_dir() / "h3-tiny-v1"
-    if not (directory / "model.safetensors").exists():
-        create_tiny_checkpoint(directory)
-    return directory
-
-
-def create_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """The tiny preset's weights, the same bytes on every machine for a given torch."""
-    config = preset("tiny")
-    torch.manual_seed(seed)
-    model = H3Model(config)
-    return save_checkpoint(model.state_dict(), directory, config.model_dump(mode="json"))
-
-
 class H3Pipeline:
+    """Rank 0: diffusers' per-request stages around h3serve's packed multi-request denoising."""
+
     requirements = REQUIREMENTS
 
-    def __init__(self, config: H3Config, model: H3Model, device: torch.device, runner: DiTRunner | None = None):
-        self.config, self.model, self.device = config, model, device
-        self.runner: DiTRunner = runner or LocalRunner(model.dit, device)
+    def __init__(self, denoiser: H3Denoiser, stages: H3Stages, schedulers: dict[str, MiniMaxH3Scheduler],
+                 tokenizer, name: str):
+        self.denoiser, self.stages, self.tokenizer, self.name = denoiser, stages, tokenizer, name
+        self._schedulers = schedulers
+        self.rules: ModelRules = stages.rules()
+        self.row_multiple = 1  # a worker group sets its SP degree here: packs split evenly over its ranks
+        self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = denoiser.forward
 
     @classmethod
-    def build(
-        cls,
-        config: H3Config,
-        backend: str,
-        *,
-        checkpoint: str | Path,
-        device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
-    ) -> H3Pipeline:
-        """Build with exactly ``backend`` (the driver's choice); never re-resolve.
-
-        Raises BackendUnavailable when this node cannot run it.
-        """
+    def load(cls, directory: str | Path, backend: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32",
+             expected: TransformerGeometry | None = None, name: str | None = None) -> H3Pipeline:
+        """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``."""
+        denoiser = H3Denoiser.load(directory, backend, device=device, dtype=dtype, expected=expected)
+        index = ckpt.CheckpointIndex(directory)
         torch_dtype = parse_dtype(dtype)
-        attention = get_backend(backend)
-        here = probe_platform(device)
-        available = attention.availability(here, dtype=torch_dtype, head_dim=config.head_dim)
-        if not available or here.device_type != device:
-            reason = available.reason or f"the node has no {device} device"
-            raise BackendUnavailable(f"Attention backend {attention.name!r} cannot run on this node: {reason}",
-                                     backend=attention.name, model=config.name)
-        with torch.device("meta"):
-            model = H3Model(config, attention.make_impl())
-        model.dit.to_serving_dtype(torch_dtype)
-        load_into(model, checkpoint, device=device, expected_config=config.model_dump(mode="json"))
-        model.eval()
-        return cls(config, model, torch.device(device))
+        components = dict(denoiser.transformers)
+        components.update(
+            vae=ckpt.load_model(index, "vae", torch.float32, device),  # the VAEs run in fp32
+            audio_vae=ckpt.load_model(index, "audio_vae", torch.float32, device),
+            text_encoder=ckpt.load_model(index, "text_encoder", torch_dtype, device),
+            tokenizer=ckpt.load_tokenizer(index),
+            processor=ckpt.load_processor(index),
+        )
+        schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
+        stages = H3Stages({**components, **schedulers}, index.pipeline_config)
+        return cls(denoiser, stages, schedulers, components["tokenizer"], name or Path(directory).name)
 
-    # -- one request at a time, or many per step ---------------------------------------
-    @torch.no_grad()
-    def prepare(self, request: GenerationRequest) -> RequestState:
-        request.check(self.config)
-        encoder, dit = self.model.text_encoder, self.model.dit
-        prompts = [request.prompt] + ([request.negative_prompt] if request.uses_cfg else [])
-        texts = [t.float().cpu() for t in dit.refine_text(encoder.encode(prompts))]
-        return RequestState(request, self.config, texts[0], texts[1] if len(texts) > 1 else None)
+    # -- one request's way in and out ----------------------------------------------------------
+    def text_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def validate(self, request: GenerationRequest) -> int:
-        """Check a request without running anything; returns the rows it adds to a pack."""
-        request.check(self.config)
-        encoder = self.model.text_encoder
-        prompts = {"prompt": request.prompt}
-        if request.uses_cfg:
-            prompts["negative_prompt"] = request.negative_prompt
-        text_rows = 0
-        for field, text in prompts.items():
-            tokens = encoder.count_tokens(text)
-            if tokens > encoder.max_tokens:
-                raise RequestError(field, f"{field} is {tokens} tokens, the model takes at most {encoder.max_tokens}")
-            text_rows += tokens
-        video, audio = request.latent_shapes(self.config)
-        per_doc = math.prod(video[1:]) // math.prod(self.config.patch_size) + (audio[0] if audio else 0)
-        return text_rows + len(prompts) * per_doc
-
-    def pack(self, states: Sequence[RequestState]) -> PackedBatch:
-        docs = [d for s in states for d in s.documents()]
-        return pack_documents(docs, self.config, self.runner.world_size)
-
-    def apply(self, states: Sequence[RequestState], packed: PackedBatch, out: torch.Tensor) -> StepStats:
-        """Advance every state by one sampler step from the DiT output of their pack."""
-        outputs = packed.unpack(out.cpu())
-        i = 0
-        for state in states:
-            n = len(state.texts())
-            state.advance(outputs[i : i + n])
-            i += n
-        return StepStats(len(states), len(outputs), packed.total_rows, packed.padding_rows)
+        """Check a request without running anything; returns about the rows it adds to a pack."""
+        self.rules.check(request)
+        return self.rules.rows(request, self.text_tokens(request.prompt))
 
     @torch.no_grad()
-    def step(self, states: Sequence[RequestState]) -> StepStats:
-        """Advance every state by one sampler step with one packed forward."""
-        packed = self.pack(states)
-        return self.apply(states, packed, self.runner(packed))
+    def prepare(self, request: GenerationRequest) -> RequestState:
+        self.rules.check(request)
+        state = self.stages.prepare(request, self.rules)
+        return RequestState(request, state, *(MiniMaxH3Scheduler.from_config(s.config)
+                                              for s in self._schedulers.values()), self.denoiser.device)
 
     @torch.no_grad()
     def decode(self, state: RequestState) -> GeneratedMedia:
-        request = state.request
-        frames = self.model.video_decoder(state.video.to(self.device)).cpu()
-        audio = None
-        if state.audio is not None:
-            wave = self.model.audio_decoder(state.audio.to(self.device)).cpu()
-            audio = resample_audio(wave, round(request.duration_s * self.config.audio_sample_rate))
-        return GeneratedMedia(frames[: request.frames_out], audio, request.fps, self.config.audio_sample_rate)
+        frames, audio, sample_rate = self.stages.finish(state.state, state.video_rows, state.audio_rows)
+        return GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
+
+    # -- many requests, one step each ------------------------------------------------------------
+    def packs(self, states: Sequence[RequestState]) -> list[tuple[list[RequestState], Pack]]:
+        """One pack per transformer partition in use (T2VA and FL2VA share one; Ref2VA has its own)."""
+        groups: dict[str, list[RequestState]] = {}
+        for state in states:
+            groups.setdefault(state.partition, []).append(state)
+        return [(group, pack_documents([s.document() for s in group], partition, self.row_multiple))
+                for partition, group in groups.items()]
+
+    def apply(self, states: Sequence[RequestState], pack: Pack, out: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
+        """Advance every state of ``pack`` by one step from its packed forward's velocities."""
+        for state, (video, audio) in zip(states, pack.split(*out)):
+            state.advance(video, audio)
+        return StepStats(len(states), pack.total_rows, pack.padding_rows)
+
+    @torch.no_grad()
+    def step(self, states: Sequence[RequestState]) -> list[StepStats]:
+        """Advance every state by one step: one packed forward per partition in use."""
+        return [self.apply(group, pack, self.forward(pack)) for group, pack in self.packs(states)]
 
     def generate(self, request: GenerationRequest,
                  progress: Callable[[int, int], None] | None = None) -> GeneratedMedia:
@@ -213,15 +268,7 @@ class H3Pipeline:
         return self.decode(state)
 
 
-def load_pipeline(model: str = "tiny", backend: str = "torch_sdpa", *, checkpoint: str | Path | None = None,
-                  device: str = "cpu", dtype: str = "float32") -> H3Pipeline:
-    """Build a pipeline from a preset name, fetching the built-in tiny weights when needed."""
-    config = preset(model)
-    directory = ensure_checkpoint(model, checkpoint)
-    stored = read_config(directory)
-    if stored.get("name") != config.name:
-        raise ValueError(f"checkpoint {directory} holds {stored.get('name')!r}, not the {model!r} preset ({config.name})")
-    return H3Pipeline.build(config, backend, checkpoint=directory, device=device, dtype=dtype)
-
-
-__all__ = ["DocumentOutput", "GeneratedMedia", "H3Pipeline", "REQUIREMENTS", "load_pipeline"]
+def check_request_fits(state: RequestState, max_rows: int) -> None:
+    if state.rows > max_rows:
+        raise RequestError("size", f"request needs {state.rows} rows per step, above this replica's budget of "
+                                   f"{max_rows}; ask for fewer pixels, frames or prompt tokens")

@@ -1,0 +1,74 @@
+"""The packed multi-request forward: diffusers' MiniMax-H3 submodules over one pack of documents.
+
+``MiniMaxH3Transformer3DModel.forward`` runs one layout as one attention document. This runs the
+same submodules in the same order and precision over a pack of many documents (one per request,
+each at its own step), with attention bounded per document by ``cu_seqlens``, and optionally with
+the rows sharded over Ulysses ranks. For a pack of one document it computes what ``forward`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.modeling_utils import get_parameter_dtype
+from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODALITY_NUM
+
+from .attention_processor import Documents, SequenceParallel, attending
+from .packing import Pack
+
+
+def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows whose pack positions fall in [lo, hi), with positions made local."""
+    keep = (indices >= lo) & (indices < hi)
+    return indices[keep] - lo, rows[keep]
+
+
+@torch.no_grad()
+def packed_forward(model, pack: Pack, sp: SequenceParallel | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Velocities of every video and audio row of ``pack``, in the order of its video/audio indices.
+
+    With ``sp``, this rank computes rows ``[rank*T/W, (rank+1)*T/W)`` and rank 0 returns the result
+    (other ranks return None). ``pack`` must already be on the model's device.
+    """
+    rank, world = (sp.rank, sp.world_size) if sp is not None else (0, 1)
+    if pack.total_rows % world:
+        raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
+    lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
+
+    # 1. Text: context embedder, then the token refiner with attention within each request's prompt.
+    # Every rank refines all prompts: text is a few hundred rows against tens of thousands of media rows.
+    text = model.context_embedder(pack.prompt_embeds.to(get_parameter_dtype(model.context_embedder)))[None]
+    with attending(Documents(pack.text_cu_seqlens, pack.text_max_seqlen)):
+        text = model.token_refiner(text)  # [1, N_text, hidden]
+
+    # 2. This rank's rows of the packed buffer, each modality through its own (fp32) input projection.
+    hidden = text.new_zeros((1, hi - lo, text.shape[-1]))  # [1, T/W, hidden]; padding rows stay zero
+    text_at, text_rows = _local(pack.text_indices, text[0], lo, hi)
+    video_at, video_rows = _local(pack.video_indices, pack.video_rows, lo, hi)
+    audio_at, audio_rows = _local(pack.audio_indices, pack.audio_rows, lo, hi)
+    video = model.proj_in(video_rows.to(get_parameter_dtype(model.proj_in)))
+    audio = model.audio_proj_in(audio_rows.to(get_parameter_dtype(model.audio_proj_in)))
+    hidden = hidden.index_copy(1, text_at, text_rows[None])
+    hidden = hidden.index_copy(1, video_at, video.to(text.dtype)[None])
+    hidden = hidden.index_copy(1, audio_at, audio.to(text.dtype)[None])
+
+    # 3. One embedding per distinct timestep of the pack; each row picks its AdaLN table row.
+    temb = model.time_proj(pack.timestep)
+    temb = model.time_embedder(temb.to(get_parameter_dtype(model.time_embedder)))  # [K, time_embed_dim]
+    timestep_indices = pack.timestep_indices[lo:hi]  # [T/W]
+    adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags[lo:hi]  # video 0, text 1, audio 2
+    rotary_emb = model.rope(pack.position_ids[lo:hi])  # cos, sin: [T/W, 6 * rope_freq_dim]
+
+    with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
+        for block in model.transformer_blocks:
+            hidden = block(hidden, temb, adaln_indices, rotary_emb)
+    hidden = model.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(model.proj_out))[0]
+
+    # 4. All rows on rank 0; each head runs on its own modality's rows only.
+    if sp is not None:
+        hidden = sp.gather_rows(hidden)
+        if hidden is None:
+            return None
+    video_out = model.proj_out(hidden.index_select(0, pack.video_indices))  # [N_video, C*p]
+    audio_out = model.audio_proj_out(hidden.index_select(0, pack.audio_indices))  # [N_audio, C_audio]
+    return video_out, audio_out
