@@ -107,14 +107,15 @@ class WorkerGroup:
         return self.spec.sp_degree
 
     @classmethod
-    def create(cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0) -> WorkerGroup:
+    def create(cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0, placement_timeout_s: float = 120.0
+               ) -> WorkerGroup:
         pipeline = build_rank0(spec)  # rank 0 fails closed first, before reserving anything
         if spec.sp_degree == 1:
             return cls(spec, pipeline, [], None, None)
         workers: list = []
         own_pg = None
         try:
-            pg, own_pg, first = cls._placement(spec)
+            pg, own_pg, first = cls._placement(spec, placement_timeout_s)
             for rank in range(1, spec.sp_degree):
                 bundle = pg.bundle_specs[first + rank - 1]
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank - 1)
@@ -137,7 +138,7 @@ class WorkerGroup:
         return cls(spec, pipeline, workers, sp, own_pg)
 
     @staticmethod
-    def _placement(spec: ReplicaSpec) -> tuple[PlacementGroup, PlacementGroup | None, int]:
+    def _placement(spec: ReplicaSpec, timeout_s: float) -> tuple[PlacementGroup, PlacementGroup | None, int]:
         """The replica's placement group (rank i -> bundle i), or one reserved for ranks 1..W-1."""
         pg = get_current_placement_group()
         if pg is not None:
@@ -147,7 +148,7 @@ class WorkerGroup:
             return pg, None, 1
         pg = placement_group([dict(spec.worker_resources)] * (spec.sp_degree - 1), strategy="PACK")
         try:
-            ray.get(pg.ready(), timeout=120)
+            ray.get(pg.ready(), timeout=timeout_s)
         except BaseException:
             remove_placement_group(pg)  # never leave a reservation behind
             raise

@@ -120,3 +120,57 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(cluster, tm
 
     samples = wait_for(counted, timeout=60, what="replica build failure metric")
     assert {s.labels["reason"] for s in samples} == {"unavailable"} and sum(s.value for s in samples) >= 1
+
+
+def spec_for(backend: str, sp_degree: int = 1):
+    from attention import Platform, Resolution, resolve
+    from pipelines.h3 import REQUIREMENTS
+    from replicas import ReplicaSpec
+
+    admitted = resolve(REQUIREMENTS, "auto", Platform.cpu(), model="minimax-h3-tiny", head_dim=32)
+    resolution = Resolution(**{**admitted.model_dump(), "backend": backend})
+    return ReplicaSpec(resolution=resolution, checkpoint=None, model_name="minimax-h3-tiny", num_heads=4,
+                       head_dim=32, sp_degree=sp_degree, worker_resources={"CPU": 0.25})
+
+
+def replica_app(spec, name: str):
+    from deploy.args import DeployArgs
+    from deploy.replica import H3Replica
+    from replicas import EngineLimits
+
+    options = H3Replica.deployment_options(DeployArgs(rank_resources={"CPU": 0.25}, sp_degree=spec.sp_degree))
+    return serve.deployment(H3Replica, **options).bind(spec, EngineLimits()), name
+
+
+def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(cluster):
+    """Fail closed at every layer: a spec the driver would never make is refused by the replica itself."""
+    _, metrics_port = cluster
+    app, name = replica_app(spec_for("sage_attn"), "incapable-replica")
+    with pytest.raises(RuntimeError, match=f"Deploying application {name} failed"):
+        serve.run(app, name=name, route_prefix=None)
+    status = serve.status().applications[name]
+    assert status.status == "DEPLOY_FAILED"
+    assert "does not implement packed varlen attention" in status.deployments["H3Replica"].message
+
+    def counted():
+        samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
+        return [s for s in samples if s.labels.get("backend") == "sage_attn"]
+
+    samples = wait_for(counted, timeout=60, what="replica build failure metric")
+    assert {s.labels["reason"] for s in samples} == {"incapable"}
+    serve.delete(name)
+
+
+def test_a_stopped_replica_releases_its_sp_workers(cluster):
+    address, _ = cluster
+    app, name = replica_app(spec_for("torch_sdpa", sp_degree=2), "sp-teardown")
+    handle = serve.run(app, name=name, route_prefix=None)
+    assert handle.diagnostics.remote().result()["sp_degree"] == 2
+
+    def workers(state: str):
+        return [a for a in list_actors(address=address, detail=True, limit=10000)
+                if (a.class_name or "").endswith("SPWorker") and a.state == state]
+
+    assert len(workers("ALIVE")) == 1
+    serve.delete(name)
+    wait_for(lambda: not workers("ALIVE"), timeout=60, what="the SP worker to stop with its replica")

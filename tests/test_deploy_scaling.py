@@ -74,7 +74,7 @@ def test_admission_ran_once_per_app_in_the_driver_and_never_in_a_replica(server)
 
 def test_bearer_token_is_required_when_configured(server):
     with client(server.url) as http:
-        body = {"prompt": "x", "size": "64x64", "num_inference_steps": 1}
+        body = {"prompt": "x", "size": "64x64", "num_inference_steps": 2}
         assert http.post("/busy/v1/images/generations", json=body).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert http.post("/busy/v1/images/generations", json=body, headers=wrong).status_code == 401
@@ -85,7 +85,7 @@ def test_bearer_token_is_required_when_configured(server):
 
 async def burst(url: str, n: int, prefix: str, headers: dict | None = None, steps: int = 30):
     async with httpx.AsyncClient(base_url=url, timeout=300, headers=headers) as http:
-        body = {"prompt": "load", "size": "256x256", "num_inference_steps": steps}
+        body = {"prompt": "load", "size": "64x64", "num_inference_steps": steps}
         return await asyncio.gather(*(http.post(f"{prefix}/v1/images/generations", json=body) for _ in range(n)))
 
 

@@ -13,9 +13,11 @@ mis-shaped keys) is refused with the first keys and the folder named; nothing is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,14 @@ class CheckpointIndex:
         return tuple(p for p in ("transformer", "transformer_ref") if self.declared(p))
 
 
+@contextlib.contextmanager
+def _library_deprecations_silenced():
+    """diffusers' audio VAE builds with torch's old weight_norm, which warns on every construction."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)
+        yield
+
+
 def _refuse_mismatches(folder: Path, info: dict[str, list]) -> None:
     problems = []
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -119,7 +129,8 @@ def load_model(index: CheckpointIndex, name: str, dtype: torch.dtype, device: st
     cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
     kwargs: dict[str, Any] = {"torch_dtype": dtype} if library == "diffusers" else {"dtype": dtype}
     try:
-        model, info = cls.from_pretrained(folder, output_loading_info=True, local_files_only=True, **kwargs)
+        with _library_deprecations_silenced():
+            model, info = cls.from_pretrained(folder, output_loading_info=True, local_files_only=True, **kwargs)
     except (OSError, ValueError, RuntimeError) as e:  # wrong shapes, unreadable files
         raise CheckpointError(f"{folder} cannot be loaded as {class_name}: {e}") from None
     _refuse_mismatches(folder, info)
@@ -246,18 +257,19 @@ def tiny_components(seed: int = 0, with_ref: bool = False) -> dict[str, Any]:
                                 vision_config=text["vision_config"],
                                 tie_word_embeddings=text["tie_word_embeddings"], **token_ids)
     torch.manual_seed(seed)
-    components = dict(
-        transformer=MiniMaxH3Transformer3DModel(**spec.transformer),
-        vae=AutoencoderKLMiniMaxH3(**spec.components["vae"]),
-        audio_vae=AutoencoderKLMiniMaxH3Audio(**spec.components["audio_vae"]),
-        text_encoder=Qwen3VLForConditionalGeneration(text_config),
-        tokenizer=tokenizer,
-        processor=tiny_processor(tokenizer),
-        scheduler=MiniMaxH3Scheduler(**spec.components["scheduler"]),
-        audio_scheduler=MiniMaxH3Scheduler(**spec.components["audio_scheduler"]),
-    )
-    if with_ref:
-        components["transformer_ref"] = MiniMaxH3Transformer3DModel(**spec.transformer)
+    with _library_deprecations_silenced():
+        components = dict(
+            transformer=MiniMaxH3Transformer3DModel(**spec.transformer),
+            vae=AutoencoderKLMiniMaxH3(**spec.components["vae"]),
+            audio_vae=AutoencoderKLMiniMaxH3Audio(**spec.components["audio_vae"]),
+            text_encoder=Qwen3VLForConditionalGeneration(text_config),
+            tokenizer=tokenizer,
+            processor=tiny_processor(tokenizer),
+            scheduler=MiniMaxH3Scheduler(**spec.components["scheduler"]),
+            audio_scheduler=MiniMaxH3Scheduler(**spec.components["audio_scheduler"]),
+        )
+        if with_ref:
+            components["transformer_ref"] = MiniMaxH3Transformer3DModel(**spec.transformer)
     return components
 
 

@@ -127,14 +127,17 @@ class H3Stages:
         except ValueError as e:  # the blocks' own input checks (reference limits, canvas of a keyframe...)
             raise RequestError(request.task, f"{request.task}: {e}") from None
 
-    def finish(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor
-               ) -> tuple[np.ndarray, np.ndarray, int]:
-        """After the loop, by diffusers' blocks: uint8 frames [F, H, W, 3], audio [2, S] float32, sample rate."""
+    def decode(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> PipelineState:
+        """After the loop, by diffusers' blocks: latents, ``videos`` [1, F, 3, H, W] in [0, 1], ``audio`` [1, 2, S]."""
         keys = ("num_condition_video_rows", "num_condition_audio_rows", "num_latent_frames", "latent_height",
                 "latent_width", "num_audio_latents")
-        out = self.after(latents=video_rows, audio_latents=audio_rows, output_type="pt",
-                         **{k: state.get(k) for k in keys})
-        video = out.get("videos")[0]  # [F, 3, H, W] in [0, 1]
+        return self.after(latents=video_rows, audio_latents=audio_rows, output_type="pt",
+                          **{k: state.get(k) for k in keys})
+
+    def finish(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+        """uint8 frames [F, H, W, 3], stereo audio [2, S] float32, and its sample rate."""
+        out = self.decode(state, video_rows, audio_rows)
+        video = out.get("videos")[0]  # [F, 3, H, W]
         frames = (video.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu().numpy()  # as diffusers' numpy_to_pil
-        audio = out.get("audio")[0].float().cpu().numpy()  # [2, S]
-        return frames, audio, int(out.get("sampling_rate"))
+        return frames, out.get("audio")[0].float().cpu().numpy(), int(out.get("sampling_rate"))
