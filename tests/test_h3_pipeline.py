@@ -293,3 +293,21 @@ def test_validate_deployment_on_cpu_and_for_the_released_geometry():
     with pytest.raises(UnknownBackendError):
         validate_deployment(model="minimax-h3", geometry=full, attention_backend="nope", platform=Platform.cpu(),
                             device="cpu", dtype="float32")
+
+
+def test_text_encoder_layers_after_the_one_h3_reads_are_dropped_without_changing_it():
+    from pipelines.h3.checkpoint import keep_decoder_layers
+
+    text_encoder = tiny_components(seed=0)["text_encoder"].eval()
+    language_model = text_encoder.model.language_model
+    language_model.layers.extend(copy.deepcopy(language_model.layers[-1]) for _ in range(4))  # a deeper stack
+    text_encoder.config.text_config.num_hidden_layers = len(language_model.layers)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=torch.zeros_like(ids),
+                  use_cache=False, output_hidden_states=True)
+    with torch.no_grad():
+        before = text_encoder.model(**kwargs).hidden_states[50]
+        keep_decoder_layers(text_encoder, 51)
+        after = text_encoder.model(**kwargs).hidden_states[50]
+    assert len(language_model.layers) == text_encoder.config.text_config.num_hidden_layers == 51
+    torch.testing.assert_close(after, before, atol=0, rtol=0)

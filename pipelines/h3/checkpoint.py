@@ -137,6 +137,18 @@ def load_model(index: CheckpointIndex, name: str, dtype: torch.dtype, device: st
     return model.to(device).eval()
 
 
+def keep_decoder_layers(text_encoder, count: int) -> None:
+    """Drop the Qwen3-VL decoder layers after the first ``count``: H3 reads an inner hidden state.
+
+    The released conditioner's later layers never influence ``hidden_states[50]``; keeping them would
+    hold ~13 GB of GPU memory on rank 0 for nothing.
+    """
+    language_model = text_encoder.model.language_model
+    if len(language_model.layers) > count:
+        language_model.layers = language_model.layers[:count]
+        text_encoder.config.text_config.num_hidden_layers = count
+
+
 def load_scheduler(index: CheckpointIndex, name: str):
     from diffusers import MiniMaxH3Scheduler
 

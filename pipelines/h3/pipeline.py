@@ -209,12 +209,15 @@ class H3Pipeline:
         components.update(
             vae=ckpt.load_model(index, "vae", torch.float32, device),  # the VAEs run in fp32
             audio_vae=ckpt.load_model(index, "audio_vae", torch.float32, device),
-            text_encoder=ckpt.load_model(index, "text_encoder", torch_dtype, device),
+            text_encoder=ckpt.load_model(index, "text_encoder", torch_dtype, "cpu"),  # trimmed before it moves
             tokenizer=ckpt.load_tokenizer(index),
             processor=ckpt.load_processor(index),
         )
         schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
         stages = H3Stages({**components, **schedulers}, index.pipeline_config)
+        # diffusers' encoder step refuses a stack of exactly `text_encoder_layer` layers (the last one is post-norm)
+        ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
+        components["text_encoder"].to(device)
         return cls(denoiser, stages, schedulers, components["tokenizer"], name or Path(directory).name)
 
     # -- one request's way in and out ----------------------------------------------------------
