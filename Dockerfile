@@ -9,9 +9,10 @@ FROM rayproject/ray:2.60.0-py311-gpu
 # torch and flash-attn go first, in their own layers: they are gigabytes and change far less often
 # than h3serve. The torch build must match the flash-attn wheel (torch minor, CUDA major, C++11 ABI,
 # Python 3.11); the defaults match deploy/platforms/h100-flash-attn.json.
-ARG TORCH_SPEC="torch==2.9.1"
+# torchvision comes with it: Qwen3-VL's video processor needs it for video references.
+ARG TORCH_SPEC="torch==2.9.1 torchvision==0.24.1"
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" ${TORCH_SPEC}
 
 # flash-attn has no generic wheel on PyPI. Installing it from source compiles CUDA kernels: that needs
 # nvcc (the full CUDA toolkit, not only the runtime) and takes a long time, unless its setup.py finds a
@@ -25,8 +26,10 @@ RUN if [ -n "${FLASH_ATTN_WHEEL}" ]; then \
         && pip install --no-cache-dir --no-build-isolation "flash-attn>=2.6"; \
     fi
 
-# h3serve itself, with the cuda extra (flash-attn is already satisfied above). Installed as a regular
-# package so Serve imports deploy.app:build_app from site-packages; the source copy is removed.
+# h3serve itself, with the cuda extra (flash-attn is already satisfied above) and the model libraries
+# (diffusers, transformers, accelerate). Installed as a regular package so Serve imports
+# deploy.app:build_app from site-packages; the source copy is removed. The checkpoint is not in the
+# image: it is mounted (k8s/weights-pvc.yaml). HF_HUB_OFFLINE keeps every load local.
 COPY --chown=ray:users . /tmp/h3serve-src
 RUN cd /tmp/h3serve-src \
     && pip install --no-cache-dir ".[cuda]" \
@@ -35,5 +38,6 @@ RUN cd /tmp/h3serve-src \
     && h3serve --help > /dev/null
 
 # The base image's non-root user (uid 1000, gid 100); the k8s pods run as that uid too.
+ENV HF_HUB_OFFLINE=1
 USER ray
 WORKDIR /home/ray

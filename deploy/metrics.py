@@ -52,15 +52,15 @@ REQUEST_LATENCY = MetricDef("h3serve_request_latency_seconds", "histogram",
                             tuple(LATENCY_BUCKETS))
 QUEUE_DEPTH = MetricDef("h3serve_queue_depth", "gauge", "Requests per replica engine, waiting or active.",
                         ("state",))
-STEP_SECONDS = MetricDef("h3serve_step_seconds", "histogram", "Wall time of one packed DiT forward and sampler step.",
+STEP_SECONDS = MetricDef("h3serve_step_seconds", "histogram", "Wall time of one packed forward and its scheduler steps.",
                          (), tuple(STEP_BUCKETS))
-TOKENS_PER_STEP = MetricDef("h3serve_tokens_per_step", "histogram", "Rows in one packed forward, padding included.",
+ROWS_PER_STEP = MetricDef("h3serve_rows_per_step", "histogram", "Rows in one packed forward, padding included.",
                             (), tuple(ROW_BUCKETS))
 PADDING_FRACTION = MetricDef("h3serve_padding_fraction", "histogram", "Padding rows / all rows of a packed forward.",
                              (), tuple(FRACTION_BUCKETS))
 
 ALL_METRICS = (ADMISSION_DECISIONS, ADMISSION_FAILURES, BUILD_FAILURES, REQUESTS, REQUEST_LATENCY, QUEUE_DEPTH,
-               STEP_SECONDS, TOKENS_PER_STEP, PADDING_FRACTION)
+               STEP_SECONDS, ROWS_PER_STEP, PADDING_FRACTION)
 
 
 def make(metric: MetricDef):
@@ -109,11 +109,11 @@ class EngineMetrics:
 
     def __init__(self):
         self.queue, self.step = make(QUEUE_DEPTH), make(STEP_SECONDS)
-        self.tokens, self.padding = make(TOKENS_PER_STEP), make(PADDING_FRACTION)
+        self.rows, self.padding = make(ROWS_PER_STEP), make(PADDING_FRACTION)
 
     def on_step(self, stats, seconds: float) -> None:
         self.step.observe(seconds)
-        self.tokens.observe(stats.rows)
+        self.rows.observe(stats.rows)
         self.padding.observe(stats.padding_rows / stats.rows if stats.rows else 0.0)
 
     def on_queue(self, waiting: int, active: int) -> None:
