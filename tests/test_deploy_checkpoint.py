@@ -1,0 +1,60 @@
+"""A checkpoint h3serve did not write (diffusers' and transformers' own save_pretrained) serves unchanged."""
+
+import copy
+
+import pytest
+import ray
+from diffusers.modular_pipelines import MiniMaxH3Blocks
+from ray import serve
+
+from pipelines.h3 import preset
+from pipelines.h3.checkpoint import tiny_components
+from pipelines.h3.media import probe_media
+from serving import ServeProcess, client, default_config, free_port, start_cluster, wait_for, write_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def library_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("library") / "MiniMax-H3-tiny"
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.register_to_config(**preset("tiny").pipeline_config)
+    pipe.update_components(**tiny_components(seed=11))
+    pipe.save_pretrained(str(directory), overwrite_modular_index=True)  # diffusers' own index, absolute paths
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(library_checkpoint, tmp_path_factory):
+    config = copy.deepcopy(default_config())
+    config["applications"][0]["args"]["checkpoint"] = str(library_checkpoint)
+    port = free_port()
+    address = start_cluster()
+    process = ServeProcess(write_config(tmp_path_factory.mktemp("config"), config, port), address, port)
+    try:
+        process.wait_serving()
+        yield process
+    finally:
+        process.stop()
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_a_library_saved_checkpoint_serves_a_clip_through_h3serve_serve(server):
+    with client(server.url) as http:
+        created = http.post("/v1/videos", json={"prompt": "a small boat", "num_inference_steps": 3, "seed": 4})
+        assert created.status_code == 200, created.text
+        video_id = created.json()["id"]
+
+        def finished():
+            job = http.get(f"/v1/videos/{video_id}").json()
+            return job if job["status"] in ("completed", "failed") else None
+
+        job = wait_for(finished, timeout=180, interval=0.5, what="the video job")
+        assert job["status"] == "completed", job
+        content = http.get(f"/v1/videos/{video_id}/content")
+    assert content.status_code == 200
+    info = probe_media(content.content)
+    assert (info.width, info.height, info.frames, info.fps) == (128, 64, 124, 24.0)
+    assert (info.audio_codec, info.audio_channels, info.audio_sample_rate) == ("aac", 2, 8000)
