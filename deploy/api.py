@@ -2,9 +2,9 @@
 
 Every route goes through ``H3Ingress._call``: bearer auth, the body size limit, error mapping to
 OpenAI's error shape, and request metrics, in one place. Request bodies are parsed here (not by
-FastAPI's body binding) so that every malformed body gets a 4xx that says what is wrong.
+FastAPI's body binding) so that every malformed body gets a 4xx that says what is wrong;
+``deploy.openapi`` documents them. Only ``PUBLIC_ROUTES`` answer without the bearer token.
 """
-
 
 import asyncio
 import base64
@@ -16,11 +16,14 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
@@ -32,9 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipelines.h3 import GenerationRequest, ModelRules, Reference, RequestError, VisionUnavailable
 from replicas import EngineStopped, QueueFull
 
-from .args import DeployArgs, RequestLimits
-from .jobs import epoch_seconds, job_store
+from .args import DeployArgs, JobStoreArgs, RequestLimits
+from .jobs import JobGone, JobPolicy, JobRunner, JobStore, LeaseLost, epoch_seconds
+from .media_store import MediaStore
 from .metrics import RequestMetrics
+from .openapi import document
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "2"
@@ -44,7 +49,10 @@ API_PARAM = {"width": "size", "height": "size", "num_frames": "seconds", "first_
              "last_frame": "last_reference"}
 # Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
 DISTILLED = ("guidance_scale", "negative_prompt")
-PUBLIC_ROUTES = ("/health",)  # a liveness probe answers without the token; everything else needs it
+# A liveness probe answers without the token; everything else needs it, the API docs included (they
+# list this deployment's limits). Unknown routes answer 404 either way: there is nothing behind them.
+PUBLIC_ROUTES = ("/health",)
+PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat covers the rest
 
 
 class APIError(Exception):
@@ -82,7 +90,8 @@ def invalid(error: ValidationError) -> APIError:
     """A 400 naming the first invalid field."""
     first = error.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or None
-    return APIError(400, f"{field}: {first['msg']}" if field else first["msg"], field)
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    return APIError(400, f"{field}: {message}" if field else message, field)
 
 
 def resolve_api_key(env: str | None) -> str | None:
@@ -107,11 +116,13 @@ class Body(BaseModel):
     seed: int = Field(default=0, ge=0, lt=2**63)
     num_inference_steps: int | None = Field(default=None, ge=2)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _unicode(cls, prompt: str) -> str:
+    def _unicode(cls, prompt: Any) -> Any:
+        """JSON may escape a lone surrogate ("\\ud800"): no text encoder takes it, so say so by name."""
         try:
-            prompt.encode("utf-8")
+            if isinstance(prompt, str):
+                prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
         return prompt
@@ -128,6 +139,23 @@ class VideosBody(Body):
     input_reference: bytes | None = None  # the first frame (FL2VA)
     last_reference: bytes | None = None  # the last frame (FL2VA)
     references: list[Reference] = Field(default_factory=list)  # ordered references (Ref2VA)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 saying why not (never a 500, whatever the bytes)."""
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "the body must be a JSON object: it is not UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the body must be a JSON object: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise APIError(400, "the body must be a JSON object: it is nested too deeply") from None
+    except ValueError as e:  # an integer of thousands of digits
+        raise APIError(400, f"the body must be a JSON object: {str(e).split(':')[0]}") from None
+    if not isinstance(fields, dict):
+        raise APIError(400, f"the body must be a JSON object, not {type(fields).__name__}")
+    return fields
 
 
 def parse_size(size: str | None, limits: RequestLimits) -> tuple[int, int] | None:
@@ -153,6 +181,14 @@ def decode_upload(value: Any, field: str) -> bytes:
         except (binascii.Error, ValueError):
             raise APIError(400, f"{field} must be an uploaded file, a base64 string or a data: URL", field) from None
     raise APIError(400, f"{field} must be an uploaded file, a base64 string or a data: URL", field)
+
+
+def closed_multipart(content_type: str, raw: bytes) -> bool:
+    """Whether a multipart body ends with its closing delimiter; the parser accepts a truncated one."""
+    from python_multipart.multipart import parse_options_header
+
+    boundary = parse_options_header(content_type)[1].get(b"boundary", b"")
+    return bool(boundary) and b"--" + boundary + b"--" in raw
 
 
 MEDIA_KINDS = {"image": "image", "video": "video", "audio": "audio"}
@@ -188,18 +224,47 @@ def parse_references(value: Any) -> list[Reference]:
 
 app = FastAPI(title="h3serve", version="0.2.0", docs_url=None, redoc_url=None, openapi_url=None,
               description="OpenAI-style video (with stereo audio) and still generation with MiniMax-H3")
+_metrics: RequestMetrics | None = None
 
 
-# FastAPI's own errors (unknown route, wrong method, a path parameter) in OpenAI's shape
+def request_metrics() -> RequestMetrics:
+    """One set of request metrics per process, shared by the ingress and FastAPI's own errors."""
+    global _metrics
+    if _metrics is None:
+        _metrics = RequestMetrics()
+    return _metrics
+
+
+# FastAPI's own errors (unknown route, wrong method) in OpenAI's shape, counted under one route tag
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
+    request_metrics().observe("unmatched", exc.status_code, None)
     return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
     first = exc.errors()[0]
+    request_metrics().observe("unmatched", 400, None)
     return APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}").response()
+
+
+def store_url(config: JobStoreArgs, app_name: str) -> str:
+    """This application's part of the configured store (default: a directory under the h3serve cache)."""
+    base = config.store or str(Path(os.environ.get("H3SERVE_CACHE", Path.home() / ".cache" / "h3serve")) / "videos")
+    return f"{base.rstrip('/')}/{app_name}"
+
+
+def list_query(request: Request) -> tuple[int, str | None, str]:
+    """GET /v1/videos's limit, after and order, parsed here so that auth comes first."""
+    query = request.query_params
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {limit[:20]!r}", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order[:20]!r}", "order")
+    return int(limit), query.get("after"), order
 
 
 @serve.deployment(name="H3Ingress")
@@ -208,15 +273,47 @@ class H3Ingress:
     def __init__(self, replica: DeploymentHandle, args: DeployArgs):
         self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
         self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
-        self.metrics = RequestMetrics()
-        self.jobs = job_store(serve.get_replica_context().app_name, self.limits.max_video_jobs)
+        self.metrics = request_metrics()
+        store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
+        store.check()  # an unusable store refuses to start, like a missing token
+        policy = JobPolicy(ttl_s=args.jobs.ttl_s, max_bytes=args.jobs.max_bytes, lease_s=args.jobs.lease_s,
+                           max_jobs=self.limits.max_video_jobs)
+        self.jobs = JobStore(store, policy)
+        self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")  # store calls block
         self.tasks: dict[str, asyncio.Task] = {}
+        self.runners: dict[str, JobRunner] = {}
         self._rules: ModelRules | None = None
+        self._openapi: dict | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def _io(self, fn: Callable, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self.io, lambda: fn(*args, **kwargs))
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def check_health(self) -> None:
+        """Serve calls this every few seconds from the start: the sweeper runs without waiting for traffic."""
+        self._start_sweeper()
+
+    async def _sweep_forever(self) -> None:
+        """TTL, byte cap and lost runners without waiting for a reader; every replica sweeps, harmlessly."""
+        while True:
+            await self._sweep_once()
+            await asyncio.sleep(self.jobs.policy.lease_s / 2)
+
+    async def _sweep_once(self) -> None:
+        try:
+            await self._io(self.jobs.sweep)
+        except Exception:
+            logger.exception("sweeping the video job store failed; the next sweep retries")
 
     # -- plumbing ------------------------------------------------------------------------
     async def _call(self, route: str, request: Request, handler: Callable[[], Awaitable[Any]]):
         """Auth, then ``handler``; errors become OpenAI-shaped answers; every answer is timed and counted."""
         started, status = time.perf_counter(), 200
+        self._start_sweeper()
         try:
             self._authorize(route, request)
             result = await handler()
@@ -255,12 +352,7 @@ class H3Ingress:
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         raw = await self._body(request)
         if kind == "application/json" or (not uploads and kind in ("", "text/plain")):
-            try:
-                fields = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                fields = None
-            if not isinstance(fields, dict):
-                raise APIError(400, "the body must be a JSON object")
+            fields = parse_json_object(raw)
         elif uploads and kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
             fields = await self._form(request, raw, uploads)
         else:
@@ -288,11 +380,13 @@ class H3Ingress:
             yield raw
 
         content_type = request.headers.get("content-type", "")
-        parser_cls = MultiPartParser if content_type.lower().startswith("multipart/") else FormParser
+        multipart = content_type.lower().startswith("multipart/")
         try:
-            form = await parser_cls(request.headers, stream()).parse()
+            form = await (MultiPartParser if multipart else FormParser)(request.headers, stream()).parse()
         except (MultiPartException, ValueError, KeyError) as e:
             raise APIError(400, f"malformed form body: {e}") from None
+        if multipart and not closed_multipart(content_type, raw):
+            raise APIError(400, "malformed form body: no closing boundary (a truncated upload?)")
         fields: dict[str, Any] = {}
         for name, value in form.multi_items():
             if name in ("references", "references[]"):
@@ -378,53 +472,112 @@ class H3Ingress:
             await self.replica.validate.remote(request_)  # refuse now, not in a failed job later
             num_frames = request_.num_frames or rules.min_frames
             width, height = (request_.width, request_.height) if request_.width else rules.default_canvas
-            job = {"id": f"video_{uuid.uuid4().hex}", "object": "video", "model": self.model_name,
-                   "status": "queued", "progress": 0, "created_at": epoch_seconds(), "completed_at": None,
-                   "seconds": f"{num_frames / rules.fps:g}", "size": f"{width}x{height}", "prompt": body.prompt,
-                   "error": None}
-            if not await self.jobs.create.remote(job):
-                raise APIError(503, "too many unfinished video jobs; retry later",
+            video = {"id": f"video_{uuid.uuid4().hex}", "object": "video", "model": self.model_name,
+                     "status": "queued", "progress": 0, "created_at": epoch_seconds(), "completed_at": None,
+                     "expires_at": None, "seconds": f"{num_frames / rules.fps:g}", "size": f"{width}x{height}",
+                     "prompt": body.prompt, "error": None}
+            runner = await self._io(self.jobs.create, video)
+            if runner is None:
+                raise APIError(503, f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
                                headers={"Retry-After": RETRY_AFTER_S})
-            self.tasks[job["id"]] = asyncio.get_running_loop().create_task(self._run_job(job["id"], request_))
-            return job
+            self.runners[runner.job_id] = runner
+            self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(self._run_job(runner, request_))
+            return video
 
         return await self._call("/v1/videos", request, run)
 
-    async def _run_job(self, job_id: str, request: GenerationRequest) -> None:
-        started = time.perf_counter()
-        code = 500
+    async def _run_job(self, runner: JobRunner, request: GenerationRequest) -> None:
+        """Stream the replica's progress into the job's record; the MP4 into the store."""
+        started, code, written = time.perf_counter(), 500, 0.0
         stream = self.replica.options(stream=True).generate_video.remote(request)
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, asyncio.current_task()))
         try:
             async for event in stream:
                 if "mp4" in event:
+                    await self._io(runner.complete, event["mp4"])
                     code = 200
-                    await self.jobs.update.remote(job_id, {"status": "completed", "progress": 100,
-                                                           "completed_at": epoch_seconds()}, event["mp4"])
-                    return
+                    break
                 done, total = event["progress"]
-                if not await self.jobs.update.remote(job_id, {"status": "in_progress",
-                                                              "progress": int(100 * done / max(total, 1))}):
-                    code = 499  # deleted meanwhile: stop generating
-                    stream.cancel()
-                    return
+                if time.monotonic() - written >= PROGRESS_EVERY_S:
+                    written = time.monotonic()
+                    await self._write(runner, status="in_progress", progress=int(100 * done / max(total, 1)))
+            if code != 200:
+                raise RuntimeError("the replica's stream ended without a video")
+            asyncio.get_running_loop().create_task(self._sweep_once())  # the byte cap, now
+        except (JobGone, LeaseLost) as e:
+            code = 499  # deleted, or this runner lost its lease: stop generating
+            logger.info("video job %s stopped: %r", runner.job_id, e)
+            stream.cancel()
         except asyncio.CancelledError:
             code = 499
             stream.cancel()
+            if runner.stopping == "shutdown":
+                await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
             raise
         except Exception as e:
-            error = http_error(e, f"video job {job_id}")
+            error = http_error(e, f"video job {runner.job_id}")
             code = error.status
-            await self.jobs.update.remote(job_id, {"status": "failed", "completed_at": epoch_seconds(),
-                                                   "error": {"code": str(code), "message": error.message}})
+            await self._fail(runner, str(code), error.message)
         finally:
-            self.tasks.pop(job_id, None)
+            heartbeat.cancel()
+            self.tasks.pop(runner.job_id, None)
+            self.runners.pop(runner.job_id, None)
             self.metrics.observe("/v1/videos:job", code, time.perf_counter() - started)
 
+    async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
+        """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""
+        while True:
+            await asyncio.sleep(runner.record["lease_s"] / 4)
+            try:
+                await self._io(runner.update)
+            except (JobGone, LeaseLost) as e:
+                logger.info("video job %s stopped: %r", runner.job_id, e)
+                runner.stopping = "deleted" if isinstance(e, JobGone) else "lease lost"
+                job.cancel()
+                return
+            except Exception:
+                logger.exception("heartbeat of video job %s failed; retrying", runner.job_id)
+
+    async def _write(self, runner: JobRunner, **fields) -> None:
+        """A progress write; a store hiccup is logged and left to the next write (the lease allows for it)."""
+        try:
+            await self._io(runner.update, **fields)
+        except (JobGone, LeaseLost):
+            raise
+        except Exception:
+            logger.exception("writing video job %s failed", runner.job_id)
+
+    async def _fail(self, runner: JobRunner, code: str, message: str) -> None:
+        try:
+            await self._io(runner.fail, code, message)
+        except (JobGone, LeaseLost):
+            pass
+        except Exception:  # the lease will fail it for readers
+            logger.exception("recording the failure of video job %s failed", runner.job_id)
+
     async def _job(self, video_id: str) -> dict:
-        job = await self.jobs.get.remote(video_id)
-        if job is None:
-            raise APIError(404, f"no video job {video_id!r}", "video_id")
-        return job
+        video = await self._io(self.jobs.get, video_id)
+        if video is None:
+            raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+        return video
+
+    @app.get("/v1/videos")
+    async def list_videos(self, request: Request):
+        async def run():
+            limit, after, order = list_query(request)
+            videos = await self._io(self.jobs.list)
+            if order == "asc":
+                videos.reverse()
+            if after is not None:
+                ids = [v["id"] for v in videos]
+                if after not in ids:
+                    raise APIError(400, f"after: no video job {after[:80]!r}", "after")
+                videos = videos[ids.index(after) + 1:]
+            page = videos[:limit]
+            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                    "last_id": page[-1]["id"] if page else None, "has_more": len(videos) > limit}
+
+        return await self._call("/v1/videos:list", request, run)
 
     @app.get("/v1/videos/{video_id}")
     async def get_video(self, video_id: str, request: Request):
@@ -433,10 +586,12 @@ class H3Ingress:
     @app.get("/v1/videos/{video_id}/content")
     async def video_content(self, video_id: str, request: Request):
         async def run():
-            job = await self._job(video_id)
-            if job["status"] != "completed":
-                raise APIError(409, f"video {video_id} is {job['status']}, not completed", "video_id")
-            content = await self.jobs.get_content.remote(video_id)
+            video = await self._job(video_id)
+            if video["status"] != "completed":
+                raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
+            content = await self._io(self.jobs.content, video_id)
+            if content is None:  # removed (TTL, byte cap, DELETE) since the record was read
+                raise APIError(404, f"video {video_id} has expired", "video_id")
             return Response(content, media_type="video/mp4")
 
         return await self._call("/v1/videos/{id}/content", request, run)
@@ -444,10 +599,11 @@ class H3Ingress:
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(self, video_id: str, request: Request):
         async def run():
-            if not await self.jobs.delete.remote(video_id):
-                raise APIError(404, f"no video job {video_id!r}", "video_id")
-            task = self.tasks.pop(video_id, None)
-            if task is not None:  # running here; elsewhere the runner stops at its next update
+            if not await self._io(self.jobs.delete, video_id):
+                raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+            task, runner = self.tasks.get(video_id), self.runners.get(video_id)
+            if task is not None and runner is not None:  # running here; elsewhere its runner sees the tombstone
+                runner.stopping = "deleted"
                 task.cancel()
             return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -475,22 +631,42 @@ class H3Ingress:
 
     @app.get("/openapi.json")
     async def openapi(self, request: Request):
-        return await self._call("/openapi.json", request, self._openapi)
+        async def run():
+            if self._openapi is None:
+                root = request.scope.get("root_path", "")  # the application's route prefix
+                base = get_openapi(title=app.title, version=app.version, description=app.description,
+                                   routes=app.routes, servers=[{"url": root}] if root else None)
+                bodies = {"POST /v1/images/generations": ImagesBody, "POST /v1/videos": VideosBody}
+                self._openapi = document(base, bodies, self.limits, await self.rules())
+            return self._openapi
 
-    async def _openapi(self):
-        return app.openapi()
+        return await self._call("/openapi.json", request, run)
 
     @app.get("/docs")
     async def docs(self, request: Request):
-        return await self._call("/docs", request, self._html(get_swagger_ui_html, "h3serve API"))
+        return await self._call("/docs", request, self._html(get_swagger_ui_html, request))
 
     @app.get("/redoc")
     async def redoc(self, request: Request):
-        return await self._call("/redoc", request, self._html(get_redoc_html, "h3serve API"))
+        return await self._call("/redoc", request, self._html(get_redoc_html, request))
 
     @staticmethod
-    def _html(render, title: str) -> Callable[[], Awaitable[HTMLResponse]]:
+    def _html(render, request: Request) -> Callable[[], Awaitable[HTMLResponse]]:
         async def run():
-            return render(openapi_url="/openapi.json", title=title)
+            return render(openapi_url=request.scope.get("root_path", "") + "/openapi.json", title="h3serve API")
 
         return run
+
+    async def __del__(self):
+        """Serve stops this replica: fail its running jobs now rather than after their lease."""
+        if not hasattr(self, "io"):  # the constructor refused
+            return
+        for video_id, task in list(self.tasks.items()):
+            runner = self.runners.get(video_id)
+            if runner is not None:
+                runner.stopping = "shutdown"
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.io.shutdown(wait=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,16 +22,39 @@ class RequestLimits(BaseModel):
     max_steps: int = Field(default=50, ge=2, description="largest num_inference_steps a request may ask for")
     default_steps: int = Field(default=50, ge=2, description="num_inference_steps when a request gives none")
     max_prompt_chars: int = Field(default=4000, ge=1, description="longest prompt, in characters")
-    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="largest HTTP request body (uploaded "
-                                "keyframes and references included); larger bodies get HTTP 413")
-    max_video_jobs: int = Field(default=256, ge=1, description="stored video jobs; the oldest finished ones are "
-                                "dropped first")
+    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="largest HTTP request body, chunked or "
+                                "not: a prompt's few KB plus base64 keyframes and references (a 1344x768 PNG is up to "
+                                "~4 MB in base64); larger bodies get HTTP 413")
+    max_video_jobs: int = Field(default=256, ge=1, description="video job records kept; at the limit the oldest "
+                                "finished ones are dropped first, and with none finished a new job gets HTTP 503")
 
     @model_validator(mode="after")
     def _steps(self) -> RequestLimits:
         if self.default_steps > self.max_steps:
             raise ValueError(f"default_steps={self.default_steps} exceeds max_steps={self.max_steps}")
         return self
+
+
+class JobStoreArgs(BaseModel):
+    """Where video jobs and their MP4s live, and for how long. Every ingress replica must see the same store."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str | None = Field(
+        default=None, description="a directory every ingress replica shares (on Kubernetes: a ReadWriteMany PVC "
+        "mounted on every pod that runs H3Ingress), or an fsspec URL such as s3://bucket/prefix (install s3fs, "
+        "gcsfs... in the image). Jobs go under <store>/<application name>/. Default: $H3SERVE_CACHE/videos, else "
+        "~/.cache/h3serve/videos, on the ingress's own node (one node only)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for a URL store, e.g. {endpoint_url: ...} for an "
+        "S3-compatible store; give credentials through the environment (AWS_*, a service account), not here")
+    ttl_s: float = Field(default=24 * 3600, gt=0, description="a finished job and its MP4 are removed this many "
+                         "seconds after finishing (OpenAI's expires_at)")
+    max_bytes: int = Field(default=20 * 2**30, ge=1, description="MP4 bytes kept in the store; beyond it the oldest "
+                           "finished jobs are removed first")
+    lease_s: float = Field(default=60.0, ge=1, description="a running job's record is rewritten at least every "
+                           "lease_s/4; a job not rewritten for lease_s lost its ingress (crash, restart) and reads "
+                           "as failed. Keep it well above clock skew between nodes and a slow store write")
 
 
 class DeployArgs(BaseModel):
@@ -66,6 +89,7 @@ class DeployArgs(BaseModel):
                                         "longer on a peer fails the step instead of hanging")
     engine: EngineLimits = Field(default_factory=EngineLimits, description="the step engine's bounds per replica")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="what one HTTP request may ask for")
+    jobs: JobStoreArgs = Field(default_factory=JobStoreArgs, description="where video jobs and their MP4s are kept")
     served_model_name: str | None = Field(default=None, description="the id in /v1/models; default: the preset's")
     api_key_env: str | None = Field(
         default="H3SERVE_API_KEY", description="environment variable holding the bearer token every API call needs; "

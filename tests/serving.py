@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 H3SERVE = [str(BIN / "h3serve")]  # the installed console script, as users run it
 SERVE = [str(BIN / "serve")]
+SCHEMATHESIS = [str(BIN / "schemathesis")]
 
 
 def free_port() -> int:
@@ -55,10 +56,10 @@ def h3serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 class ServeProcess:
     """`h3serve serve CONFIG --address ...` running in the background, like a user's terminal."""
 
-    def __init__(self, config: Path, address: str, port: int):
+    def __init__(self, config: Path, address: str, port: int, log_name: str | None = None):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.log = open(config.with_suffix(".log"), "w+")
+        self.log = open(config.with_name(log_name) if log_name else config.with_suffix(".log"), "w+")
         self.proc = subprocess.Popen([*H3SERVE, "serve", str(config), "--address", address], cwd=REPO,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -88,6 +89,40 @@ class ServeProcess:
 
 def client(url: str, timeout: float = 120) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    """The OpenAI-shaped error of ``response``, after checking its status and its exact shape."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    assert response.headers["content-type"] == "application/json", response.headers
+    body = response.json()
+    assert list(body) == ["error"] and sorted(body["error"]) == ["code", "message", "param", "type"], body
+    error = body["error"]
+    assert error["code"] == status and isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    return error
+
+
+def wait_video(http: httpx.Client, video_id: str, timeout: float = 180, headers: dict | None = None,
+               prefix: str = "") -> dict:
+    """Poll a video job until it is completed or failed; its progress values seen on the way in ``seen``."""
+    seen = []
+
+    def finished():
+        response = http.get(f"{prefix}/v1/videos/{video_id}", headers=headers)
+        assert response.status_code == 200, response.text
+        job = response.json()
+        seen.append(job["progress"])
+        return job if job["status"] in ("completed", "failed") else None
+
+    job = wait_for(finished, timeout=timeout, interval=0.2, what=f"video job {video_id}")
+    return {**job, "seen": seen}
+
+
+def requests_counted(metrics_port: int, **labels: str) -> float:
+    """ray_h3serve_requests_total summed over the series whose labels include ``labels``."""
+    samples = scrape(metrics_port).get("ray_h3serve_requests_total", [])
+    return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def scrape(metrics_port: int) -> dict[str, list]:

@@ -394,7 +394,20 @@ def test_api_key_env_reaches_every_ray_container():
     for group in [cluster()["headGroupSpec"], *cluster()["workerGroupSpecs"]]:
         env = {e["name"]: e for e in container(group).get("env", [])}
         assert name in env, f"{name} is not set on {container(group)['name']} (ingress replicas read it)"
-        assert env[name]["valueFrom"]["secretKeyRef"].get("optional") is True, "the API key Secret is optional"
+        # required: a missing Secret must stop the pod, never leave the API open
+        assert env[name]["valueFrom"]["secretKeyRef"].get("optional") is not True, "the API key Secret is required"
+
+
+def test_the_video_job_store_is_mounted_where_ingress_replicas_run():
+    store = deploy_args().jobs.store
+    worker = container(cluster()["workerGroupSpecs"][0])
+    assert any(store == m["mountPath"] or store.startswith(m["mountPath"] + "/") for m in worker["volumeMounts"]
+               if not m.get("readOnly")), f"{store} is not a writable mount of the GPU worker pods"
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in cluster()["workerGroupSpecs"][0]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    jobs_pvc = yaml.safe_load((REPO / "k8s" / "jobs-pvc.yaml").read_text())
+    assert jobs_pvc["metadata"]["name"] in claims.values()
+    assert jobs_pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every worker pod mounts it
 
 
 # -- 8. runbooks ----------------------------------------------------------------------------

@@ -23,11 +23,14 @@ def validate_deployment(
     device: str,
     dtype: str,
     sp_degree: int = 1,
+    ranking: str | None = None,
 ) -> Resolution:
     """Resolve the transformer's attention backend for ``platform`` and check the SP layout.
 
-    Returns the Resolution that every replica builds with. Raises DeploymentConfigError,
-    or the selector's UnknownBackendError / AdmissionError / BackendUnavailable.
+    Returns the Resolution that every replica builds with. ``ranking`` is a measured attention
+    ranking file for ``auto`` (None: ``$H3SERVE_ATTENTION_RANKING``, else the declared order).
+    Raises DeploymentConfigError, or the selector's UnknownBackendError / AdmissionError /
+    BackendUnavailable / RankingError.
     """
     try:
         geometry.check_sp_degree(sp_degree)
@@ -38,4 +41,4 @@ def validate_deployment(
             f"device={device!r} but the replica platform is {platform.device_type!r} [{platform.describe()}]"
         )
     return resolve(REQUIREMENTS, attention_backend, platform, model=model, dtype=parse_dtype(dtype),
-                   head_dim=geometry.head_dim)
+                   head_dim=geometry.head_dim, ranking=ranking)

@@ -1,0 +1,164 @@
+"""Starting, crashing and restarting h3serve: no start without the configured token, no video job left
+'in_progress' by a dead ingress, and finished videos that outlive the server and the cluster."""
+
+import copy
+import os
+import subprocess
+
+import pytest
+import ray
+from ray import serve
+from ray.util.state import list_actors
+
+from serving import (H3SERVE, REPO, SERVE, ServeProcess, client, default_config, free_port, start_cluster, wait_for,
+                     wait_video, write_config)
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+LEASE_S = 6
+LONG = {"prompt": "a long one", "seconds": 14, "num_inference_steps": 100}  # ~20 s on the tiny model
+
+
+class Server:
+    """One cluster for the module, and at most one `h3serve serve` on it; both can be restarted."""
+
+    def __init__(self, tmp):
+        self.tmp, self.process = tmp, None
+        self.address = start_cluster()
+        config = default_config()
+        args = config["applications"][0]["args"]
+        args["jobs"] = {"store": str(tmp / "videos"), "lease_s": LEASE_S}
+        args["limits"]["max_steps"] = LONG["num_inference_steps"]
+        self.port = free_port()
+        self.config = write_config(tmp, config, self.port)
+        self.starts = 0
+
+    def start(self) -> ServeProcess:
+        if self.process is None:
+            self.starts += 1
+            self.process = ServeProcess(self.config, self.address, self.port, log_name=f"serve-{self.starts}.log")
+            self.process.wait_serving()
+        return self.process
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+        serve.shutdown()
+
+    def restart_cluster(self) -> None:
+        self.stop()
+        ray.shutdown()
+        self.address = start_cluster()
+
+    def close(self) -> None:
+        self.stop()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("lifecycle"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def keyed_config(tmp_path, env_var: str | None) -> os.PathLike:
+    config = copy.deepcopy(default_config())
+    args = config["applications"][0]["args"]
+    if env_var is None:
+        del args["api_key_env"]  # not open mode: the default names H3SERVE_API_KEY
+    else:
+        args["api_key_env"] = env_var
+    return write_config(tmp_path, config, free_port(), "keyed.yaml")
+
+
+def without(*names: str) -> dict:
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def test_h3serve_serve_refuses_an_unset_or_empty_token_before_starting_anything(tmp_path):
+    for config, env in ((keyed_config(tmp_path, None), without("H3SERVE_API_KEY")),
+                        (keyed_config(tmp_path, "H3_TEST_EMPTY_KEY"), {**os.environ, "H3_TEST_EMPTY_KEY": ""})):
+        result = subprocess.run([*H3SERVE, "serve", str(config)], cwd=REPO, capture_output=True, text=True,
+                                timeout=120, env=env)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "environment variable is empty or unset" in result.stderr
+        assert "api_key_env: null" in result.stderr  # says how to run open, explicitly
+        assert "Started a local Ray instance" not in result.stderr
+
+
+def test_plain_serve_reaches_deploy_failed_when_the_clusters_token_is_unset(server, tmp_path):
+    """On a cluster the replicas' environment decides (`h3serve serve --address` cannot pre-flight it): the
+    ingress refuses in its constructor, and the application reaches DEPLOY_FAILED with the message."""
+    server.stop()
+    config = keyed_config(tmp_path, "H3_TEST_UNSET_KEY")
+    subprocess.run([*SERVE, "run", str(config), "--non-blocking", "--address", server.address], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+
+    def failed():
+        app = serve.status().applications.get("h3serve")
+        return app if app is not None and app.status == "DEPLOY_FAILED" else None
+
+    app = wait_for(failed, timeout=180, what="DEPLOY_FAILED")
+    messages = app.message + "".join(d.message for d in app.deployments.values())
+    assert "'H3_TEST_UNSET_KEY' but that environment variable is empty or unset" in messages
+    serve.shutdown()
+
+
+def ingress_actors(address: str) -> list:
+    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+            if "H3Ingress" in (a.class_name or "")]
+
+
+
+
+def test_a_job_whose_ingress_crashed_fails_within_its_lease(server):
+    process = server.start()
+    with client(process.url) as http:
+        job = http.post("/v1/videos", json=LONG).json()
+        wait_for(lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress", timeout=60,
+                 interval=0.2, what="the job to run")
+        (ingress,) = ingress_actors(server.address)
+        ray.kill(ray.get_actor(ingress.name, namespace=ingress.ray_namespace), no_restart=True)  # a crash: no __del__
+        # Serve starts a new ingress; it finds the job's heartbeat stopping and fails it
+        def failed():
+            try:
+                response = http.get(f"/v1/videos/{job['id']}")
+            except Exception:
+                return None
+            return response.json() if response.status_code == 200 and response.json()["status"] == "failed" else None
+
+        video = wait_for(failed, timeout=LEASE_S + 90, interval=0.5, what="the orphaned job to fail")
+        assert video["error"]["code"] == "runner_lost", video
+        assert "crashed or was restarted" in video["error"]["message"]
+        assert video["completed_at"] >= job["created_at"] and video["progress"] < 100
+
+
+def test_a_finished_video_outlives_the_server_and_the_cluster(server):
+    process = server.start()
+    with client(process.url) as http:
+        done = http.post("/v1/videos", json={"prompt": "a short one", "num_inference_steps": 2}).json()
+        assert wait_video(http, done["id"])["status"] == "completed"
+        mp4 = http.get(f"/v1/videos/{done['id']}/content").content
+        running = http.post("/v1/videos", json=LONG).json()
+        wait_for(lambda: http.get(f"/v1/videos/{running['id']}").json()["progress"] > 0, timeout=60, interval=0.2,
+                 what="the long job to make progress")
+
+    server.restart_cluster()  # Ctrl-C on `h3serve serve`, and a new Ray cluster: nothing in memory survives
+    process = server.start()
+    with client(process.url) as http:
+        video = http.get(f"/v1/videos/{done['id']}").json()
+        assert video["status"] == "completed" and video["expires_at"] > video["completed_at"]
+        content = http.get(f"/v1/videos/{done['id']}/content")
+        assert content.status_code == 200 and content.content == mp4
+        # the job that was running when the server stopped is failed, not 'in_progress' forever
+        stopped = http.get(f"/v1/videos/{running['id']}").json()
+        assert stopped["status"] == "failed", stopped
+        # failed by the stopping ingress, by its stopping replica (the engine refuses: 503), or by its lease
+        assert stopped["error"]["code"] in ("server_stopped", "503", "runner_lost"), stopped
+        listed = http.get("/v1/videos").json()
+        assert {done["id"], running["id"]} <= {v["id"] for v in listed["data"]}
+        assert http.delete(f"/v1/videos/{done['id']}").status_code == 200
+        assert http.get(f"/v1/videos/{done['id']}/content").status_code == 404

@@ -1,0 +1,225 @@
+"""The video job store on its own: a real directory (and fsspec's memory://), several 'replicas', real processes."""
+
+import json
+import multiprocessing
+import time
+import uuid
+
+import pytest
+
+from deploy.jobs import RUNNER_LOST, JobGone, JobPolicy, JobStore, LeaseLost
+from deploy.media_store import MediaStore, StoreError
+
+POLICY = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["dir", "memory"])
+def url(request, tmp_path) -> str:
+    return str(tmp_path / "videos") if request.param == "dir" else f"memory://h3serve-test-{uuid.uuid4().hex}"
+
+
+def video(created_at: int = 0) -> dict:
+    return {"id": f"video_{uuid.uuid4().hex}", "object": "video", "status": "queued", "progress": 0,
+            "created_at": created_at, "completed_at": None, "error": None}
+
+
+def replicas(url: str, policy: JobPolicy = POLICY, n: int = 2) -> tuple[Clock, list[JobStore]]:
+    """``n`` job stores on one store URL, like the ingress replicas of one app, sharing a clock."""
+    clock = Clock()
+    return clock, [JobStore(MediaStore(url), policy, clock=clock) for _ in range(n)]
+
+
+def test_put_get_delete_and_names(url):
+    store = MediaStore(url)
+    store.check()
+    assert store.names() == [] and store.get("a.json") is None
+    store.put("a.json", b"1")
+    store.put("a.json", b"22")
+    store.put("b.mp4", b"x")
+    assert store.get("a.json") == b"22" and store.names() == ["a.json", "b.mp4"]
+    store.delete("a.json", "missing.mp4")
+    assert store.names() == ["b.mp4"] and not store.exists("a.json")
+    with pytest.raises(ValueError):
+        store.get("../escape.json")
+
+
+def test_a_store_that_cannot_be_used_says_which_and_what_to_set(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    with pytest.raises(StoreError, match=r"a-file/videos.*not usable.*jobs\.store"):
+        MediaStore(str(blocker / "videos"))
+    with pytest.raises(StoreError, match="nosuchproto"):
+        MediaStore("nosuchproto://bucket/videos")
+
+
+def test_a_job_written_by_one_replica_is_read_and_downloaded_by_another(url):
+    _, (a, b) = replicas(url)
+    job = video()
+    runner = a.create(job)
+    assert b.get(job["id"])["status"] == "queued"
+    runner.update(status="in_progress", progress=40)
+    assert b.get(job["id"])["progress"] == 40
+    runner.complete(b"mp4 bytes")
+    assert b.get(job["id"])["status"] == "completed" and b.content(job["id"]) == b"mp4 bytes"
+    assert [v["id"] for v in b.list()] == [job["id"]]
+
+
+def test_ids_that_are_not_ours_are_not_paths(url):
+    _, (jobs,) = replicas(url, n=1)
+    for bad in ("..", "../../etc/passwd", "video_x", "video_" + "0" * 31 + "/", ""):
+        assert jobs.get(bad) is None and jobs.content(bad) is None and not jobs.delete(bad)
+
+
+def test_a_job_whose_runner_stopped_heartbeating_reads_as_failed_on_every_replica(url):
+    clock, (a, b) = replicas(url)
+    job = video()
+    a.create(job).update(status="in_progress", progress=10)
+    clock.now += POLICY.lease_s - 1
+    assert b.get(job["id"])["status"] == "in_progress"  # within the lease
+    clock.now += 2
+    failed = b.get(job["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == RUNNER_LOST
+    assert "crashed or was restarted" in failed["error"]["message"]
+    # saved as failed: a third replica (a fresh process after a restart) reads the same verdict
+    fresh = JobStore(MediaStore(url), POLICY, clock=clock)
+    assert fresh.get(job["id"])["status"] == "failed"
+
+
+def test_the_sweeper_fails_lost_jobs_without_a_reader(url):
+    clock, (a, b) = replicas(url)
+    job = video()
+    a.create(job)
+    clock.now += POLICY.lease_s + 1
+    b.sweep()
+    record = json.loads(MediaStore(url).get(f"{job['id']}.json"))
+    assert record["video"]["status"] == "failed" and record["video"]["error"]["code"] == RUNNER_LOST
+
+
+def test_a_runner_that_could_not_write_for_half_its_lease_stops():
+    policy = JobPolicy(ttl_s=60, max_bytes=10**6, lease_s=1.0, max_jobs=10)
+    _, (jobs,) = replicas(f"memory://h3serve-test-{uuid.uuid4().hex}", policy, n=1)
+    runner = jobs.create(video())
+    runner.update(progress=1)
+    time.sleep(0.6)  # > lease_s / 2 since the last write
+    with pytest.raises(LeaseLost):
+        runner.update(progress=2)
+
+
+def test_deleting_a_running_job_stops_its_runner_on_another_replica(url):
+    clock, (a, b) = replicas(url)
+    job = video()
+    runner = a.create(job)
+    assert b.delete(job["id"])
+    assert a.get(job["id"]) is None and b.get(job["id"]) is None and not b.delete(job["id"])
+    with pytest.raises(JobGone):
+        runner.update(progress=50)
+    with pytest.raises(JobGone):  # and it stays gone, even if a write was in flight
+        runner.complete(b"late")
+    assert a.get(job["id"]) is None and a.list() == []
+    clock.now += POLICY.lease_s + 1  # no runner can write any more: the tombstone goes too
+    b.sweep()
+    assert MediaStore(url).names() == []
+
+
+def test_deleting_a_finished_job_removes_it_at_once_for_every_replica(url):
+    _, (a, b) = replicas(url)
+    job = video()
+    runner = a.create(job)
+    runner.complete(b"mp4")
+    assert [v["status"] for v in a.list()] == ["completed"]  # a has read (and cached) the finished record
+    assert b.delete(job["id"])
+    runner.update()  # a heartbeat that raced the result writes nothing
+    assert MediaStore(url).names() == []
+    assert a.get(job["id"]) is None and a.list() == [] and a.content(job["id"]) is None
+
+
+def test_ttl_removes_finished_jobs_and_their_mp4s(url):
+    clock, (a, b) = replicas(url)
+    done, running = video(), video()
+    a.create(done).complete(b"old")
+    runner = a.create(running)
+    clock.now += POLICY.ttl_s - 10
+    runner.update(progress=5)
+    b.sweep()
+    assert b.get(done["id"])["expires_at"] == b.get(done["id"])["completed_at"] + POLICY.ttl_s
+    clock.now += 20
+    runner.update(progress=6)
+    b.sweep()
+    assert b.get(done["id"]) is None and b.content(done["id"]) is None
+    assert b.get(running["id"])["progress"] == 6  # unfinished jobs are the lease's business, not the TTL's
+
+
+def test_the_byte_cap_evicts_the_oldest_finished_jobs_first(url):
+    policy = JobPolicy(ttl_s=3600, max_bytes=250, lease_s=60, max_jobs=100)
+    clock, (a, b) = replicas(url, policy)
+    jobs = [video() for _ in range(4)]
+    for job in jobs:
+        a.create(job).complete(b"x" * 100)
+        clock.now += 1
+    a.create(running := video())  # unfinished: never evicted
+    b.sweep()
+    kept = {v["id"] for v in b.list()}
+    assert kept == {jobs[2]["id"], jobs[3]["id"], running["id"]}
+    assert b.content(jobs[0]["id"]) is None and b.content(jobs[3]["id"]) == b"x" * 100
+
+
+def test_the_job_count_drops_finished_jobs_then_refuses(url):
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**6, lease_s=60, max_jobs=2)
+    clock, (a, b) = replicas(url, policy)
+    first, second = video(), video()
+    a.create(first).complete(b"1")
+    clock.now += 1
+    running = b.create(second)
+    assert b.create(third := video()) is not None  # the finished one made room
+    assert a.get(first["id"]) is None
+    assert a.create(video()) is None  # two unfinished: refused (HTTP 503)
+    running.complete(b"2")
+    assert a.create(video()) is not None and b.get(third["id"]) is not None
+
+
+def test_an_orphan_mp4_goes_after_two_sweeps_and_temporaries_after_the_lease(tmp_path):
+    url = str(tmp_path / "videos")
+    clock, (jobs,) = replicas(url, n=1)
+    store = MediaStore(url)
+    store.put("video_" + "a" * 32 + ".mp4", b"orphan")  # a runner died between the MP4 and its record
+    (tmp_path / "videos" / ".half-written.tmp").write_bytes(b"")
+    jobs.sweep()
+    assert store.names() == ["video_" + "a" * 32 + ".mp4"]
+    jobs.sweep()
+    assert store.names() == []
+    import os
+
+    os.utime(tmp_path / "videos" / ".half-written.tmp", (0, 0))
+    jobs.sweep()
+    assert not (tmp_path / "videos" / ".half-written.tmp").exists()
+
+
+def _writer(url: str, job_id: str, seconds: float) -> None:
+    store = MediaStore(url)
+    end, i = time.time() + seconds, 0
+    while time.time() < end:
+        i += 1
+        store.put(f"{job_id}.json", json.dumps({"n": i, "pad": "x" * (i % 5000)}).encode())
+
+
+def test_concurrent_writers_in_other_processes_never_show_a_partial_record(tmp_path):
+    url, job_id = str(tmp_path / "videos"), f"video_{uuid.uuid4().hex}"
+    MediaStore(url).put(f"{job_id}.json", b'{"n": 0}')
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_writer, args=(url, job_id, 2.0)) for _ in range(2)]
+    for w in writers:
+        w.start()
+    store, reads = MediaStore(url), 0
+    while any(w.is_alive() for w in writers):
+        json.loads(store.get(f"{job_id}.json"))  # raises on a torn write
+        reads += 1
+    assert all(w.exitcode == 0 for w in writers) and reads > 100
+    assert store.names() == [f"{job_id}.json"]  # no temporaries left behind
