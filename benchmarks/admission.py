@@ -2,9 +2,11 @@
 
     python -m benchmarks.admission [--smoke] [--json PATH]
 
-Part 1 times ``deploy.admission.decide(args, platform)`` and the raw ``attention.resolve`` with the
-selector cache cleared before every call (cold, as a fresh driver sees it), for the CPU config and for
-the GPU config against ``deploy/platforms/h100-flash-attn.json``. Part 2 serves requests through
+Part 1 times ``deploy.admission.decide(args, platform)`` (``validate_deployment(model=..., geometry=...,
+...)``: the SP layout against the preset's heads, the device, then ``attention.resolve``) and the raw
+``attention.resolve``, with the selector cache cleared before every call (cold, as a fresh driver sees
+it), for the default CPU args and for ``deploy/serve_config.gpu.yaml``'s args against
+``deploy/platforms/h100-flash-attn.json``. Part 2 serves requests through
 ``replicas.Engine`` in-process and shows the selector never runs there: its call counter stays
 equal, and a profile of every Python call on the request path (event loop and the engine's model
 thread) finds no frame in the admission or selector modules.
@@ -18,30 +20,38 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+import yaml
+
 import attention
 import attention.selector
 from attention import Platform, probe_platform
 from deploy.admission import decide
 from deploy.args import DeployArgs
-from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
-from replicas import Engine, ReplicaSpec, WorkerGroup
+from pipelines.h3 import REQUIREMENTS, GenerationRequest
+from replicas import Engine, WorkerGroup
 
-from .common import cpu_resolution, machine, main_for, median, percentile, say, table, time_ms
+from .common import machine, main_for, median, percentile, say, table, time_ms, tiny_spec
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = REPO / "deploy" / "platforms" / "h100-flash-attn.json"
 # modules whose code is admission: none of their functions may run while serving
 PACKAGES = ("attention", "pipelines", "replicas", "deploy")
+LIBRARIES = "(libraries: diffusers, transformers, torch, asyncio, stdlib)"
 ADMISSION_FILES = ("attention/selector.py", "deploy/admission.py", "pipelines/h3/admission.py", "attention/platform.py")
+
+
+GPU_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
 
 
 def configs() -> dict[str, tuple[DeployArgs, Platform]]:
     gpu = Platform.model_validate_json(H100.read_text())
-    full = dict(model="full", checkpoint="/models/h3-full", device="cuda", dtype="bfloat16", sp_degree=4)
+    (app,) = yaml.safe_load(GPU_CONFIG.read_text())["applications"]
+    full = DeployArgs.model_validate(app["args"])  # the released model, flash_attn, bf16, sp_degree 4
     return {
         "cpu tiny auto": (DeployArgs(), probe_platform("cpu")),
-        "gpu full flash_attn (h100 json)": (DeployArgs(attention_backend="flash_attn", **full), gpu),
-        "gpu full auto (h100 json)": (DeployArgs(attention_backend="auto", **full), gpu),
+        f"gpu full {full.attention_backend} (h100 json)": (full, gpu),
+        "gpu full auto (h100 json)": (full.model_copy(update={"attention_backend": "auto"}), gpu),
     }
 
 
@@ -55,10 +65,9 @@ def cold(fn):
 def part1(reps: int) -> list[dict]:
     rows = []
     for name, (args, platform) in configs().items():
-        cfg = preset(args.model)
-        resolution = decide(args, platform)
-        raw = lambda: attention.resolve(REQUIREMENTS, args.attention_backend, platform, model=cfg.name,  # noqa: E731
-                                        dtype=args.dtype, head_dim=cfg.head_dim)
+        resolution, head_dim = decide(args, platform), args.geometry.head_dim
+        raw = lambda: attention.resolve(REQUIREMENTS, args.attention_backend, platform,  # noqa: E731
+                                        model=args.served_model_name, dtype=args.dtype, head_dim=head_dim)
         for what, fn in (("decide (cold)", cold(lambda: decide(args, platform))), ("resolve (cold)", cold(raw)),
                          ("resolve (cached)", raw)):
             ms = time_ms(fn, reps=reps, warmup=3)
@@ -72,10 +81,10 @@ def part1(reps: int) -> list[dict]:
 
 def serve_requests(n: int) -> dict:
     """N requests through the in-process engine, with every Python call of every thread recorded."""
-    resolution = cpu_resolution()  # the driver's decision, made before anything is counted
-    group = WorkerGroup.create(ReplicaSpec(resolution=resolution, sp_degree=1))
-    requests = [GenerationRequest(prompt=f"request {i}", width=64 * (1 + i % 2), height=64, steps=2, seed=i)
-                for i in range(n)]
+    spec = tiny_spec(sp=1)  # the driver's decision, made before anything is counted
+    group = WorkerGroup.create(spec)
+    requests = [GenerationRequest(prompt=f"request {i}", width=64 + 32 * (i % 2), height=64, num_inference_steps=3,
+                                  seed=i) for i in range(n)]
     calls: collections.Counter[str] = collections.Counter()
 
     def record(frame, event, arg):
@@ -90,6 +99,8 @@ def serve_requests(n: int) -> dict:
         await engine.close("benchmark done")
 
     before = (attention.selector.stats.calls, attention.selector.stats.cache_hits)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the default config's replica runs
     threading.setprofile(record)
     sys.setprofile(record)
     try:
@@ -97,14 +108,16 @@ def serve_requests(n: int) -> dict:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+        torch.set_num_threads(threads)
     after = (attention.selector.stats.calls, attention.selector.stats.cache_hits)
     per_file = collections.Counter()
     for filename, count in calls.items():
         path = Path(filename).resolve()
         ours = path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in PACKAGES
-        per_file[path.relative_to(REPO).as_posix() if ours else "(libraries: torch, asyncio, stdlib)"] += count
+        per_file[path.relative_to(REPO).as_posix() if ours else LIBRARIES] += count
     admission_frames = {f: per_file.get(f, 0) for f in ADMISSION_FILES}
-    return {"requests": n, "completed": len(results), "selector_calls_before": before[0], "selector_calls_after": after[0],
+    return {"requests": n, "completed": len(results),
+            "selector_calls_before": before[0], "selector_calls_after": after[0],
             "selector_cache_hits_before": before[1], "selector_cache_hits_after": after[1],
             "admission_frames": admission_frames, "calls_per_file": dict(per_file.most_common()),
             "ok": before == after and not any(admission_frames.values()) and len(results) == n}
@@ -116,14 +129,16 @@ def run(smoke: bool = False) -> dict:
     table(["config", "call", "backend", "median ms", "p90 ms", "reps"],
           [[r["config"], r["call"], r["backend"], r["median_ms"], r["p90_ms"], r["reps"]] for r in rows],
           title="Part 1: admission cost in the driver (cold = selector cache cleared before each call)")
-    say("  decide = H3's rule (sp_degree, device) + resolve; runs once per deployment, before any replica.\n"
+    say("  decide = H3's rule (sp_degree divides the preset's heads, device) + resolve; once per deployment, before\n"
+        "  any replica. The gpu rows use deploy/serve_config.gpu.yaml's args.\n"
         "  In Serve the platform comes from a probe task shaped like one SP rank (a Ray task, ~ms to s),\n"
         "  also once per deployment.")
     path = serve_requests(2 if smoke else 8)
     say()
     table(["evidence", "before", "after"],
           [["attention.selector.stats.calls", path["selector_calls_before"], path["selector_calls_after"]],
-           ["attention.selector.stats.cache_hits", path["selector_cache_hits_before"], path["selector_cache_hits_after"]]],
+           ["attention.selector.stats.cache_hits", path["selector_cache_hits_before"],
+            path["selector_cache_hits_after"]]],
           title=f"Part 2: {path['requests']} requests served through replicas.Engine in-process")
     table(["module (request path, all threads)", "python calls"],
           [[f, n] for f, n in path["admission_frames"].items()]

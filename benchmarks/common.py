@@ -1,6 +1,8 @@
-"""Shared helpers for the CPU benchmarks: arguments, timing, percentiles, tables, JSON, output checks.
+"""Shared helpers for the benchmarks: arguments, timing, percentiles, tables, JSON, output checks; GPU timing.
 
-No framework: each benchmark is a plain module with ``main(argv) -> int`` and ``run(smoke) -> dict``.
+No framework: each CPU benchmark is a plain module with ``main(argv) -> int`` and ``run(smoke) -> dict``.
+The GPU scripts (gpu_kernels, gpu_pipeline) use only the torch-only helpers here: nothing at module
+level imports Ray, the deploy package or the model pipeline.
 """
 
 from __future__ import annotations
@@ -104,39 +106,39 @@ def machine() -> dict:
             "loadavg_1m": os.getloadavg()[0]}  # a shared machine: other work skews absolute times
 
 
-def write_json(path: str | None, result: dict) -> None:
+def write_json(path: str | None, result: dict, quiet: bool = False) -> None:
     if not path:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=1, default=str))
-    say(f"wrote {path}")
+    if not quiet:
+        say(f"wrote {path}")
 
 
 def compare_media(got, want, audio_rtol: float = 1e-4, audio_atol: float = 1e-5) -> dict:
-    """Decoded outputs of the same seed from two schedulers.
+    """Decoded outputs of the same request from two schedulers (``GeneratedMedia``: numpy frames and audio).
 
     fp32 GEMMs over different row counts round differently (~1e-6 in the latents), so a pixel may
     cross a uint8 rounding boundary: frames agree when no pixel differs by more than 1.
     """
-    same_shape = tuple(got.frames.shape) == tuple(want.frames.shape)
-    diff = (got.frames.int() - want.frames.int()).abs() if same_shape else None
+    import numpy as np
+
+    same_shape = got.frames.shape == want.frames.shape
+    diff = np.abs(got.frames.astype(np.int16) - want.frames.astype(np.int16)) if same_shape else None
+    same_audio = got.audio.shape == want.audio.shape
     result = {
         "shape_ok": same_shape,
         "max_pixel_diff": int(diff.max()) if same_shape else None,
-        "frac_pixels_differ": float((diff > 0).float().mean()) if same_shape else None,
-        "audio_max_diff": None,
-        "audio_ok": (got.audio is None) == (want.audio is None),
+        "frac_pixels_differ": float((diff > 0).mean()) if same_shape else None,
+        "audio_max_diff": float(np.abs(got.audio - want.audio).max()) if same_audio else None,
+        "audio_ok": bool(same_audio and np.allclose(got.audio, want.audio, rtol=audio_rtol, atol=audio_atol)),
     }
-    if got.audio is not None and want.audio is not None:
-        same = got.audio.shape == want.audio.shape
-        result["audio_max_diff"] = float((got.audio - want.audio).abs().max()) if same else None
-        result["audio_ok"] = same and torch.allclose(got.audio, want.audio, rtol=audio_rtol, atol=audio_atol)
     result["agree"] = bool(same_shape and result["max_pixel_diff"] <= 1 and result["audio_ok"])
     return result
 
 
 def summarize_agreement(comparisons: Sequence[dict]) -> dict:
-    """Worst case over many per-seed comparisons."""
+    """Worst case over many per-request comparisons."""
     pixel = [c["max_pixel_diff"] for c in comparisons if c["max_pixel_diff"] is not None]
     frac = [c["frac_pixels_differ"] for c in comparisons if c["frac_pixels_differ"] is not None]
     audio = [c["audio_max_diff"] for c in comparisons if c["audio_max_diff"] is not None]
@@ -147,10 +149,39 @@ def summarize_agreement(comparisons: Sequence[dict]) -> dict:
 
 def cpu_resolution():
     """The driver's admission decision for the tiny model on this CPU (what a ReplicaSpec carries)."""
-    from attention import Platform, resolve
-    from pipelines.h3 import REQUIREMENTS
+    from attention import Platform
+    from pipelines.h3 import preset, validate_deployment
 
-    return resolve(REQUIREMENTS, "auto", Platform.cpu(), model="h3-tiny")
+    tiny = preset("tiny")
+    return validate_deployment(model=tiny.name, geometry=tiny.geometry(), attention_backend="auto",
+                               platform=Platform.cpu(), device="cpu", dtype="float32")
+
+
+def tiny_spec(sp: int = 1, rank_cpus: float = 1.0, checkpoint: str | None = None):
+    """What the driver hands a tiny CPU replica: default deploy args, ``sp`` Ulysses ranks, and ``checkpoint``
+    (default: the tiny preset with seeded random weights, ``random_tiny_checkpoint()``: same dims, same cost)."""
+    from deploy.args import DeployArgs
+    from pipelines.h3.checkpoint import random_tiny_checkpoint
+
+    args = DeployArgs(sp_degree=sp, rank_resources={"CPU": rank_cpus},
+                      checkpoint=checkpoint or str(random_tiny_checkpoint()))
+    return args.replica_spec(cpu_resolution())
+
+
+def keyframe_png(width: int, height: int, seed: int = 0) -> bytes:
+    """An encoded RGB keyframe (FL2VA's first/last frame): a seeded colour with a bright square."""
+    import io
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    image = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
+    x, y = rng.randrange(width // 2), rng.randrange(height // 2)
+    ImageDraw.Draw(image).rectangle((x, y, x + width // 3, y + height // 3), fill=(250, 250, 250))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 class StepLog:
@@ -160,7 +191,8 @@ class StepLog:
         self.steps = []
 
     def on_step(self, stats, seconds: float) -> None:
-        self.steps.append({"requests": stats.requests, "rows": stats.rows, "padding_rows": stats.padding_rows, "s": seconds})
+        self.steps.append({"requests": stats.requests, "rows": stats.rows, "padding_rows": stats.padding_rows,
+                           "s": seconds})
 
     def on_queue(self, waiting: int, active: int) -> None:
         pass
@@ -178,3 +210,56 @@ def aten_ops(fn) -> int:
         counter.n = 0
         fn()
     return counter.n
+
+
+# -- GPU scripts ----------------------------------------------------------------------------------
+
+PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
+
+
+class Budget:
+    """Wall-clock budget: once spent, remaining cases are skipped and listed."""
+
+    def __init__(self, seconds: float):
+        self.t0, self.seconds, self.skipped = time.monotonic(), seconds, []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def over(self, what: str) -> bool:
+        if self.elapsed() <= self.seconds:
+            return False
+        self.skipped.append(what)
+        say(f"  SKIPPED {what}: over the {self.seconds:.0f} s budget")
+        return True
+
+
+def attempt(fn):
+    """(fn(), None), or (None, error) when a kernel fails or runs out of memory: never crash."""
+    try:
+        return fn(), None
+    except Exception as e:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return None, f"{type(e).__name__}: {first}"
+
+
+def median_ms(fn, device: str, warmup: int, reps: int) -> float:
+    """Median wall ms of ``fn``; on CUDA timed with events around it, so the time covers its kernels."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

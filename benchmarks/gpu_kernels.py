@@ -7,8 +7,10 @@
 Part 1 checks and times each backend's own ``forward_varlen`` on packs of mixed-size
 documents and on one long document, and ranks the backends that passed (fastest first) into a
 ranking file for this platform (``--ranking-out``; see attention/ranking.py for how ``auto``
-uses it). Part 2 times one ``DiTBlock`` with the public H3 dimensions. Needs only torch plus
-this repo's ``attention`` and ``pipelines`` packages.
+uses it). Part 2 times one diffusers ``MiniMaxH3TransformerBlock`` at the released dimensions
+(hidden 5376, 56 heads x 128, SwiGLU 14336) through h3serve's attention processor, over packs of
+T2VA requests laid out by diffusers' layout builders. Needs torch, diffusers and pydantic plus this
+repo's ``attention`` and ``pipelines`` packages (no Ray).
 """
 
 from __future__ import annotations
@@ -18,10 +20,7 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
-import time
-import types
 import warnings
 
 import torch
@@ -29,11 +28,18 @@ import torch.nn.functional as F
 
 from attention import Ranking, get_backend, probe_platform
 from attention.ranking import save as save_ranking
-from pipelines.h3 import config, dit, packing, request
 
-from .common import say, table
+from diffusers.models.transformers.transformer_minimax_h3 import (
+    MINIMAX_H3_MODALITY_NUM,
+    MiniMaxH3RotaryPosEmbed,
+    MiniMaxH3TransformerBlock,
+)
 
-PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
+from pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
+from pipelines.h3.packing import pack_documents
+
+from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table
+from .h3_shapes import Clip, block_flops, clip_document, transformer_config
 BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa", "flex_attn")  # Part 2 builds its block with the first
 NOTES = [
     "Attention FLOPs = sum over real documents of 4 * len^2 * H * D; the trailing padding "
@@ -42,62 +48,19 @@ NOTES = [
     "earlier at ~790 TFLOP/s on this machine, and this run measures its own (% matmul column).",
     "Anchors: FlashAttention-2 forward reaches ~35% of H100 bf16 peak, FlashAttention-3 ~75%.",
 ]
-SIZES = {  # totals: pack sizes of Part 1; block_rows: T of Part 2
+# Part 2's packs: T2VA requests as "WIDTHxHEIGHTxFRAMES"; 1344x768x124 is the released default (~38k rows).
+SIZES = {  # totals: pack sizes of Part 1; block_packs: the requests packed for Part 2
     "full": dict(totals=[4096, 8192, 16384, 32768, 65536], check_total=8192, doc_range=(256, 16384),
-                 heads=56, head_dim=128, preset="full", block_rows=[16384, 32768], width=512,
+                 heads=56, head_dim=128, preset="full", text_tokens=256,
+                 block_packs=[["896x512x124"], ["1344x768x124"], ["896x512x124", "896x512x141"]],
                  warmup=2, reps=5, matmul_n=8192),
     "quick": dict(totals=[4096, 8192], check_total=4096, doc_range=(256, 16384), heads=56, head_dim=128,
-                  preset="full", block_rows=[4096], width=512, warmup=1, reps=3, matmul_n=4096),
-    "cpu": dict(totals=[256, 512], check_total=512, doc_range=(16, 256), heads=2, head_dim=32,
-                preset="tiny", block_rows=[512], width=64, warmup=1, reps=2, matmul_n=256),
+                  preset="full", text_tokens=256, block_packs=[["512x288x124"]], warmup=1, reps=3, matmul_n=4096),
+    "cpu": dict(totals=[256, 512], check_total=512, doc_range=(16, 256), heads=2, head_dim=32, preset="tiny",
+                text_tokens=32, block_packs=[["128x64x124"], ["64x64x124", "96x64x141"]], warmup=1, reps=2,
+                matmul_n=256),
 }
-
-
-class Budget:
-    """Wall-clock budget: once spent, remaining cases are skipped and listed."""
-
-    def __init__(self, seconds: float):
-        self.t0, self.seconds, self.skipped = time.monotonic(), seconds, []
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def over(self, what: str) -> bool:
-        if self.elapsed() <= self.seconds:
-            return False
-        self.skipped.append(what)
-        say(f"  SKIPPED {what}: over the {self.seconds:.0f} s budget")
-        return True
-
-
-def attempt(fn):
-    """(fn(), None), or (None, error) when a kernel fails or runs out of memory: never crash."""
-    try:
-        return fn(), None
-    except Exception as e:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        return None, f"{type(e).__name__}: {first}"
-
-
-def median_ms(fn, device: str, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+PACK_ALIGN = 1  # packs for one rank carry no padding; Ulysses pads only to T % sp_degree
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -186,9 +149,9 @@ def reference_fp32(p, head_chunk: int = 8) -> torch.Tensor:
     return out
 
 
-def part1_varlen(s, h3, device, dtype, platform, budget, res) -> dict:
+def part1_varlen(s, device, dtype, platform, budget, res) -> dict:
     H, D, lo, hi = s["heads"], s["head_dim"], *s["doc_range"]
-    align, mm = h3.packing.ALIGNMENT, res["matmul_tflops"]
+    align, mm = PACK_ALIGN, res["matmul_tflops"]
     say(f"\n== Part 1: varlen attention, {H} heads x head_dim {D}, {dtype_name(dtype)}, {device}")
     impls = {}
     for name in BACKENDS:
@@ -261,74 +224,69 @@ def measured_ranking(res, status, platform, dtype, s, mode) -> Ranking | None:
 
 # -- Part 2: one H3 block --------------------------------------------------------------------------
 
-def h3_documents(h3, cfg, rows: int, width: int, fps: int = 24) -> list:
-    """Two CFG pairs (cond + uncond text over the same latents) of square videos with audio,
-    about rows/3 and rows/6 rows per document, shaped by the request geometry code."""
-    docs = []
-    per_frame = (width // cfg.vae_spatial // cfg.patch_size[1]) ** 2
-    audio_per_frame = cfg.audio_latent_rate * cfg.vae_temporal / fps
-    for i, doc_rows in enumerate((rows // 3, rows // 6)):
-        text_len = min(cfg.text_max_tokens // 2, doc_rows // 8)
-        latent = max(1, int((doc_rows - text_len) / (per_frame + audio_per_frame)))
-        req = h3.request.GenerationRequest(prompt="benchmark", width=width, height=width, fps=fps, audio=True,
-                                           num_frames=1 + cfg.vae_temporal * (latent - 1))
-        video_shape, audio_shape = req.latent_shapes(cfg)
-        video, audio = torch.randn(video_shape), torch.randn(audio_shape)
-        for _ in range(2):
-            docs.append(h3.packing.Document(text=torch.randn(text_len, cfg.hidden_size), video=video,
-                                            audio=audio, timestep=1000.0 * (i + 1) / 3))
-    return docs
+def block_inputs(cfg: dict, clips: list[Clip], device: str, dtype: torch.dtype) -> dict:
+    """A pack of T2VA documents and what ``MiniMaxH3TransformerBlock.forward`` takes for it, as packed_forward
+    builds them; the residual stream and the timestep embedding come from embeddings there, random costs the same."""
+    pack = pack_documents([clip_document(cfg, c, seed=j) for j, c in enumerate(clips)]).to(device)
+    rope = MiniMaxH3RotaryPosEmbed(cfg["rope_freq_dim"], cfg["rope_theta"]).to(device)
+    T, K = pack.total_rows, pack.timestep.numel()
+    return dict(pack=pack, hidden=torch.randn(1, T, cfg["hidden_size"], device=device, dtype=dtype),  # [1, T, d]
+                temb=torch.randn(K, cfg["time_embed_dim"], device=device),  # [K, e] fp32, as time_embedder's
+                adaln_indices=pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags,  # [T]
+                rotary_emb=rope(pack.position_ids))  # cos, sin: [T, 6 * rope_freq_dim]
 
 
-def part2_block(s, h3, device, dtype, status, budget, res) -> None:
-    cfg = h3.config.PRESETS[s["preset"]]
+def part2_block(s, device, dtype, status, budget, res) -> None:
+    cfg = transformer_config(s["preset"])
     names = [n for n in BACKENDS if status.get(n) == "PASS"]
-    say(f"\n== Part 2: one DiTBlock, preset {cfg.name} (hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
-        f"{cfg.head_dim}, ffn {cfg.ffn_size}), every backend that passed")
+    H, D = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    say(f"\n== Part 2: one MiniMaxH3TransformerBlock (diffusers) through h3serve's processor, preset {s['preset']} "
+        f"(hidden {cfg['hidden_size']}, {H} heads x {D}, ffn {cfg['ffn_dim']}), every backend that passed")
     if not names:
         say("  no backend passed the correctness check; skipped")
         budget.skipped.append("block: no passing backend")
         return
-    with torch.device(device):  # initialise on the GPU: a 385M-parameter CPU init is slow
-        block = h3.dit.DiTBlock(cfg, get_backend(names[0]).make_impl()).to(dtype).eval()
-    hid, inner, ffn, H, D = cfg.hidden_size, cfg.inner_dim, cfg.ffn_size, cfg.num_heads, cfg.head_dim
+    with torch.device(device):  # initialise on the GPU: a 645M-parameter CPU init is slow
+        block = MiniMaxH3TransformerBlock(
+            hidden_size=cfg["hidden_size"], num_attention_heads=H, attention_head_dim=D, ffn_dim=cfg["ffn_dim"],
+            time_embed_dim=cfg["time_embed_dim"], norm_eps=cfg["norm_eps"], qk_norm_eps=cfg["qk_norm_eps"])
+    block = block.to(dtype).eval()
     rows = []
-    for target in s["block_rows"]:
-        if budget.over(f"block T={target}"):
+    for names_of_clips in s["block_packs"]:
+        clips = [Clip(*map(int, c.split("x")), text_tokens=s["text_tokens"]) for c in names_of_clips]
+        if budget.over(f"block {'+'.join(names_of_clips)}"):
             continue
-        batch = h3.packing.pack_documents(h3_documents(h3, cfg, target, s["width"]), cfg)
-        inp = batch.inputs.to(device)
-        T, lengths = inp.num_rows, [layout.length for layout in batch.layouts]
-        # As in H3DiT.forward; x and time_mod come from embeddings there, random values cost the same.
-        x = torch.randn(T, hid, device=device, dtype=dtype)
-        time_mod = 0.1 * torch.randn(len(inp.timesteps), 6, hid, device=device, dtype=dtype)
-        combo = inp.t_index * h3.config.NUM_MODALITIES + inp.modality
-        angles = h3.dit.rope_angles(inp.positions, cfg.rope_freqs_per_axis, cfg.rope_theta)
-        rope = (angles.cos(), angles.sin())
-        q, k, v = (torch.randn(T, H, D, device=device, dtype=dtype) for _ in range(3))
-        mm_flops = 2 * T * (hid * 3 * inner + inner * hid + hid * 2 * ffn + ffn * hid)  # all T rows, padding too
-        at_flops = attention_flops(lengths, H, D)
+        inp = block_inputs(cfg, clips, device, dtype)
+        pack = inp["pack"]
+        T, docs = pack.total_rows, Documents(pack.cu_seqlens, pack.max_seqlen)
+        q, k, v = (torch.randn(T, H, D, device=device, dtype=dtype) for _ in range(3))  # [T, H, D]
+        flops = block_flops(cfg, pack)
         for name in names:
             impl = get_backend(name).make_impl()
-            block.attn.impl = impl  # same weights, only the kernel changes
-            block_fn = lambda: block(x, time_mod, combo, inp.cu_seqlens, inp.max_seqlen, rope, None)
-            attn_fn = lambda: impl.forward_varlen(q, k, v, cu_seqlens=inp.cu_seqlens, max_seqlen=inp.max_seqlen)
+            block.attn.set_processor(H3VarlenAttnProcessor(impl))  # same weights, only the kernel changes
+
+            def block_fn():
+                with attending(docs):
+                    return block(inp["hidden"], inp["temb"], inp["adaln_indices"], inp["rotary_emb"])
+
+            attn_fn = lambda: impl.forward_varlen(q, k, v, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
             block_ms, error = attempt(lambda: median_ms(block_fn, device, s["warmup"], s["reps"]))
             attn_ms, attn_error = attempt(lambda: median_ms(attn_fn, device, s["warmup"], s["reps"]))
             both = block_ms is not None and attn_ms is not None
-            tf = None if block_ms is None else tflops(mm_flops + at_flops, block_ms)
-            r = {"backend": name, "rows": T, "padding_rows": batch.padding_rows, "doc_lengths": lengths,
-                 "matmul_flops": mm_flops, "attention_flops": at_flops, "block_ms": block_ms, "tflops": tf,
-                 "mfu_pct": tf and 100 * tf / PEAK_TFLOPS, "attention_kernel_ms": attn_ms,
-                 "rest_ms": block_ms - attn_ms if both else None,
+            tf = None if block_ms is None else tflops(flops["total"], block_ms)
+            r = {"backend": name, "requests": names_of_clips, "rows": T, "padding_rows": pack.padding_rows,
+                 "doc_lengths": pack.lengths, "matmul_flops": flops["matmul"], "attention_flops": flops["attention"],
+                 "block_ms": block_ms, "tflops": tf, "mfu_pct": tf and 100 * tf / PEAK_TFLOPS,
+                 "attention_kernel_ms": attn_ms, "rest_ms": block_ms - attn_ms if both else None,
                  "attention_pct": 100 * attn_ms / block_ms if both else None, "error": error or attn_error}
             res["block"].append(r)
-            rows.append([T, len(lengths), max(lengths), name] + [r[c] for c in (
+            rows.append([" + ".join(names_of_clips), T, max(pack.lengths), name] + [r[c] for c in (
                 "block_ms", "tflops", "mfu_pct", "attention_kernel_ms", "rest_ms", "attention_pct", "error")])
-        del inp, x, q, k, v, rope
-    table(["T", "docs", "max_len", "backend", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %",
-                 "note"], rows)
-    say("  FLOPs: matmuls over all T rows (padding too); attention over real documents only.")
+        del inp, q, k, v
+    table(["requests", "T", "max_len", "backend", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %",
+           "note"], rows)
+    say("  FLOPs (benchmarks/h3_shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
+        "  distinct timestep, attention 4 L^2 H D per document.")
     say("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")
 
 
@@ -363,7 +321,6 @@ def main(argv=None) -> int:
         s = SIZES[mode]
         torch.set_float32_matmul_precision("highest")  # the fp32 reference must not use TF32
         try:
-            h3 = types.SimpleNamespace(config=config, dit=dit, packing=packing, request=request)
             with torch.inference_mode():
                 res["matmul_tflops"] = matmul_tflops(device, dtype, s["matmul_n"], s["warmup"], s["reps"])
                 res["sdpa_loop_fused_kernels"] = sdpa_fused_backends(device, dtype, s["head_dim"])
@@ -372,13 +329,13 @@ def main(argv=None) -> int:
                     + (", ".join(res["sdpa_loop_fused_kernels"]) or "none (math backend: L x L scores in memory)"))
                 for note in NOTES + (["CPU dry run: % of H200 peak is meaningless here."] if device == "cpu" else []):
                     say(f"note: {note}")
-                status, res["error"] = attempt(lambda: part1_varlen(s, h3, device, dtype, platform, budget, res))
+                status, res["error"] = attempt(lambda: part1_varlen(s, device, dtype, platform, budget, res))
                 ranking = measured_ranking(res, status or {}, platform, dtype, s, mode)
                 res["ranking"] = ranking and ranking.model_dump(mode="json")
                 say("\nranking: " + (ranking.describe() if ranking else "none (no backend passed every pack)"))
                 if ranking and args.ranking_out:
                     say(f"wrote {save_ranking(ranking, args.ranking_out)}")
-                _, block_error = attempt(lambda: part2_block(s, h3, device, dtype, status or {}, budget, res))
+                _, block_error = attempt(lambda: part2_block(s, device, dtype, status or {}, budget, res))
                 res["error"] = res["error"] or block_error
                 if res["error"]:
                     say(f"ERROR: {res['error']}")

@@ -1,13 +1,16 @@
-"""Packed continuous batching vs sglang's baselines on a mixed-size workload (tiny preset, CPU).
+"""Packed continuous batching vs sglang's baselines on a mixed MiniMax-H3 workload (tiny preset, CPU).
 
     python -m benchmarks.packing [--smoke] [--rounds N] [--json PATH]
 
 The same pipeline, requests and seeds go through three schedulers, one after the other:
   (a) sequential: one request per forward, FIFO, each runs alone to completion;
-  (b) bucketed: arrived requests of identical shape (size, frames, steps, CFG, audio) run in
-      lockstep until done; new arrivals wait for the next batch;
-  (c) packed: h3serve's replicas.Engine on an sp=1 WorkerGroup (any size, any step, one forward).
-Arrivals are simulated in real time with asyncio; latency = completion - arrival.
+  (b) bucketed: arrived requests of identical shape (canvas, frames, steps, task) run in lockstep
+      until done; new arrivals wait for the next batch;
+  (c) packed: h3serve's replicas.Engine on an sp=1 WorkerGroup (any canvas, length, step or task
+      (T2VA and FL2VA share packs), one forward per step).
+Arrivals are simulated in real time with asyncio; latency = completion - arrival; time to first
+step = the first denoising step of the request done - arrival. One torch thread by default, as the
+default config's Serve replica runs.
 """
 
 from __future__ import annotations
@@ -17,69 +20,83 @@ import concurrent.futures
 import random
 import sys
 
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
+import torch
 
-from .common import (StepLog, compare_media, cpu_resolution, machine, median, now, parser, percentile, say,
-                     summarize_agreement, table, write_json)
+from pipelines.h3 import GenerationRequest, H3Pipeline
+from replicas import Engine, EngineLimits, WorkerGroup
+
+from .common import (StepLog, compare_media, keyframe_png, machine, median, now, parser, percentile, say,
+                     summarize_agreement, table, tiny_spec, write_json)
 from .packing_report import cost_model, judge
 
-PROMPTS = ["a red fox", "a lighthouse at dusk, oil painting", "waves on a beach",
-           "a city street at night in the rain, neon reflections", "a bowl of fruit", "mountains under snow"]
+PROMPTS = ["a red fox", "a lighthouse at dusk with waves", "waves on a beach", "a city street at night",
+           "a blue square moving left with a low hum", "mountains under snow"]
+# (width, height, num_frames, num_inference_steps): every shape twice, so buckets can form
+SHAPES = [(128, 64, 124, 8), (64, 64, 141, 6), (96, 64, 158, 4), (64, 128, 124, 6), (128, 64, 141, 4), (64, 64, 124, 8)]
+SMOKE_SHAPES = [(64, 64, 124, 3), (96, 64, 124, 2)]
+FL2VA = {4: ("first",), 9: ("first", "last")}  # request index -> keyframes it is given
+SMOKE_FL2VA = {2: ("first",)}
 
 
 def workload(smoke: bool, seed: int = 0) -> list[tuple[float, GenerationRequest]]:
-    """(arrival offset s, request): a burst of half at t=0, then the rest staggered, seeded."""
+    """(arrival offset s, request): the first half in a burst at t=0, then the rest staggered, seeded."""
     rng = random.Random(seed)
-    n = 6 if smoke else 16
-    sizes = [(64, 64), (128, 128)] if smoke else [(64, 64), (128, 128), (256, 128), (256, 256)]
-    steps = (2, 3) if smoke else (4, 8)
+    shapes, fl2va, n = (SMOKE_SHAPES, SMOKE_FL2VA, 5) if smoke else (SHAPES, FL2VA, 12)
+    gap = (0.2, 0.4) if smoke else (0.1, 0.25)  # faster than a request is served (~0.3 s): a queue builds
     out, t = [], 0.0
     for i in range(n):
-        w, h = sizes[i % len(sizes)]
-        frames, audio = (9, True) if (i == n - 3 and not smoke) else (1, None)  # one small video with sound
-        if i >= n // 2:
-            t += rng.uniform(0.02, 0.04) if smoke else rng.uniform(0.05, 0.1)
-        out.append((t, GenerationRequest(
-            prompt=rng.choice(PROMPTS), width=w, height=h, num_frames=frames, audio=audio,
-            steps=rng.choice(steps), guidance_scale=1.0 if i % 5 == 4 else 4.0, seed=1000 + i)))
+        w, h, frames, steps = shapes[i % len(shapes)]
+        keys = {f"{end}_frame": keyframe_png(w, h, seed=10 * i + k) for k, end in enumerate(fl2va.get(i, ()))}
+        if i >= (n + 1) // 2:
+            t += rng.uniform(*gap)
+        out.append((t, GenerationRequest(prompt=rng.choice(PROMPTS), width=w, height=h, num_frames=frames,
+                                         num_inference_steps=steps, seed=1000 + i, **keys)))
     return out
 
 
+def describe(r: GenerationRequest) -> str:
+    return f"{r.width}x{r.height}x{r.num_frames}/{r.num_inference_steps}/{r.task}"
+
+
 def shape_key(r: GenerationRequest) -> tuple:
-    return r.width, r.height, r.num_frames, r.steps, r.uses_cfg, r.with_audio
+    return r.width, r.height, r.num_frames, r.num_inference_steps, r.task, r.first_frame is None, r.last_frame is None
 
 
 class Scheduler:
     """Runs model work on one thread (as the Engine does) and counts forwards, rows and padding."""
 
     def __init__(self, pipe: H3Pipeline):
-        self.pipe, self.forwards, self.rows, self.padding = pipe, 0, 0, 0
+        self.pipe, self.forwards, self.rows, self.padding, self.forward_s = pipe, 0, 0, 0, 0.0
         self.pool = concurrent.futures.ThreadPoolExecutor(1)
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def step(self, states) -> None:
-        s = await self.call(self.pipe.step, states)
-        self.forwards, self.rows, self.padding = self.forwards + 1, self.rows + s.rows, self.padding + s.padding_rows
+        started = now()
+        stats = await self.call(self.pipe.step, states)
+        self.forward_s += now() - started
+        for s in stats:  # one StepStats per packed forward
+            self.forwards += 1
+            self.rows, self.padding = self.rows + s.rows, self.padding + s.padding_rows
 
     async def until_arrival(self, t0: float, offset: float) -> None:
         await asyncio.sleep(max(0.0, t0 + offset - now()))
 
 
-async def sequential(pipe, work, done: dict) -> Scheduler:
+async def sequential(pipe, work, done: dict, first: dict) -> Scheduler:
     sched, t0 = Scheduler(pipe), now()
     for i, (arrival, request) in enumerate(work):  # work is in arrival order: FIFO
         await sched.until_arrival(t0, arrival)
         state = await sched.call(pipe.prepare, request)
         while not state.done:
             await sched.step([state])
+            first.setdefault(i, now() - t0)
         done[i] = (await sched.call(pipe.decode, state), now() - t0)
     return sched
 
 
-async def bucketed(pipe, work, done: dict, max_batch: int = 16) -> Scheduler:
+async def bucketed(pipe, work, done: dict, first: dict, max_batch: int = 8) -> Scheduler:
     sched, t0, pending = Scheduler(pipe), now(), list(range(len(work)))
     while pending:
         arrived = [i for i in pending if work[i][0] <= now() - t0]
@@ -92,75 +109,116 @@ async def bucketed(pipe, work, done: dict, max_batch: int = 16) -> Scheduler:
         states = [await sched.call(pipe.prepare, work[i][1]) for i in batch]
         while not states[0].done:  # same steps: lockstep
             await sched.step(states)
+            for i in batch:
+                first.setdefault(i, now() - t0)
         for i, state in zip(batch, states):
             done[i] = (await sched.call(pipe.decode, state), now() - t0)
     return sched
 
 
-async def packed(group, work, done: dict) -> Engine:
+async def packed(group, work, done: dict, first: dict) -> Engine:
     engine, t0 = Engine(group, EngineLimits(max_queue=64, max_active=16), StepLog()), now()
 
     async def one(i, arrival, request):
         await asyncio.sleep(max(0.0, t0 + arrival - now()))
-        done[i] = (await engine.generate(request), now() - t0)
+        ticket = engine.submit(request)
+        stepped = asyncio.ensure_future(ticket.changed.wait())  # set after each forward the request was part of
+        await asyncio.wait([stepped, ticket.future], return_when=asyncio.FIRST_COMPLETED)
+        first[i] = now() - t0
+        done[i] = (await ticket.future, now() - t0)
 
     await asyncio.gather(*(one(i, a, r) for i, (a, r) in enumerate(work)))
     await engine.close("benchmark done")
     return engine
 
 
-def summary(name, work, done, forwards, rows, padding) -> dict:
+def summary(name, work, done, first, forwards, rows, padding, forward_s) -> dict:
     latency = [done[i][1] - work[i][0] for i in range(len(work))]
+    ttfs = [first[i] - work[i][0] for i in range(len(work))]
+    joining = [ttfs[i] for i, (arrival, _) in enumerate(work) if arrival > 0]  # arrived while others ran
     makespan = max(t for _, t in done.values())
     return {"scheduler": name, "requests": len(work), "makespan_s": makespan, "throughput_rps": len(work) / makespan,
             "p50_s": percentile(latency, 50), "p99_s": percentile(latency, 99), "forwards": forwards,
-            "rows": rows, "padding_rows": padding, "padding_frac": padding / rows}
+            "ttfs_p50_s": percentile(ttfs, 50), "ttfs_join_p50_s": percentile(joining, 50),
+            "ttfs_join_max_s": max(joining, default=float("nan")),
+            "rows": rows, "padding_rows": padding, "padding_frac": padding / rows, "forward_s": forward_s}
 
 
 def compare(pipe, group, work, rounds: int) -> dict:
     """Run (a), (b), (c) on the same requests ``rounds`` times; medians, output checks, engine steps."""
     per_round, comparisons, steps = [], [], []
     for k in range(rounds):
-        done = {"a": {}, "b": {}, "c": {}}
-        sa = asyncio.run(sequential(pipe, work, done["a"]))
-        sb = asyncio.run(bucketed(pipe, work, done["b"]))
-        ec = asyncio.run(packed(group, work, done["c"]))
-        rows = [summary("(a) sequential", work, done["a"], sa.forwards, sa.rows, sa.padding),
-                summary("(b) bucketed", work, done["b"], sb.forwards, sb.rows, sb.padding),
-                summary("(c) packed engine", work, done["c"], ec.stats.forwards, ec.stats.rows, ec.stats.padding_rows)]
+        done, first, ran = {x: {} for x in "abc"}, {x: {} for x in "abc"}, {}
+        runners = {"a": lambda: sequential(pipe, work, done["a"], first["a"]),
+                   "b": lambda: bucketed(pipe, work, done["b"], first["b"]),
+                   "c": lambda: packed(group, work, done["c"], first["c"])}
+        for x in "abc" if k % 2 == 0 else "cba":  # alternate the order: load drifting over a round hits all alike
+            ran[x] = asyncio.run(runners[x]())
+        sa, sb, ec = ran["a"], ran["b"], ran["c"]
+        rows = [summary("(a) sequential", work, done["a"], first["a"], sa.forwards, sa.rows, sa.padding, sa.forward_s),
+                summary("(b) bucketed", work, done["b"], first["b"], sb.forwards, sb.rows, sb.padding, sb.forward_s),
+                summary("(c) packed engine", work, done["c"], first["c"], ec.stats.forwards, ec.stats.rows,
+                        ec.stats.padding_rows, sum(s["s"] for s in ec.observer.steps))]
         for r in rows:
             r["ratio_vs_a"] = r["throughput_rps"] / rows[0]["throughput_rps"]
         per_round.append(rows)
         steps += ec.observer.steps
-        for other in ("b", "c"):
+        for other in "bc":
             comparisons += [dict(compare_media(done[other][i][0], done["a"][i][0]), pair=f"{other}-vs-a", seed=r.seed)
                             for i, (_, r) in enumerate(work)]
-        say(f"  round {k + 1}/{rounds}: throughput vs (a): b {rows[1]['ratio_vs_a']:.2f}x, c {rows[2]['ratio_vs_a']:.2f}x")
-    keys = ["makespan_s", "throughput_rps", "p50_s", "p99_s", "forwards", "padding_frac", "ratio_vs_a"]
+        say(f"  round {k + 1}/{rounds}: throughput vs (a): b {rows[1]['ratio_vs_a']:.2f}x, "
+            f"c {rows[2]['ratio_vs_a']:.2f}x")
+    keys = ["makespan_s", "throughput_rps", "p50_s", "p99_s", "ttfs_join_p50_s", "ttfs_join_max_s", "forwards",
+            "rows", "padding_frac", "forward_s", "ratio_vs_a"]
     med = [{"scheduler": per_round[0][j]["scheduler"], **{k: median([r[j][k] for r in per_round]) for k in keys}}
            for j in range(3)]
     agreement = {p: summarize_agreement([c for c in comparisons if c["pair"] == p]) for p in ("b-vs-a", "c-vs-a")}
-    table(["scheduler", "makespan s", "req/s", "p50 s", "p99 s", "forwards", "padding %", "vs (a)"],
-          [[m["scheduler"], m["makespan_s"], m["throughput_rps"], m["p50_s"], m["p99_s"], m["forwards"],
-            100 * m["padding_frac"], m["ratio_vs_a"]] for m in med],
-          title=f"median of {rounds} round(s); p99 of {len(work)} requests is ~the max")
+    table(["scheduler", "makespan s", "req/s", "p50 s", "p99 s", "join TTFS p50 s", "join TTFS max s", "forwards",
+           "rows", "padding %", "in forwards s", "vs (a)"],
+          [[m["scheduler"], m["makespan_s"], m["throughput_rps"], m["p50_s"], m["p99_s"], m["ttfs_join_p50_s"],
+            m["ttfs_join_max_s"], m["forwards"], m["rows"], 100 * m["padding_frac"], m["forward_s"], m["ratio_vs_a"]]
+           for m in med],
+          title=f"median of {rounds} round(s); p99 of {len(work)} requests is ~the max; TTFS = time to first step "
+                "of the requests that arrived after t=0; in forwards = the model thread's time in packed forwards")
     table(["outputs", "requests", "agree", "max |pixel diff|", "max frac px differ", "audio max diff"],
           [[p, a["requests"], a["agree"], a["max_pixel_diff"], a["max_frac_pixels_differ"], a["audio_max_diff"]]
-           for p, a in agreement.items()], title="outputs per seed (frames: |diff| <= 1; audio: allclose 1e-4/1e-5)")
-    return {"rounds": per_round, "median": med, "agreement": agreement, "comparisons": comparisons, "engine_steps": steps}
+           for p, a in agreement.items()], title="outputs per request (frames: |diff| <= 1; audio: allclose 1e-4/1e-5)")
+    return {"rounds": per_round, "median": med, "agreement": agreement, "comparisons": comparisons,
+            "engine_steps": steps}
 
 
-def run(smoke: bool = False, rounds: int | None = None) -> dict:
+def warm_up(pipe: H3Pipeline, work, smoke: bool) -> None:
+    """Every shape once through prepare, one step and decode (first calls allocate and pick kernels), one big pack.
+
+    Smoke: the first request only (the first call of each library is the slow one)."""
+    seen = {}
+    for _, r in work[:1] if smoke else work:
+        seen.setdefault(shape_key(r), r)
+    for r in seen.values():
+        state = pipe.prepare(r)
+        pipe.step([state])
+        pipe.decode(state)
+    if not smoke:
+        pipe.step([pipe.prepare(r) for _, r in work])
+
+
+def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dict:
     rounds = rounds or (1 if smoke else 5)
+    own_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return measure(smoke, rounds)
+    finally:
+        torch.set_num_threads(own_threads)
+
+
+def measure(smoke: bool, rounds: int) -> dict:
     work = workload(smoke)
-    group = WorkerGroup.create(ReplicaSpec(resolution=cpu_resolution(), sp_degree=1))
-    # (a) and (b) call pipeline.step on a twin that shares the group's model (same weights, same kernels)
-    pipe = H3Pipeline(group.pipeline.config, group.pipeline.model, group.pipeline.device)
-    say(f"{len(work)} requests (WxHxframes/steps/cfg): "
-        + ", ".join(f"{r.width}x{r.height}x{r.num_frames}/{r.steps}/{'cfg' if r.uses_cfg else '-'}" for _, r in work))
-    for _, r in work:  # warm up every shape once, and one big pack
-        pipe.step([pipe.prepare(r)])
-    pipe.step([pipe.prepare(r) for _, r in work])
+    group = WorkerGroup.create(tiny_spec(sp=1))
+    pipe = group.pipeline  # (a) and (b) step it directly: same weights, same kernels, same thread discipline
+    say(f"machine: {machine()}\nbackend: {group.spec.resolution.backend}")
+    say(f"{len(work)} requests (WxHxframes/steps/task): " + ", ".join(describe(r) for _, r in work))
+    warm_up(pipe, work, smoke)
     scenarios = {"staggered": work} if smoke else {"staggered": work, "burst": [(0.0, r) for _, r in work]}
     results = {}
     for name, w in scenarios.items():
@@ -169,19 +227,25 @@ def run(smoke: bool = False, rounds: int | None = None) -> dict:
     say("(b) runs pipeline.step on each bucket: the same varlen kernel path as (c); sglang would pad a\n"
         "    same-shape batch to [B, S] instead, which costs (b) more than here.")
 
-    cost = cost_model(pipe, work, reps=3 if smoke else 9)
+    cost = cost_model(pipe, work, reps=1 if smoke else 5)
     targets = judge(results, cost, work, smoke)
     ok = all(pair["agree"] for r in results.values() for pair in r["agreement"].values())
     say(f"\noutputs agree across schedulers: {'YES' if ok else 'NO'}")
-    return {"benchmark": "packing", "smoke": smoke, "machine": machine(), "scenarios": results, "cost": cost,
-            "targets": targets, "ok": ok, "workload": [{"arrival_s": t, **r.model_dump()} for t, r in work]}
+    group.shutdown()
+    return {"benchmark": "packing", "smoke": smoke, "machine": machine(), "backend": group.spec.resolution.backend,
+            "scenarios": results, "cost": cost, "targets": targets, "ok": ok,
+            "workload": [{"arrival_s": t, "shape": describe(r), "steps": r.num_inference_steps, "task": r.task,
+                          "seed": r.seed} for t, r in work]}
 
 
 def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, help="repeat a, b, c this many times (default 5; smoke 1)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a Serve replica of the "
+                    "default config runs: Ray sets OMP_NUM_THREADS=1 below 2 CPUs; on a shared box two OpenMP "
+                    "threads stall whenever another process runs)")
     args = ap.parse_args(argv)
-    result = run(args.smoke, args.rounds)
+    result = run(args.smoke, args.rounds, args.threads)
     write_json(args.json, result)
     return 0 if result["ok"] else 1
 

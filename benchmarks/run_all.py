@@ -2,8 +2,9 @@
 
     python -m benchmarks.run_all [--smoke] [--json-dir DIR]
 
-packing, admission, serving, sp; then gpu_kernels when CUDA is visible (otherwise its command is
-printed). Exits non-zero if any benchmark's correctness check failed.
+packing, admission, serving, sp, default_clip; then gpu_kernels and gpu_pipeline when CUDA is
+visible (otherwise their commands, and the one-command GPU session script, are printed). Exits
+non-zero if any benchmark's correctness check failed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,23 @@ import torch
 
 from .common import say, table
 
-CPU_BENCHMARKS = ("packing", "admission", "serving", "sp")
+CPU_BENCHMARKS = ("packing", "admission", "serving", "sp", "default_clip")
+GPU_BENCHMARKS = ("gpu_kernels", "gpu_pipeline")
+
+
+def commands(smoke: bool, json_dir: str | None, cuda: bool) -> dict[str, list[str]]:
+    """The command line of every benchmark to run here, by name."""
+    out = {}
+    for name in CPU_BENCHMARKS:
+        cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--smoke"] if smoke else [])
+        out[name] = cmd + (["--json", str(Path(json_dir) / f"{name}.json")] if json_dir else [])
+    if cuda:
+        kernels = [sys.executable, "-m", "benchmarks.gpu_kernels"] + (["--quick"] if smoke else [])
+        out["gpu_kernels"] = kernels + (["--out", str(Path(json_dir) / "gpu_kernels.json")] if json_dir else [])
+        pipeline = [sys.executable, "-m", "benchmarks.gpu_pipeline"]
+        pipeline += ["--skip", "packing", "compile"] if smoke else []
+        out["gpu_pipeline"] = pipeline + (["--json", str(Path(json_dir) / "gpu_pipeline.json")] if json_dir else [])
+    return out
 
 
 def main(argv=None) -> int:
@@ -26,25 +43,18 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds each")
     ap.add_argument("--json-dir", help="write <name>.json for each benchmark here")
     args = ap.parse_args(argv)
-    commands = {}
-    for name in CPU_BENCHMARKS:
-        cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--smoke"] if args.smoke else [])
-        commands[name] = cmd + (["--json", str(Path(args.json_dir) / f"{name}.json")] if args.json_dir else [])
-    gpu = [sys.executable, "-m", "benchmarks.gpu_kernels"] + (["--quick"] if args.smoke else [])
-    gpu += ["--out", str(Path(args.json_dir) / "gpu_kernels.json")] if args.json_dir else []
-    if torch.cuda.is_available():
-        commands["gpu_kernels"] = gpu
+    cuda = torch.cuda.is_available()
     results = []
-    for name, cmd in commands.items():
+    for name, cmd in commands(args.smoke, args.json_dir, cuda).items():
         say(f"\n{'=' * 100}\n$ {' '.join(cmd[1:])}\n{'=' * 100}")
         t0 = time.perf_counter()
         code = subprocess.run(cmd).returncode
         results.append([name, "ok" if code == 0 else f"FAILED (exit {code})", time.perf_counter() - t0])
     say()
     table(["benchmark", "result", "wall s"], results, title="summary")
-    if "gpu_kernels" not in commands:
-        say("gpu_kernels: skipped, no CUDA device here; on a GPU node run:\n"
-            "  python -m benchmarks.gpu_kernels --out gpu_kernels.json")
+    if not cuda:
+        say("gpu_kernels, gpu_pipeline: skipped, no CUDA device here. On a GPU node, in one command (see its header\n"
+            "  for carrying diffusers and pydantic to a machine without them):  bash benchmarks/gpu_session.sh")
     return 0 if all(r[1] == "ok" for r in results) else 1
 
 

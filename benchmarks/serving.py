@@ -1,15 +1,19 @@
-"""Serving overhead: one image request over HTTP through Ray Serve vs the same request in-process.
+"""Serving overhead: requests over HTTP through Ray Serve (`h3serve serve`, default config) vs in-process.
 
     python -m benchmarks.serving [--smoke] [--json PATH]
 
-Starts a local cluster (``ray.init(num_cpus=2)``) and ``serve.run(build_app(DeployArgs()))``, builds
-an in-process ``replicas.Engine`` on an sp=1 WorkerGroup in this driver, then sends the same request,
-one at a time (no concurrency: this measures overhead, not batching), interleaved:
-  in-process   engine.generate(request) in this process
-  handle       DeploymentHandle -> H3Replica.generate_image (engine + PNG in the replica)
-  http         POST /v1/images/generations (proxy -> H3Ingress -> handle -> replica; JSON + base64)
-The in-process side uses as many torch threads as a Serve replica of this shape gets (Ray sets
-OMP_NUM_THREADS from the actor's CPUs), so the difference is serving overhead, not compute.
+Starts a local cluster (``ray.init(num_cpus=2)``), runs ``h3serve serve deploy/serve_config.yaml``
+against it (only the port changed), builds an in-process ``replicas.Engine`` on an sp=1 WorkerGroup
+in this driver, then sends the same request, one at a time (no concurrency: this measures overhead,
+not batching), all paths interleaved:
+  in-process engine          engine.generate(request) here, then the PNG / the MP4 encoded here
+  handle                     DeploymentHandle -> H3Replica.generate_image (engine + PNG in the replica)
+  HTTP image                 POST /v1/images/generations: the middle frame of the clip, PNG in base64 JSON
+  HTTP video job             POST /v1/videos, poll GET /v1/videos/{id} every 50 ms, GET .../content (MP4)
+The request is the server's default (no size, no seconds, no steps: the tiny canvas, the shortest
+clip, ``limits.default_steps``); smoke uses 64x64 and 2 steps. The in-process side uses as many torch
+threads as the replica gets (Ray sets OMP_NUM_THREADS from the actor's CPUs), so the difference is
+serving overhead, not compute.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import logging
-import socket
 import sys
 
 import httpx
@@ -28,20 +30,15 @@ import torch
 from PIL import Image
 from ray import serve
 
-from deploy.app import build_app
-from deploy.args import DeployArgs
 from pipelines.h3 import GenerationRequest
-from replicas import Engine, ReplicaSpec, WorkerGroup
+from pipelines.h3.checkpoint import resolve_checkpoint
+from pipelines.h3.media import probe_media
+from replicas import Engine, WorkerGroup
 
-from .common import cpu_resolution, machine, main_for, median, now, percentile, say, table
+from .common import machine, main_for, median, now, percentile, say, table, tiny_spec
+from .served import ServedDefault, default_args, video_job
 
 TARGET = 1.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @ray.remote
@@ -50,41 +47,45 @@ def replica_threads() -> int:
 
 
 def run(smoke: bool = False) -> dict:
-    size, steps, reps = (64, 2, 2) if smoke else (256, 8, 20)
-    body = {"prompt": "a lighthouse at dusk", "size": f"{size}x{size}", "num_inference_steps": steps, "seed": 7}
-    request = GenerationRequest(prompt=body["prompt"], width=size, height=size, steps=steps, seed=7)
-    args = DeployArgs(rank_resources={"CPU": 1.0})  # H3Ingress takes Serve's default 1 CPU: 2 in all
-    port, own_threads, started_ray = free_port(), torch.get_num_threads(), not ray.is_initialized()
-    if started_ray:  # else: reuse the caller's cluster (it needs 2 free CPUs)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    try:
+    args = default_args()
+    size, steps, reps = ((64, 64), 2, 1) if smoke else (None, args.limits.default_steps, 3)
+    body = {"prompt": "a lighthouse at dusk", "seed": 7, **({"size": f"{size[0]}x{size[1]}",
+                                                              "num_inference_steps": steps} if smoke else {})}
+    request = GenerationRequest(prompt=body["prompt"], width=size and size[0], height=size and size[1],
+                                num_inference_steps=steps, seed=7)
+    own_threads = torch.get_num_threads()
+    out: dict = {}
+    with ServedDefault() as served:
         threads = ray.get(replica_threads.options(num_cpus=args.rank_resources["CPU"]).remote())
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        t0 = now()
-        serve.run(build_app(args), name="h3serve", route_prefix="/")
-        say(f"Serve app up in {now() - t0:.1f} s on port {port}; a replica of {args.rank_resources} runs "
-            f"torch with {threads} thread(s), so this process uses {threads} too")
+        say(f"checkpoint: {resolve_checkpoint(served.checkpoint)}")
+        say(f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s at {served.url}; a replica of "
+            f"{args.rank_resources} runs torch with {threads} thread(s), so this process uses {threads} too")
         torch.set_num_threads(threads)
         say(f"machine: {machine()}")
         handle = serve.get_deployment_handle("H3Replica", app_name="h3serve")
-        engine = Engine(WorkerGroup.create(ReplicaSpec(resolution=cpu_resolution(), sp_degree=1)), args.engine.limits())
+        group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(resolve_checkpoint(served.checkpoint))))
+        engine = Engine(group, args.engine)
         loop = asyncio.new_event_loop()
-        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-        out: dict = {}
+        http = httpx.Client(base_url=served.url, timeout=600)
 
         def in_process():
             out["media"] = loop.run_until_complete(engine.generate(request))
 
-        def encode():  # what the replica and ingress add to the result: PNG, then base64 in JSON
+        def encode_png():  # what the replica and ingress add to an image: PNG, then base64 in JSON
             out["b64"] = base64.b64encode(out["media"].png()).decode()
 
-        def via_handle():
-            out["handle_png"] = handle.generate_image.remote(request.model_dump()).result()
+        def encode_mp4():  # what the replica adds to a video job
+            out["mp4"] = out["media"].mp4()
 
-        def via_http():
-            response = http.post("/v1/images/generations", json=body)
-            response.raise_for_status()
+        def via_handle():
+            out["handle_png"] = handle.generate_image.remote(request).result()
+
+        def via_http_image():
+            response = http.post("/v1/images/generations", json=body).raise_for_status()
             out["http_png"] = base64.b64decode(response.json()["data"][0]["b64_json"])
+
+        def via_http_video():
+            out["job"], out["http_mp4"] = video_job(http, body)
 
         def ping_handle():  # the hop alone: a replica method that does no model work
             handle.diagnostics.remote().result()
@@ -92,56 +93,61 @@ def run(smoke: bool = False) -> dict:
         def ping_ingress():  # HTTP + proxy + ingress, no replica hop
             http.get("/v1/models").raise_for_status()
 
-        paths = {"in-process engine": in_process, "PNG + base64 (in-process)": encode,
-                 "Serve handle -> replica": via_handle, "HTTP -> proxy -> ingress -> replica": via_http,
-                 "ping: handle -> replica.diagnostics": ping_handle, "ping: HTTP GET /v1/models (ingress)": ping_ingress}
+        paths = {"in-process engine": in_process, "PNG + base64 (in-process)": encode_png,
+                 "MP4 encode (in-process)": encode_mp4, "Serve handle -> replica (PNG)": via_handle,
+                 "HTTP image: POST /v1/images/generations": via_http_image,
+                 "HTTP video job: POST, poll, GET content": via_http_video,
+                 "ping: handle -> replica.diagnostics": ping_handle, "ping: HTTP GET /v1/models": ping_ingress}
         times = {k: [] for k in paths}
-        warmup = 1 if smoke else 2
-        for i in range(warmup + reps):  # interleaved; the first rounds warm up every path
+        for i in range(1 + reps):  # interleaved; the first round warms every path up (its times are kept apart)
             for name, fn in paths.items():
                 t0 = now()
                 fn()
-                if i >= warmup:
-                    times[name].append((now() - t0) * 1e3)
-        frames = out["media"].frames[0].numpy().astype(int)
-        diffs = {k: int(np.abs(np.asarray(Image.open(io.BytesIO(out[k]))).astype(int) - frames).max())
+                times[name].append((now() - t0) * 1e3)
+        middle = out["media"].frames[len(out["media"].frames) // 2].astype(int)
+        diffs = {k: int(np.abs(np.asarray(Image.open(io.BytesIO(out[k]))).astype(int) - middle).max())
                  for k in ("handle_png", "http_png")}
+        got, want = probe_media(out["http_mp4"]), probe_media(out["mp4"])
+        video_same = (got.frames, got.width, got.height, got.audio_channels) == (
+            want.frames, want.width, want.height, want.audio_channels)
         http.close()
         loop.run_until_complete(engine.close("benchmark done"))
         loop.close()
-    finally:
+        group.shutdown()
         torch.set_num_threads(own_threads)
-        serve.shutdown()
-        if started_ray:
-            ray.shutdown()
 
-    base = median(times["in-process engine"])
-    rows = [{"path": k, "median_ms": median(v), "p90_ms": percentile(v, 90),
-             "vs_in_process": None if k.startswith("ping") else median(v) / base} for k, v in times.items()]
+    base = median(times["in-process engine"][1:])
+    rows = [{"path": k, "first_ms": v[0], "median_ms": median(v[1:]), "p90_ms": percentile(v[1:], 90),
+             "vs_in_process": None if k.startswith("ping") or "in-process)" in k else median(v[1:]) / base}
+            for k, v in times.items()]
+    shape = f"{request.width}x{request.height}" if size else "default canvas"
     say()
-    table(["path", "median ms", "p90 ms", "vs in-process"],
-          [[r["path"], r["median_ms"], r["p90_ms"], r["vs_in_process"]] for r in rows],
-          title=f"{size}x{size}, {steps} steps, CFG on, sequential requests, {reps} each, interleaved")
+    table(["path", "first (cold) ms", "median ms", "p90 ms", "vs in-process"],
+          [[r["path"], r["first_ms"], r["median_ms"], r["p90_ms"], r["vs_in_process"]] for r in rows],
+          title=f"{shape}, shortest clip, {steps} steps, sequential requests, {reps} each after one warm-up, "
+                "interleaved")
     ms = {r["path"]: r["median_ms"] for r in rows}
-    full, encode_ms = ms["HTTP -> proxy -> ingress -> replica"], ms["PNG + base64 (in-process)"]
-    hop, ingress = ms["ping: handle -> replica.diagnostics"], ms["ping: HTTP GET /v1/models (ingress)"]
-    ratio, ratio_same_work = full / base, full / (base + encode_ms)
-    say(f"  HTTP / (in-process + PNG + base64), the same work on both sides: {ratio_same_work:.2f}x\n"
-        f"  the HTTP path's {full - base:.1f} ms over in-process, by where it goes:\n"
-        f"    PNG encode (replica) + base64 (ingress)   ~{encode_ms:.1f} ms (timed in-process)\n"
-        f"    handle hop to the replica                 ~{hop:.1f} ms (ping)\n"
-        f"    HTTP + proxy + ingress                    ~{ingress:.1f} ms (ping)\n"
-        f"    rest: {len(out['b64']) / 1e3:.0f} kB JSON, the replica's loop  "
-        f"~{full - base - encode_ms - hop - ingress:.1f} ms")
-    ok = all(d <= 1 for d in diffs.values())
-    say(f"  same pixels over Serve as in-process (max |diff| <= 1): {'YES' if ok else 'NO'} {diffs}")
-    met = ratio <= TARGET
-    say(f"\ntarget HTTP / in-process <= {TARGET}x: {ratio:.2f}x, {'met' if met else 'NOT met'}"
-        + (" (smoke size: judged at 256x256, 8 steps)" if smoke else ""))
+    image, video = ms["HTTP image: POST /v1/images/generations"], ms["HTTP video job: POST, poll, GET content"]
+    ratio_image = image / (base + ms["PNG + base64 (in-process)"])
+    ratio_video = video / (base + ms["MP4 encode (in-process)"])
+    hop, ingress = ms["ping: handle -> replica.diagnostics"], ms["ping: HTTP GET /v1/models"]
+    say(f"  HTTP image / (in-process + PNG + base64), the same work on both sides: {ratio_image:.2f}x\n"
+        f"  HTTP video job / (in-process + MP4), the same work on both sides: {ratio_video:.2f}x\n"
+        f"  fixed hops: handle -> replica ~{hop:.1f} ms, HTTP + proxy + ingress ~{ingress:.1f} ms; a video job adds\n"
+        f"  the job store writes, polling every 50 ms and a second GET for the MP4 "
+        f"({len(out['http_mp4']) / 1e3:.0f} kB)")
+    ok = all(d <= 1 for d in diffs.values()) and video_same and out["job"]["status"] == "completed"
+    say(f"  same pixels over Serve as in-process (max |diff| <= 1): {diffs}; video job MP4 has the in-process clip's "
+        f"frames, size and audio channels: {'yes' if video_same else 'NO'} ({got.frames} frames {got.width}x"
+        f"{got.height}, {got.audio_channels} audio channels)")
+    met = max(ratio_image, ratio_video) <= TARGET
+    say(f"\ntarget HTTP / in-process (same work) <= {TARGET}x: image {ratio_image:.2f}x, video {ratio_video:.2f}x, "
+        f"{'met' if met else 'NOT met'}" + (" (smoke size: judged on the default request)" if smoke else ""))
+    say(f"serving checks: {'YES' if ok else 'NO'}")
     return {"benchmark": "serving", "smoke": smoke, "machine": machine(), "replica_threads": threads,
-            "request": body, "paths": rows, "samples_ms": times, "ratio": ratio, "ratio_same_work": ratio_same_work,
-            "target": TARGET, "met": met,
-            "pixel_diff_vs_in_process": diffs, "ok": ok}
+            "startup_s": served.startup_s, "request": body, "steps": steps, "paths": rows, "samples_ms": times,
+            "ratio_image": ratio_image, "ratio_video": ratio_video, "target": TARGET, "met": met,
+            "pixel_diff_vs_in_process": diffs, "video_same_shape": video_same, "ok": ok}
 
 
 main = main_for(__doc__, run)

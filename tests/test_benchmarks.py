@@ -1,37 +1,56 @@
-"""CI smoke of every benchmark (``--smoke`` sizes): outputs agree, checks pass, tables have their rows.
+"""CI smoke of every benchmark (``--smoke`` sizes, GPU scripts' ``--cpu-dry-run``): checks, counts, table rows.
 
 Never asserts on timings: this machine is shared and small; the numbers live in docs/BENCHMARKS.md.
 """
 
+import importlib
+import importlib.metadata
 import json
 import logging
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import ray
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks import admission, gpu_kernels, gpu_pipeline, packing, run_all, serving, sp
+from attention import get_backend
+from benchmarks import admission, default_clip, gpu_kernels, gpu_pipeline, packing, run_all, serving, sp
+from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
+from pipelines.h3.attention_processor import install
+from pipelines.h3.forward import packed_forward
+from pipelines.h3.packing import pack_documents
 
+REPO = Path(__file__).resolve().parents[1]
 SCHEDULERS = ["(a) sequential", "(b) bucketed", "(c) packed engine"]
 
 
-def test_packing_smoke_outputs_agree_across_the_three_schedulers(capsys, tmp_path):
+def test_packing_smoke_outputs_agree_and_every_scheduler_does_the_same_rows(capsys, tmp_path):
     assert packing.main(["--smoke", "--json", str(tmp_path / "packing.json")]) == 0
     out = capsys.readouterr().out
-    for row in SCHEDULERS + ["b-vs-a", "c-vs-a", "(c)/(a) throughput", "(c) padding"]:
+    for row in SCHEDULERS + ["b-vs-a", "c-vs-a", "(c)/(a) throughput", "(c) padding", "join TTFS p50 s"]:
         assert row in out
     assert "outputs agree across schedulers: YES" in out
     result = json.loads((tmp_path / "packing.json").read_text())
+    work = result["workload"]
+    assert {w["task"] for w in work} == {"t2va", "fl2va"}  # T2VA and FL2VA share the packs
     staggered = result["scenarios"]["staggered"]
     for pair in ("b-vs-a", "c-vs-a"):
         agreement = staggered["agreement"][pair]
-        assert agreement["agree"] and agreement["requests"] == len(result["workload"])
+        assert agreement["agree"] and agreement["requests"] == len(work)
         assert agreement["max_pixel_diff"] <= 1 and agreement["max_frac_pixels_differ"] < 1e-3
     a, b, c = staggered["rounds"][0]
     assert [a["scheduler"], b["scheduler"], c["scheduler"]] == SCHEDULERS
-    # counts, not times: (a) runs one forward per request-step; the burst at t=0 shares (c)'s forwards
-    assert a["forwards"] == sum(r["steps"] for r in result["workload"])
-    assert c["forwards"] < a["forwards"]
-    assert {"met", "why"} <= set(result["targets"]["padding"])
+    # counts, not times: (a) runs one forward per model evaluation (N grid points = N-1 of them) ...
+    assert a["forwards"] == sum(w["steps"] - 1 for w in work)
+    assert c["forwards"] < a["forwards"] and b["forwards"] <= a["forwards"]  # the burst at t=0 shares forwards
+    # ... every scheduler pushes exactly the same rows through the model, and on sp=1 none of them is padding
+    assert a["rows"] == b["rows"] == c["rows"] > 0
+    assert a["padding_rows"] == b["padding_rows"] == c["padding_rows"] == 0
+    assert result["targets"]["padding"]["value"] == 0 and result["targets"]["padding"]["met"]
+    assert sum(s["requests"] for s in staggered["engine_steps"]) == a["forwards"]  # request-steps, however packed
 
 
 def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
@@ -42,58 +61,141 @@ def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
     assert path["completed"] == path["requests"] == 2
     assert path["selector_calls_after"] == path["selector_calls_before"]
     assert set(path["admission_frames"].values()) == {0}
-    assert sum(path["calls_per_file"].get(f, 0) for f in ("replicas/engine.py", "pipelines/h3/dit.py")) > 0  # profiled
+    assert sum(path["calls_per_file"].get(f, 0) for f in ("replicas/engine.py", "pipelines/h3/forward.py")) > 0
     backends = {(r["config"], r["call"]): r["backend"] for r in result["cost"]}
     assert backends[("cpu tiny auto", "decide (cold)")] == "torch_sdpa"
-    assert backends[("gpu full flash_attn (h100 json)", "decide (cold)")] == "flash_attn"
+    assert backends[("gpu full flash_attn (h100 json)", "decide (cold)")] == "flash_attn"  # serve_config.gpu.yaml
     for row in ("decide (cold)", "resolve (cold)", "resolve (cached)", "attention.selector.stats.calls"):
         assert row in out
 
 
-def test_gpu_kernels_cpu_dry_run(tmp_path):
+def test_gpu_kernels_cpu_dry_run_ranks_what_passed_and_runs_the_diffusers_block(tmp_path):
     out = tmp_path / "gpu_kernels.json"
     assert gpu_kernels.main(["--cpu-dry-run", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["mode"] == "cpu" and not result.get("error")
-    assert any(c["backend"] == "torch_sdpa" and c["result"] == "PASS" for c in result["correctness"])
-    assert result["varlen"] and result["block"]
+    passed = {c["backend"] for c in result["correctness"] if c["result"] == "PASS"}
+    assert {"torch_sdpa", "flex_attn"} <= passed
+    ranking = json.loads((tmp_path / "attention_ranking.json").read_text())  # default: beside --out
+    assert {b["name"] for b in ranking["backends"]} == passed and ranking["head_dim"] == 32
+    assert ranking == result["ranking"]
+    cfg = transformer_config("tiny")
+    for pack in gpu_kernels.SIZES["cpu"]["block_packs"]:  # every pack through every passing backend, no error
+        rows = sum(clip_document(cfg, Clip(*map(int, c.split("x")), text_tokens=32)).length for c in pack)
+        runs = [b for b in result["block"] if b["requests"] == pack]
+        assert {b["backend"] for b in runs} == passed
+        assert all(b["rows"] == rows and b["padding_rows"] == 0 and not b["error"] for b in runs)
 
 
-def test_gpu_pipeline_cpu_dry_run(tmp_path):
+def test_released_request_rows_come_from_the_layout_builders():
+    doc = clip_document(transformer_config("full"), Clip(1344, 768, 124))
+    # 124 frames -> 37 latent frames of 48x84 latents, 2x2 patches: 37 * 24 * 42 video rows; 2 x 207 audio rows
+    assert (doc.video_indices.numel(), doc.audio_indices.numel(), doc.text_indices.numel()) == (37296, 414, 256)
+    assert doc.length == 37966  # the issue's ~38k rows
+
+
+def test_forward_flops_match_counted_matmuls_and_attention_calls():
+    cfg = transformer_config("tiny")
+    model = build_transformer(cfg, "cpu", torch.float32)
+    impl = get_backend("torch_sdpa").make_impl()
+    counted, original = [0], impl.forward_varlen
+
+    def spy(q, k, v, *, cu_seqlens, max_seqlen, **kw):  # 4 L^2 H D for every document of every call
+        bounds = cu_seqlens.tolist()
+        counted[0] += sum(4 * (b - a) ** 2 * q.shape[1] * q.shape[2] for a, b in zip(bounds, bounds[1:]))
+        return original(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kw)
+
+    impl.forward_varlen = spy
+    install(model, impl)
+    pack = pack_documents([clip_document(cfg, Clip(128, 64, 124, 32)), clip_document(cfg, Clip(64, 64, 141, 20))])
+    with torch.inference_mode(), FlopCounterMode(display=False) as flop_counter:
+        packed_forward(model, pack)
+    flops = forward_flops(cfg, pack)
+    assert flops["matmul"] == flop_counter.get_total_flops()  # every mm/addmm the forward ran
+    assert flops["attention"] == counted[0]
+
+
+def test_gpu_pipeline_cpu_dry_run_measures_every_part(tmp_path, capsys):
     out = tmp_path / "gpu_pipeline.json"
-    assert gpu_pipeline.main(["--cpu-dry-run", "--out", str(out)]) == 0
-    (result,) = json.loads(out.read_text())["results"]
-    assert result["backend"] == "torch_sdpa" and result["packed_vs_separate_max_abs"] < 1e-4
-    assert result["mixed16_rows"] % 64 == 0
+    assert gpu_pipeline.main(["--cpu-dry-run", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["mode"] == "cpu" and not result["errors"] and not result["skipped"]
+    cfg = transformer_config("tiny")
+    assert result["parameters"] == sum(p.numel() for p in build_transformer(cfg, "cpu", torch.float32).parameters())
+    rows = [clip_document(cfg, Clip(128, 64, n, 32)).length for n in gpu_pipeline.LENGTHS]
+    assert result["single"]["rows"] == rows[0]
+    assert [p["requests"] for p in result["packing"]] == [2, 3, 4]
+    assert [p["rows"] for p in result["packing"]] == [sum(rows[:n]) for n in (2, 3, 4)]  # packs carry no padding
+    assert result["compiled"]["rows"] == rows[0] and result["compiled"]["unique_graphs"] >= 1
+    printed = capsys.readouterr().out
+    assert "FLOPs of one packed forward" in printed and "MFU >= 50%" in printed and "joiner's first step s" in printed
 
 
-def test_run_all_knows_every_cpu_benchmark():
-    assert run_all.CPU_BENCHMARKS == ("packing", "admission", "serving", "sp")
+def test_build_transformer_keeps_diffusers_fp32_modules():
+    model = build_transformer(transformer_config("tiny"), "cpu", torch.bfloat16)
+    fp32 = {n.split(".")[0] for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert fp32 == {"proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"}
+    assert model.rope.inv_freq.dtype == torch.float32 and not model.rope.inv_freq.is_meta
+    assert {p.dtype for n, p in model.named_parameters() if n.startswith("transformer_blocks.")} == {torch.bfloat16}
+
+
+def test_run_all_commands_name_runnable_benchmarks(tmp_path):
+    cpu = run_all.commands(smoke=True, json_dir=str(tmp_path), cuda=False)
+    assert list(cpu) == list(run_all.CPU_BENCHMARKS)
+    for name, cmd in cpu.items():
+        assert cmd[1:4] == ["-m", f"benchmarks.{name}", "--smoke"] and cmd[-1] == str(tmp_path / f"{name}.json")
+        assert callable(importlib.import_module(f"benchmarks.{name}").main)
+    gpu = run_all.commands(smoke=False, json_dir=None, cuda=True)
+    assert set(gpu) == set(run_all.CPU_BENCHMARKS) | set(run_all.GPU_BENCHMARKS)
+    assert gpu["gpu_pipeline"][1:] == ["-m", "benchmarks.gpu_pipeline"]
+
+
+def test_gpu_session_script_parses_and_carries_the_versions_installed_here():
+    script = REPO / "benchmarks" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    pins = dict(re.findall(r'"([a-z-]+)==([0-9.]+)"', script.read_text()))
+    for package in ("diffusers", "pydantic", "pydantic-core"):  # what the lent machine lacks
+        assert pins[package] == importlib.metadata.version(package)
+
+
+def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(capsys):
+    result = default_clip.run(smoke=True)
+    out = capsys.readouterr().out
+    assert result["ok"] and result["default_steps"] >= 2
+    assert [r["way"] for r in result["rows"]] == ["CLI: h3serve generate", "in-process phases (1 thread)"]
+    assert all(r["frames"] == 124 and r["size"] == "128x64" and r["audio_channels"] == 2 for r in result["rows"])
+    assert "target: a default video request in under 60 s" in out
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    """One cluster for the SP and serving smokes, in the namespace `h3serve serve` deploys into."""
+    ray.init(num_cpus=2, namespace="serve", include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
     yield
     ray.shutdown()
 
 
 @pytest.mark.ray
-def test_sp_smoke_sp2_equals_sp1(ray_cluster, capsys):
+def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, capsys):
     result = sp.run(smoke=True)
     out = capsys.readouterr().out
-    assert result["ok"] and result["rows"]
-    assert all(r["allclose_1e-5"] and r["max_abs_diff"] <= 1e-5 for r in result["rows"])
-    assert "1 image 64x64" in out and "sp=2 vs sp=1: YES" in out
+    assert result["ok"] and len(result["rows"]) == 2
+    for r in result["rows"]:
+        assert r["allclose_1e-5"] and r["max_abs_diff"] <= 1e-5
+        assert r["sp1_padding_rows"] == 0 and r["sp2_padding_rows"] == r["rows"] % 2
+        assert r["sp2_rows"] == r["rows"] + r["sp2_padding_rows"]
+    assert "1 request 64x64x124" in out and "sp=2 vs sp=1: YES" in out
 
 
 @pytest.mark.ray
 def test_serving_smoke_http_handle_and_in_process_agree(ray_cluster, capsys):
     result = serving.run(smoke=True)
     out = capsys.readouterr().out
-    assert result["ok"]
+    assert result["ok"] and result["video_same_shape"]
     assert all(d <= 1 for d in result["pixel_diff_vs_in_process"].values())
     paths = [p["path"] for p in result["paths"]]
-    assert paths[:4] == ["in-process engine", "PNG + base64 (in-process)", "Serve handle -> replica",
-                         "HTTP -> proxy -> ingress -> replica"]
+    assert paths[:6] == ["in-process engine", "PNG + base64 (in-process)", "MP4 encode (in-process)",
+                         "Serve handle -> replica (PNG)", "HTTP image: POST /v1/images/generations",
+                         "HTTP video job: POST, poll, GET content"]
     assert all(path in out for path in paths) and "target HTTP / in-process" in out

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~6 minutes, at most ~9 (each
+# step has a hard timeout: 60 + 150 + 300 s).
+#
+# The lent machine has Python 3.12 with torch 2.11 (CUDA, Triton), transformers, accelerate, huggingface_hub,
+# safetensors, tokenizers, pillow, numpy and pyyaml, but no diffusers, no pydantic, no Ray and no network.
+# Prepare once, here, in the repository root (wheels for CPython 3.12 on manylinux x86_64; no torch):
+#
+#   echo /.gpu-deps/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-deps \
+#       "diffusers==0.42.1" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" \
+#       "typing-inspection==0.4.5" "typing-extensions==4.16.0"
+#
+# (8.8 MB; wheels rather than a `pip install --target` here, because pydantic-core is compiled and this
+# machine's Python is 3.11: tests/test_benchmarks.py checks these pins equal the versions installed here.)
+#
+# then run it there in one call, with room under the session's 15 device-minutes for the machine's start:
+#
+#   run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-deps"], timeout_s=570)
+#
+# and copy what comes back (files_at/<machine>-<date>/: env.txt, gpu_tests.log, gpu_kernels.{log,json},
+# attention_ranking.json, gpu_pipeline.{log,json}; 7 files, the device tool returns at most 8) to
+# benchmarks/results/<machine>-<date>/. On any other CUDA node with the project installed, run it as is:
+# without $OUT it writes straight into benchmarks/results/<machine>-<date>/.
+#
+# Each step has a hard `timeout`, so a hung compile cannot eat the session; every JSON is written as it goes.
+#
+#   bash benchmarks/gpu_session.sh --cpu-dry-run     # the same steps at the tiny dims on CPU, in seconds,
+#                                                    # into ${OUT:-a temporary directory}/cpu-dry-run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY="" DEVICE=cuda
+[ "${1:-}" = "--cpu-dry-run" ] && DRY="--cpu-dry-run" DEVICE=cpu
+
+PY=${PYTHON:-python3}
+if [ -d .gpu-deps ]; then  # the carried wheels, installed beside (not into) the image's site-packages
+    SITE=$(mktemp -d)/site
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .gpu-deps/*.whl \
+        || { echo "gpu_session: installing .gpu-deps failed"; exit 2; }
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 H3SERVE_CACHE=${H3SERVE_CACHE:-/tmp/h3serve-cache}
+
+$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline" \
+    || { echo "gpu_session: the benchmarks do not import here (see above); nothing measured"; exit 2; }
+if [ -n "$DRY" ]; then
+    DEST="${OUT:-$(mktemp -d)}/cpu-dry-run"
+else
+    MACHINE=$($PY -c "import torch; print(torch.cuda.get_device_name(0).lower().removeprefix('nvidia ')
+          .replace(' ', '-') if torch.cuda.is_available() else 'no-gpu')")
+    DEST="${OUT:-benchmarks/results}/${MACHINE}-$(date -u +%Y-%m-%d)"
+fi
+mkdir -p "$DEST"
+echo "gpu_session: writing to $DEST"
+
+{   # 1. the machine, the libraries, h3serve's view of the platform
+    [ -z "$DRY" ] && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    $PY -c "import sys, torch, diffusers, pydantic, transformers; print('python', sys.version.split()[0],
+        '| torch', torch.__version__, 'cuda', torch.version.cuda, '| diffusers', diffusers.__version__,
+        '| transformers', transformers.__version__, '| pydantic', pydantic.__version__)"
+    $PY -c "from attention import probe_platform; print(probe_platform('$DEVICE').model_dump_json(indent=1))"
+} > "$DEST/env.txt" 2>&1
+cat "$DEST/env.txt"
+
+# 2. the attention kernels' GPU tests (varlen and flex against the fp32 sdpa reference)
+timeout 60 $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_attention_gpu.py tests/test_attention_flex.py \
+    2>&1 | tee "$DEST/gpu_tests.log"
+
+# 3. varlen kernels (Part 1, writes the measured ranking) and one released-size block (Part 2)
+timeout 150 $PY -m benchmarks.gpu_kernels $DRY --max-seconds 100 --out "$DEST/gpu_kernels.json" \
+    --ranking-out "$DEST/attention_ranking.json" 2>&1 | tee "$DEST/gpu_kernels.log"
+
+# 4. the released transformer: s/step, MFU, packing at real shapes, regional compile; auto follows the ranking
+[ -f "$DEST/attention_ranking.json" ] && export H3SERVE_ATTENTION_RANKING="$DEST/attention_ranking.json"
+timeout 300 $PY -m benchmarks.gpu_pipeline $DRY --max-seconds 230 --json "$DEST/gpu_pipeline.json" \
+    2>&1 | tee "$DEST/gpu_pipeline.log"
+
+ls -l "$DEST"
