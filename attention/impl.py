@@ -16,6 +16,17 @@ class AttentionImpl:
 
     def __init__(self, softmax_scale: float | None = None) -> None:
         self.softmax_scale = softmax_scale
+        self._bounds: tuple[torch.Tensor, list[int]] | None = None
+
+    def host_bounds(self, cu_seqlens: torch.Tensor) -> list[int]:
+        """``cu_seqlens`` as a host list, one device sync per pack rather than one per layer.
+
+        Every layer of a forward passes the same bounds tensor, so the last one is kept (bounds
+        tensors are never written in place).
+        """
+        if self._bounds is None or self._bounds[0] is not cu_seqlens:
+            self._bounds = (cu_seqlens, cu_seqlens.tolist())
+        return self._bounds[1]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not implement dense attention")

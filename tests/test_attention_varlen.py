@@ -117,3 +117,12 @@ def test_dense_forward_matches_varlen_single_document():
     dense = SDPA.forward(q, k, v)
     packed = SDPA.forward_varlen(q[0], k[0], v[0], cu_seqlens=torch.tensor([0, 33], dtype=torch.int32), max_seqlen=33)
     torch.testing.assert_close(dense[0], packed, rtol=1e-5, atol=1e-6)
+
+
+def test_bounds_reach_the_host_once_per_pack_not_once_per_layer():
+    impl = get_backend("torch_sdpa").make_impl()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    first = impl.host_bounds(cu)
+    assert first == [0, 3, 7] and impl.host_bounds(cu) is first  # the same tensor: no second sync
+    other = torch.tensor([0, 2, 7], dtype=torch.int32)
+    assert impl.host_bounds(other) == [0, 2, 7]  # a new pack's bounds are read afresh

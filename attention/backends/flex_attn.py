@@ -21,9 +21,9 @@ BLOCK = 128  # flex_attention's default sparse block size: the BlockMask's tile
 MASK_CACHE_SIZE = 16  # pack layouts kept; a layout repeats for every step and layer while the pack holds
 
 
-def _checked_bounds(cu_seqlens: torch.Tensor, rows: int, which: str) -> tuple[int, ...]:
-    """cu_seqlens as a tuple (one host sync), checked to start at 0, not decrease and end at ``rows``."""
-    bounds = tuple(cu_seqlens.tolist())
+def _checked_bounds(bounds_list: list[int], rows: int, which: str) -> tuple[int, ...]:
+    """Host bounds as a tuple, checked to start at 0, not decrease and end at ``rows``."""
+    bounds = tuple(bounds_list)
     if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] != rows:
         raise ValueError(
             f"{which} must start at 0, never decrease and end at the tensor's row count {rows} "
@@ -112,8 +112,9 @@ class FlexAttnImpl(AttentionImpl):
         max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
         check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k)
-        bounds_q = _checked_bounds(cu_seqlens, q.shape[0], "cu_seqlens")
-        bounds_k = bounds_q if cu_seqlens_k is None else _checked_bounds(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+        bounds_q = _checked_bounds(self.host_bounds(cu_seqlens), q.shape[0], "cu_seqlens")
+        bounds_k = bounds_q if cu_seqlens_k is None else _checked_bounds(cu_seqlens_k.tolist(), k.shape[0],
+                                                                          "cu_seqlens_k")
         if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend: zeros, as torch_sdpa gives
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         mask = document_block_mask(bounds_q, bounds_k, q.shape[0], k.shape[0], str(q.device))

@@ -33,8 +33,8 @@ class TorchSDPAImpl(AttentionImpl):
         max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
         check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k)
-        # One host sync for the bounds; the loop below runs one sdpa per document.
-        bounds_q = cu_seqlens.tolist()
+        # The bounds on the host (one sync per pack); the loop below runs one sdpa per document.
+        bounds_q = self.host_bounds(cu_seqlens)
         bounds_k = cu_seqlens_k.tolist() if cu_seqlens_k is not None else bounds_q
         if bounds_q[-1] > q.shape[0] or bounds_k[-1] > k.shape[0]:
             raise ValueError(
