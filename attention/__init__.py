@@ -12,7 +12,7 @@ from .platform import Platform
 from .ranking import RankedBackend, Ranking, RankingError
 from .registry import BACKENDS, backend_names, get_backend, probe_platform
 from .requirements import AttentionRequirements
-from .selector import Rejection, Resolution, clear_cache, parse_dtype, resolve
+from .selector import Rejection, Resolution, clear_cache, parse_dtype, resolve, selector_calls
 
 __all__ = [
     "AdmissionError",
@@ -37,4 +37,5 @@ __all__ = [
     "parse_dtype",
     "probe_platform",
     "resolve",
+    "selector_calls",
 ]

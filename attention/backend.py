@@ -15,18 +15,17 @@ from .requirements import AttentionRequirements
 
 @dataclasses.dataclass(frozen=True)
 class Availability:
-    """Whether a backend can run on a platform now, and if not, why."""
+    """Whether a backend can run on a platform now, and if not, every reason why."""
 
-    ok: bool
-    reason: str = ""
+    reasons: tuple[str, ...] = ()
 
-    @classmethod
-    def yes(cls) -> Availability:
-        return cls(True)
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
 
-    @classmethod
-    def no(cls, reason: str) -> Availability:
-        return cls(False, reason)
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -91,23 +90,22 @@ class AttentionBackend:
         dtype: torch.dtype | None = None,
         head_dim: int | None = None,
     ) -> Availability:
+        reasons = []
         if platform.device_type not in self.devices:
-            return Availability.no(
-                f"{self.name} runs on {'/'.join(self.devices)}, not {platform.device_type}"
-            )
+            reasons.append(f"{self.name} runs on {'/'.join(self.devices)}, not {platform.device_type}")
         if self.library is not None and not platform.has_library(self.library):
-            return Availability.no(f"{self.name} needs {self.library!r}, which is not installed on this node")
+            reasons.append(f"{self.name} needs {self.library!r}, which is not installed on this node")
         if self.min_compute_capability is not None and platform.device_type == "cuda":
             cc = platform.compute_capability
             if cc is None or tuple(cc) < self.min_compute_capability:
                 need = "%d.%d" % self.min_compute_capability
-                return Availability.no(f"{self.name} needs CUDA compute capability >= {need}, the node has {cc}")
+                reasons.append(f"{self.name} needs CUDA compute capability >= {need}, the node has {cc}")
         if dtype is not None and dtype not in self.dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return Availability.no(f"{self.name} supports dtypes {allowed}, not {str(dtype).removeprefix('torch.')}")
+            reasons.append(f"{self.name} supports dtypes {allowed}, not {str(dtype).removeprefix('torch.')}")
         if head_dim is not None and self.max_head_dim is not None and head_dim > self.max_head_dim:
-            return Availability.no(f"{self.name} supports head_dim <= {self.max_head_dim}, not {head_dim}")
-        return Availability.yes()
+            reasons.append(f"{self.name} supports head_dim <= {self.max_head_dim}, not {head_dim}")
+        return Availability(tuple(reasons))
 
     def make_impl(self, softmax_scale: float | None = None) -> AttentionImpl:
         return self.impl_cls(softmax_scale=softmax_scale)

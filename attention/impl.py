@@ -59,6 +59,7 @@ def check_varlen_inputs(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_k: int | None = None,
 ) -> None:
     """Shape and dtype checks shared by every varlen implementation."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -72,6 +73,8 @@ def check_varlen_inputs(
             f"got dtype={cu_seqlens.dtype} shape={tuple(cu_seqlens.shape)}"
         )
     if cu_seqlens_k is not None:
+        if max_seqlen_k is None:
+            raise ValueError("cu_seqlens_k needs max_seqlen_k")
         if cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.shape != cu_seqlens.shape:
             raise ValueError(
                 "cu_seqlens_k must be int32 with one entry per cu_seqlens entry; got "

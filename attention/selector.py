@@ -7,9 +7,9 @@ declared ``auto_rank`` order, or in a measured order when a ranking applies (see
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import threading
 from typing import Literal
 
 import torch
@@ -73,22 +73,14 @@ class Resolution(BaseModel):
         return text
 
 
-class SelectorStats:
-    """How often ``resolve`` ran in this process (replicas must report zero)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.cache_hits = 0
-
-
-stats = SelectorStats()
-_cache: dict[tuple, Resolution] = {}
-_lock = threading.Lock()
-
-
 def clear_cache() -> None:
-    with _lock:
-        _cache.clear()
+    _resolve_cached.cache_clear()
+
+
+def selector_calls() -> int:
+    """How often ``resolve`` ran in this process: a replica must report zero (it never re-resolves)."""
+    info = _resolve_cached.cache_info()
+    return info.hits + info.misses
 
 
 def _missing(backend: AttentionBackend, requirements: AttentionRequirements) -> str:
@@ -130,20 +122,19 @@ def resolve(
     an explicitly chosen, capable backend cannot run on the platform; RankingError (a ValueError)
     for a ranking file that cannot be read.
     """
-    stats.calls += 1
     platform = platform if platform is not None else probe_platform()
-    dtype = parse_dtype(dtype)
     explicit = selected.strip().lower() != "auto"
     measured = None if explicit else configured(ranking)  # the file's content, not its path, is in the key
-    key = (requirements, selected.strip().lower(), platform.cache_key(), model, dtype, head_dim, measured)
-    with _lock:
-        if key in _cache:
-            stats.cache_hits += 1
-            return _cache[key]
-    resolution = _resolve(requirements, selected, platform, model, dtype, head_dim, explicit, measured)
+    return _resolve_cached(requirements, selected.strip().lower(), platform.model_dump_json(), model,
+                           parse_dtype(dtype), head_dim, measured)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_cached(requirements, selected, platform_json, model, dtype, head_dim, measured) -> Resolution:
+    """One decision per distinct question (the platform travels as JSON: it holds a dict, so no hash)."""
+    resolution = _resolve(requirements, selected, Platform.model_validate_json(platform_json), model, dtype,
+                          head_dim, selected != "auto", measured)
     logger.info("h3serve admission: %s", resolution.describe())
-    with _lock:
-        _cache[key] = resolution
     return resolution
 
 

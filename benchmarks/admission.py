@@ -2,7 +2,7 @@
 
     python -m benchmarks.admission [--smoke] [--json PATH]
 
-Part 1 times ``deploy.admission.decide(args, platform)`` (``validate_deployment(model=..., geometry=...,
+Part 1 times ``deploy.admission.admit(args, stage, platform)`` (``validate_deployment(model=..., geometry=...,
 ...)``: the SP layout against the preset's heads, the device, then ``attention.resolve``) and the raw
 ``attention.resolve``, with the selector cache cleared before every call (cold, as a fresh driver sees
 it), for the default CPU args and for ``deploy/serve_config.gpu.yaml``'s args against
@@ -24,9 +24,8 @@ import torch
 import yaml
 
 import attention
-import attention.selector
 from attention import Platform, probe_platform
-from deploy.admission import decide
+from deploy.admission import admit
 from deploy.args import DeployArgs
 from pipelines.h3 import REQUIREMENTS, GenerationRequest
 from replicas import Engine, WorkerGroup
@@ -65,11 +64,15 @@ def cold(fn):
 def part1(reps: int) -> list[dict]:
     rows = []
     for name, (args, platform) in configs().items():
-        resolution, head_dim = decide(args, platform), args.geometry.head_dim
-        raw = lambda: attention.resolve(REQUIREMENTS, args.attention_backend, platform,  # noqa: E731
-                                        model=args.served_model_name, dtype=args.dtype, head_dim=head_dim)
-        for what, fn in (("decide (cold)", cold(lambda: decide(args, platform))), ("resolve (cold)", cold(raw)),
-                         ("resolve (cached)", raw)):
+        def decide(args=args, platform=platform):  # the driver's whole decision, not counted anywhere
+            return admit(args, "bench", platform, record=lambda tags: None)
+
+        def raw(args=args, platform=platform):
+            return attention.resolve(REQUIREMENTS, args.attention_backend, platform, model=args.served_model_name,
+                                     dtype=args.dtype, head_dim=args.geometry.head_dim)
+
+        resolution = decide()
+        for what, fn in (("admit (cold)", cold(decide)), ("resolve (cold)", cold(raw)), ("resolve (cached)", raw)):
             ms = time_ms(fn, reps=reps, warmup=3)
             rows.append({"config": name, "call": what, "backend": resolution.backend, "median_ms": median(ms),
                          "p90_ms": percentile(ms, 90), "reps": reps})
@@ -98,7 +101,7 @@ def serve_requests(n: int) -> dict:
         results.extend(await asyncio.gather(*(engine.generate(r) for r in requests)))
         await engine.close("benchmark done")
 
-    before = (attention.selector.stats.calls, attention.selector.stats.cache_hits)
+    before = attention.selector_calls()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the default config's replica runs
     threading.setprofile(record)
@@ -109,7 +112,7 @@ def serve_requests(n: int) -> dict:
         sys.setprofile(None)
         threading.setprofile(None)
         torch.set_num_threads(threads)
-    after = (attention.selector.stats.calls, attention.selector.stats.cache_hits)
+    after = attention.selector_calls()
     per_file = collections.Counter()
     for filename, count in calls.items():
         path = Path(filename).resolve()
@@ -117,8 +120,7 @@ def serve_requests(n: int) -> dict:
         per_file[path.relative_to(REPO).as_posix() if ours else LIBRARIES] += count
     admission_frames = {f: per_file.get(f, 0) for f in ADMISSION_FILES}
     return {"requests": n, "completed": len(results),
-            "selector_calls_before": before[0], "selector_calls_after": after[0],
-            "selector_cache_hits_before": before[1], "selector_cache_hits_after": after[1],
+            "selector_calls_before": before, "selector_calls_after": after,
             "admission_frames": admission_frames, "calls_per_file": dict(per_file.most_common()),
             "ok": before == after and not any(admission_frames.values()) and len(results) == n}
 
@@ -129,16 +131,14 @@ def run(smoke: bool = False) -> dict:
     table(["config", "call", "backend", "median ms", "p90 ms", "reps"],
           [[r["config"], r["call"], r["backend"], r["median_ms"], r["p90_ms"], r["reps"]] for r in rows],
           title="Part 1: admission cost in the driver (cold = selector cache cleared before each call)")
-    say("  decide = H3's rule (sp_degree divides the preset's heads, device) + resolve; once per deployment, before\n"
+    say("  admit = H3's rule (sp_degree divides the preset's heads, device) + resolve; once per deployment, before\n"
         "  any replica. The gpu rows use deploy/serve_config.gpu.yaml's args.\n"
         "  In Serve the platform comes from a probe task shaped like one SP rank (a Ray task, ~ms to s),\n"
         "  also once per deployment.")
     path = serve_requests(2 if smoke else 8)
     say()
     table(["evidence", "before", "after"],
-          [["attention.selector.stats.calls", path["selector_calls_before"], path["selector_calls_after"]],
-           ["attention.selector.stats.cache_hits", path["selector_cache_hits_before"],
-            path["selector_cache_hits_after"]]],
+          [["attention.selector_calls()", path["selector_calls_before"], path["selector_calls_after"]]],
           title=f"Part 2: {path['requests']} requests served through replicas.Engine in-process")
     table(["module (request path, all threads)", "python calls"],
           [[f, n] for f, n in path["admission_frames"].items()]

@@ -33,7 +33,7 @@ from attention import get_backend, probe_platform, resolve
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
-from pipelines.h3.pipeline import REQUIREMENTS, check_backend_runs_here
+from pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
 
 from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table, write_json
 from .h3_shapes import (FLOPS_FORMULA, Clip, activation_bytes_per_row, build_transformer, clip_document,
@@ -57,7 +57,8 @@ class Bench:
         self.device, self.dtype = s["device"], s["dtype"]
         self.cfg = transformer_config(s["preset"])
         self.clips = [Clip(*s["canvas"], n, text_tokens=s["text_tokens"]) for n in LENGTHS]
-        check_backend_runs_here(backend, self.device, self.dtype, self.cfg["attention_head_dim"], s["preset"])
+        check_capable(backend, s["preset"])
+        check_runs_here(backend, self.device, self.dtype, self.cfg["attention_head_dim"], s["preset"])
         start = time.perf_counter()
         self.model = build_transformer(self.cfg, self.device, self.dtype)
         install(self.model, get_backend(backend).make_impl())  # h3serve's processor, exactly this backend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import ray
 
@@ -45,13 +46,6 @@ def target_platform(args: DeployArgs) -> Platform:
     return args.assumed_platform or Platform(device_type=args.device, source="assumed")
 
 
-def decide(args: DeployArgs, platform: Platform) -> Resolution:
-    """H3's admission rule for these args on that platform (raises on refusal)."""
-    return validate_deployment(model=args.served_model_name, geometry=args.geometry,
-                               attention_backend=args.attention_backend, platform=platform, device=args.device,
-                               dtype=args.dtype, sp_degree=args.sp_degree)
-
-
 def outcome_tags(args: DeployArgs, stage: str, resolution: Resolution | None = None,
                  error: Exception | None = None) -> dict[str, str]:
     requested = args.attention_backend.strip().lower()
@@ -68,15 +62,27 @@ def outcome_tags(args: DeployArgs, stage: str, resolution: Resolution | None = N
 ADMISSION_ERRORS = (AttentionSelectionError, DeploymentConfigError, PlatformProbeError)
 
 
-def admit(args: DeployArgs, stage: str = "build") -> Resolution:
-    """Run once in the driver (the application builder); the replicas receive the Resolution."""
+def record_in_ray(tags: dict[str, str]) -> None:
+    """Count an admission decision in the detached recorder (scraped from Ray's metrics port)."""
+    ray.get(admission_recorder().record_admission.remote(tags), timeout=30)
+
+
+def admit(args: DeployArgs, stage: str = "build", platform: Platform | None = None,
+          record: Callable[[dict[str, str]], None] = record_in_ray) -> Resolution:
+    """H3's admission rule for these args on the replicas' platform, counted; raises on refusal.
+
+    Runs once in the driver (the application builder) and in the pre-flights; the replicas receive
+    the Resolution. Without ``platform`` it is learned from a probe task shaped like one SP rank.
+    """
     resolution, error = None, None
     try:
-        resolution = decide(args, target_platform(args))
+        resolution = validate_deployment(
+            model=args.served_model_name, geometry=args.geometry, attention_backend=args.attention_backend,
+            platform=platform or target_platform(args), device=args.device, dtype=args.dtype,
+            sp_degree=args.sp_degree, ranking=args.attention_ranking)
     except ADMISSION_ERRORS as e:
         error = e
-    tags = outcome_tags(args, stage, resolution, error)
-    ray.get(admission_recorder().record_admission.remote(tags), timeout=30)
+    record(outcome_tags(args, stage, resolution, error))
     if error is not None:
         logger.error("h3serve admission refused the deployment: %s", error)
         raise error

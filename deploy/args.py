@@ -69,6 +69,10 @@ class DeployArgs(BaseModel):
         "json, transformer/, vae/, ...) on every replica node; none: the built-in tiny checkpoint (tiny only)")
     attention_backend: str = Field(default="auto", description="attention backend name or alias, or 'auto'; an "
                                    "explicit choice that cannot do packed varlen attention is refused")
+    attention_ranking: str | None = Field(
+        default=None, description="a measured attention ranking file (`benchmarks.gpu_kernels --ranking-out`) that "
+        "orders 'auto' when it was measured on the replicas' platform; read by the driver. None: "
+        "$H3SERVE_ATTENTION_RANKING if set, else the backends' declared order")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the replicas run")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None, description="transformer and text encoder dtype (the VAEs and boundary layers stay float32); "

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from ray import serve
 
-import attention.selector
+from attention import selector_calls
 from pipelines.h3 import GenerationRequest, ModelRules
 from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
 
@@ -92,7 +92,7 @@ class H3Replica:
             "backend": self.spec.resolution.backend,
             "chosen_by": self.spec.resolution.chosen_by,
             "sp_degree": self.spec.sp_degree,
-            "selector_calls": attention.selector.stats.calls,
+            "selector_calls": selector_calls(),
             "waiting": waiting,
             "active": active,
             "forwards": self.engine.stats.forwards,

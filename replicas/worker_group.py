@@ -19,7 +19,6 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipelines.h3 import H3Denoiser, H3Pipeline, TransformerGeometry
-from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.packing import Pack
 
 from .sequence_parallel import UlyssesGroup
@@ -39,12 +38,11 @@ def _load_kwargs(spec: ReplicaSpec) -> dict:
 
 def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
     """Rank 0's whole pipeline with exactly the resolved backend; fails closed if this node cannot run it."""
-    return H3Pipeline.load(resolve_checkpoint(spec.checkpoint), spec.resolution.backend, name=spec.model_name,
-                           **_load_kwargs(spec))
+    return H3Pipeline.load(spec.checkpoint, spec.resolution.backend, name=spec.model_name, **_load_kwargs(spec))
 
 
 def build_worker(spec: ReplicaSpec) -> H3Denoiser:
-    return H3Denoiser.load(resolve_checkpoint(spec.checkpoint), spec.resolution.backend, **_load_kwargs(spec))
+    return H3Denoiser.load(spec.checkpoint, spec.resolution.backend, **_load_kwargs(spec))
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-import attention.selector as selector
 from attention import (
     AdmissionError,
     AttentionBackend,
@@ -22,6 +21,7 @@ from attention import (
     overrides,
     probe_platform,
     resolve,
+    selector_calls,
 )
 from attention.backends.torch_sdpa import TorchSDPAImpl
 
@@ -242,9 +242,9 @@ def test_platform_round_trips_as_json():
 
 def test_resolution_is_cached_and_the_cache_can_be_cleared():
     first = resolve(VARLEN, "auto", Platform.cpu(), model="m")
-    hits = selector.stats.cache_hits
+    calls = selector_calls()
     assert resolve(VARLEN, "auto", Platform.cpu(), model="m") is first
-    assert selector.stats.cache_hits == hits + 1
+    assert selector_calls() == calls + 1
     clear_cache()
     again = resolve(VARLEN, "auto", Platform.cpu(), model="m")
     assert again == first and again is not first
@@ -256,3 +256,12 @@ def test_the_sage_attn_error_is_not_cached_into_a_success():
     for _ in range(2):
         with pytest.raises(AdmissionError):
             resolve(VARLEN, "sage", H100)
+
+
+def test_availability_lists_every_reason_not_only_the_first():
+    available = get_backend("flash_attn").availability(Platform.cpu(), dtype=torch.float32, head_dim=512)
+    assert not available
+    assert len(available.reasons) == 4, available.reasons  # device, library, dtype, head size
+    for words in ("runs on cuda, not cpu", "'flash_attn', which is not installed", "not float32", "head_dim <= 256"):
+        assert words in available.reason
+    assert get_backend("torch_sdpa").availability(Platform.cpu()).reasons == ()

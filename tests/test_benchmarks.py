@@ -63,9 +63,9 @@ def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
     assert set(path["admission_frames"].values()) == {0}
     assert sum(path["calls_per_file"].get(f, 0) for f in ("replicas/engine.py", "pipelines/h3/forward.py")) > 0
     backends = {(r["config"], r["call"]): r["backend"] for r in result["cost"]}
-    assert backends[("cpu tiny auto", "decide (cold)")] == "torch_sdpa"
-    assert backends[("gpu full flash_attn (h100 json)", "decide (cold)")] == "flash_attn"  # serve_config.gpu.yaml
-    for row in ("decide (cold)", "resolve (cold)", "resolve (cached)", "attention.selector.stats.calls"):
+    assert backends[("cpu tiny auto", "admit (cold)")] == "torch_sdpa"
+    assert backends[("gpu full flash_attn (h100 json)", "admit (cold)")] == "flash_attn"  # serve_config.gpu.yaml
+    for row in ("admit (cold)", "resolve (cold)", "resolve (cached)", "attention.selector_calls()"):
         assert row in out
 
 

@@ -33,9 +33,7 @@ class FlashAttnImpl(AttentionImpl):
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
 
-        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k)
-        if cu_seqlens_k is not None and max_seqlen_k is None:
-            raise ValueError("cu_seqlens_k needs max_seqlen_k")
+        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k)
         return flash_attn_varlen_func(
             q,
             k,

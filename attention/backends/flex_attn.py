@@ -111,7 +111,7 @@ class FlexAttnImpl(AttentionImpl):
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
-        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k)
+        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k)
         bounds_q = _checked_bounds(self.host_bounds(cu_seqlens), q.shape[0], "cu_seqlens")
         bounds_k = bounds_q if cu_seqlens_k is None else _checked_bounds(cu_seqlens_k.tolist(), k.shape[0],
                                                                           "cu_seqlens_k")

@@ -32,7 +32,7 @@ class TorchSDPAImpl(AttentionImpl):
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
-        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k)
+        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k)
         # The bounds on the host (one sync per pack); the loop below runs one sdpa per document.
         bounds_q = self.host_bounds(cu_seqlens)
         bounds_k = cu_seqlens_k.tolist() if cu_seqlens_k is not None else bounds_q

@@ -29,9 +29,7 @@ class TorchVarlenImpl(AttentionImpl):
     ) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
-        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k)
-        if cu_seqlens_k is not None and max_seqlen_k is None:
-            raise ValueError("cu_seqlens_k needs max_seqlen_k")
+        check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k)
         kwargs = {}
         # `scale` arrived after varlen_attn itself; without it only the default scale is possible.
         if "scale" in inspect.signature(varlen_attn).parameters:

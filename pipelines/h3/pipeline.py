@@ -49,11 +49,10 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def check_backend_runs_here(backend: str, device: str, dtype: torch.dtype, head_dim: int, model: str) -> None:
-    """Fail closed unless the admitted backend can do what H3 needs and runs on this node.
+def check_capable(backend: str, model: str) -> None:
+    """Fail closed unless the admitted backend can do what H3 needs (a fact of its code).
 
-    The driver admitted it already; a replica checks again rather than trust its spec, and never
-    swaps in another backend.
+    The driver admitted it already; a replica checks again rather than trust its spec.
     """
     attention = get_backend(backend)
     missing = attention.unsupported_requirements(REQUIREMENTS)
@@ -62,6 +61,11 @@ def check_backend_runs_here(backend: str, device: str, dtype: torch.dtype, head_
                              f"{', '.join(AttentionRequirements.describe(m) for m in missing)}, which MiniMax-H3 "
                              "requires; this replica refuses to build with it", backend=attention.name, model=model,
                              missing=missing)
+
+
+def check_runs_here(backend: str, device: str, dtype: torch.dtype, head_dim: int, model: str) -> None:
+    """Fail closed unless this node can run the admitted backend; it is never swapped for another."""
+    attention = get_backend(backend)
     here = probe_platform(device)
     available = attention.availability(here, dtype=dtype, head_dim=head_dim)
     if not available or here.device_type != device:
@@ -73,29 +77,33 @@ def check_backend_runs_here(backend: str, device: str, dtype: torch.dtype, head_
 class H3Denoiser:
     """The transformer partition(s) of a checkpoint, attending only through the admitted backend."""
 
-    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device):
-        self.transformers, self.backend, self.device = transformers, backend, device
+    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device,
+                 directory: Path):
+        self.transformers, self.backend, self.device, self.directory = transformers, backend, device, directory
         for model in transformers.values():
             install(model, get_backend(backend).make_impl())
 
     @classmethod
-    def load(cls, directory: str | Path, backend: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32",
-             expected: TransformerGeometry | None = None) -> H3Denoiser:
+    def load(cls, checkpoint: str | Path | None, backend: str, *, device: str = "cpu",
+             dtype: str | torch.dtype = "float32", expected: TransformerGeometry | None = None) -> H3Denoiser:
         """Build with exactly ``backend`` (the driver's choice); never re-resolve.
 
-        Raises BackendUnavailable when this node cannot run it, CheckpointError when the checkpoint
-        does not fit, ValueError when its geometry is not what the deployment was admitted for.
+        ``checkpoint`` None is the built-in tiny checkpoint. Raises AdmissionError for an incapable
+        backend (before reading anything), BackendUnavailable when this node cannot run it,
+        CheckpointError when the checkpoint does not fit or is not what the deployment was admitted for.
         """
+        check_capable(backend, str(checkpoint or "the built-in checkpoint"))
         _quiet_libraries()
+        directory = ckpt.resolve_checkpoint(checkpoint)
         index = ckpt.CheckpointIndex(directory)
         geometry = TransformerGeometry.from_checkpoint(directory)
         if expected is not None and geometry != expected:
             raise ckpt.CheckpointError(f"{directory}/transformer has {geometry}, but the deployment was admitted "
                                        f"for {expected}")
         torch_dtype = parse_dtype(dtype)
-        check_backend_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
+        check_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
         models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}
-        return cls(models, backend, torch.device(device))
+        return cls(models, backend, torch.device(device), directory)
 
     def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's share of one packed forward; rank 0 gets every row's velocity back."""
@@ -199,11 +207,12 @@ class H3Pipeline:
         self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = denoiser.forward
 
     @classmethod
-    def load(cls, directory: str | Path, backend: str, *, device: str = "cpu", dtype: str | torch.dtype = "float32",
-             expected: TransformerGeometry | None = None, name: str | None = None) -> H3Pipeline:
+    def load(cls, checkpoint: str | Path | None, backend: str, *, device: str = "cpu",
+             dtype: str | torch.dtype = "float32", expected: TransformerGeometry | None = None,
+             name: str | None = None) -> H3Pipeline:
         """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``."""
-        denoiser = H3Denoiser.load(directory, backend, device=device, dtype=dtype, expected=expected)
-        index = ckpt.CheckpointIndex(directory)
+        denoiser = H3Denoiser.load(checkpoint, backend, device=device, dtype=dtype, expected=expected)
+        index = ckpt.CheckpointIndex(denoiser.directory)
         torch_dtype = parse_dtype(dtype)
         components = dict(denoiser.transformers)
         components.update(
@@ -218,7 +227,7 @@ class H3Pipeline:
         # diffusers' encoder step refuses a stack of exactly `text_encoder_layer` layers (the last one is post-norm)
         ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
         components["text_encoder"].to(device)
-        return cls(denoiser, stages, schedulers, components["tokenizer"], name or Path(directory).name)
+        return cls(denoiser, stages, schedulers, components["tokenizer"], name or denoiser.directory.name)
 
     # -- one request's way in and out ----------------------------------------------------------
     def text_tokens(self, prompt: str) -> int:
@@ -270,8 +279,3 @@ class H3Pipeline:
                 progress(*state.progress)
         return self.decode(state)
 
-
-def check_request_fits(state: RequestState, max_rows: int) -> None:
-    if state.rows > max_rows:
-        raise RequestError("size", f"request needs {state.rows} rows per step, above this replica's budget of "
-                                   f"{max_rows}; ask for fewer pixels, frames or prompt tokens")
