@@ -92,7 +92,7 @@ class Engine:
         self._active: list[Ticket] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._stopped: str | None = None
+        self._stop_reason: str | None = None
         self._ids = itertools.count()
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
@@ -100,8 +100,8 @@ class Engine:
     # -- API ------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, request_id: str | None = None) -> Ticket:
         """Queue a request, or raise at once: RequestError (bad request), QueueFull, EngineStopped."""
-        if self._stopped:
-            raise EngineStopped(self._stopped)
+        if self._stop_reason:
+            raise EngineStopped(self._stop_reason)
         rows = self.validate(request)
         self._drop_finished_waiting()
         if len(self._waiting) >= self.limits.max_queue:
@@ -146,12 +146,12 @@ class Engine:
         return len(self._waiting), len(self._active)
 
     def check_health(self) -> None:
-        if self._stopped:
-            raise EngineStopped(self._stopped)
+        if self._stop_reason:
+            raise EngineStopped(self._stop_reason)
         self.group.check_health()
 
     async def close(self, reason: str = "engine closed") -> None:
-        self._stopped = reason
+        self._stop_reason = reason
         self._fail_all(EngineStopped(reason))
         if self._task is not None:
             self._task.cancel()
@@ -159,7 +159,7 @@ class Engine:
 
     # -- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
-        while not self._stopped:
+        while not self._stop_reason:
             if not self._waiting and not self._active:
                 self._wake.clear()
                 await self._wake.wait()
@@ -168,8 +168,8 @@ class Engine:
                 await self._join_waiting()
                 await self._step_once()
             except WorkerGroupBroken as e:
-                self._stopped = f"SP worker group failed: {e}"
-                self._fail_all(EngineStopped(self._stopped))
+                self._stop_reason = f"SP worker group failed: {e}"
+                self._fail_all(EngineStopped(self._stop_reason))
                 return
             except Exception:  # one bad step fails its pack, never the loop or the requests still waiting
                 logger.exception("engine step failed")
@@ -214,7 +214,7 @@ class Engine:
         for future in done:
             if future is not local and future.exception() is not None:
                 self.group.mark_broken(f"an SP worker failed mid-step: {future.exception()}")
-                raise WorkerGroupBroken(self.group.broken) from future.exception()
+                raise WorkerGroupBroken(self.group.broken_reason) from future.exception()
         out = await local
         await asyncio.gather(*watchers)
         return out

@@ -12,20 +12,20 @@ import torch.distributed as dist
 
 
 class UlyssesGroup:
-    """Implements the DiT's ``SequenceParallel`` hook on a torch.distributed group."""
+    """Implements the packed forward's ``SequenceParallel`` hook on a torch.distributed group."""
 
-    def __init__(self, world_size: int, rank: int, num_heads: int, group: dist.ProcessGroup | None = None):
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not within world_size {world_size}")
-        if num_heads % world_size:
-            raise ValueError(f"Ulysses needs num_heads % world_size == 0; got {num_heads} heads over {world_size} ranks")
-        self.world_size, self.rank, self.num_heads, self.group = world_size, rank, num_heads, group
+    def __init__(self, sp_degree: int, rank: int, num_heads: int, group: dist.ProcessGroup | None = None):
+        if sp_degree < 1 or not 0 <= rank < sp_degree:
+            raise ValueError(f"rank {rank} is not within sp_degree {sp_degree}")
+        if num_heads % sp_degree:
+            raise ValueError(f"Ulysses needs num_heads % sp_degree == 0; got {num_heads} heads over {sp_degree} ranks")
+        self.sp_degree, self.rank, self.num_heads, self.group = sp_degree, rank, num_heads, group
 
     def check_rows(self, total_rows: int) -> None:
-        if total_rows % self.world_size:
+        if total_rows % self.sp_degree:
             raise ValueError(
-                f"a pack of {total_rows} rows does not split over {self.world_size} ranks; "
-                f"pad it to a multiple of lcm(64, {self.world_size})"
+                f"a pack of {total_rows} rows does not split over {self.sp_degree} ranks; "
+                f"pad it to a multiple of {self.sp_degree}"
             )
 
     def _all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
@@ -40,21 +40,21 @@ class UlyssesGroup:
         n, H, D = x.shape
         if H != self.num_heads:
             raise ValueError(f"expected {self.num_heads} heads, got {H}")
-        chunks = x.reshape(n, self.world_size, H // self.world_size, D).transpose(0, 1)  # [W, n, H/W, D]
-        return self._all_to_all(chunks).reshape(self.world_size * n, H // self.world_size, D)
+        chunks = x.reshape(n, self.sp_degree, H // self.sp_degree, D).transpose(0, 1)  # [W, n, H/W, D]
+        return self._all_to_all(chunks).reshape(self.sp_degree * n, H // self.sp_degree, D)
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """[W*n, H/W, D] -> [n, H, D]."""
         T, h, D = x.shape
         self.check_rows(T)
-        chunks = x.reshape(self.world_size, T // self.world_size, h, D)  # chunk i: rank i's rows
+        chunks = x.reshape(self.sp_degree, T // self.sp_degree, h, D)  # chunk i: rank i's rows
         back = self._all_to_all(chunks)  # [W, n, H/W, D]: chunk j holds head group j
-        return back.transpose(0, 1).reshape(T // self.world_size, h * self.world_size, D)
+        return back.transpose(0, 1).reshape(T // self.sp_degree, h * self.sp_degree, D)
 
     def gather_rows(self, local: torch.Tensor) -> torch.Tensor | None:
         """Every rank's output rows, concatenated in rank order, on rank 0 (None elsewhere)."""
-        if self.world_size == 1:
+        if self.sp_degree == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        parts = [torch.empty_like(local) for _ in range(self.sp_degree)] if self.rank == 0 else None
         dist.gather(local.contiguous(), parts, dst=0, group=self.group)
         return torch.cat(parts) if self.rank == 0 else None

@@ -95,7 +95,7 @@ class WorkerGroup:
     def __init__(self, spec: ReplicaSpec, pipeline: H3Pipeline, workers: list, sp: UlyssesGroup | None,
                  own_pg: PlacementGroup | None):
         self.spec, self.pipeline, self.workers, self.sp, self._own_pg = spec, pipeline, workers, sp, own_pg
-        self.broken: str | None = None
+        self.broken_reason: str | None = None
         # packs are now aligned for, and run on, the whole group
         pipeline.row_multiple = spec.sp_degree
         pipeline.forward = self
@@ -155,8 +155,8 @@ class WorkerGroup:
     # -- one forward: launch on ranks 1..W-1, run rank 0 -------------------------------------
     def launch(self, pack: Pack) -> list[ray.ObjectRef]:
         """Start ranks 1..W-1 on this pack; run ``forward_rank0`` next, on rank 0."""
-        if self.broken:
-            raise WorkerGroupBroken(self.broken)
+        if self.broken_reason:
+            raise WorkerGroupBroken(self.broken_reason)
         if not self.workers:
             return []
         ref = ray.put(pack)
@@ -170,7 +170,7 @@ class WorkerGroup:
                 raise
             # a collective timed out or a peer reset the connection
             self.mark_broken(f"collective failed on rank 0: {e}")
-            raise WorkerGroupBroken(self.broken) from e
+            raise WorkerGroupBroken(self.broken_reason) from e
 
     def __call__(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
         """Synchronous forward (the pipeline's); the engine uses launch/forward_rank0 to watch the workers."""
@@ -181,22 +181,22 @@ class WorkerGroup:
         return out
 
     def mark_broken(self, reason: str) -> None:
-        if not self.broken:
-            self.broken = reason
+        if not self.broken_reason:
+            self.broken_reason = reason
             logger.error("SP group broken: %s", reason)
 
     # -- health ---------------------------------------------------------------------------
     def check_health(self, timeout_s: float = 5.0) -> None:
         """Raise WorkerGroupBroken if any rank is gone or the group already failed."""
-        if self.broken:
-            raise WorkerGroupBroken(self.broken)
+        if self.broken_reason:
+            raise WorkerGroupBroken(self.broken_reason)
         if not self.workers:
             return
         try:
             ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
         except Exception as e:
             self.mark_broken(f"SP worker did not answer a health check: {type(e).__name__}: {e}")
-            raise WorkerGroupBroken(self.broken) from e
+            raise WorkerGroupBroken(self.broken_reason) from e
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -46,9 +46,9 @@ def request(prompt: str = "x", steps: int = 3, **kwargs) -> GenerationRequest:
 # --- Ulysses preconditions -------------------------------------------------------------
 
 def test_ulysses_preconditions_are_clear_errors():
-    with pytest.raises(ValueError, match="num_heads % world_size"):
-        UlyssesGroup(world_size=3, rank=0, num_heads=4)
-    group = UlyssesGroup(world_size=2, rank=0, num_heads=4)
+    with pytest.raises(ValueError, match="num_heads % sp_degree"):
+        UlyssesGroup(sp_degree=3, rank=0, num_heads=4)
+    group = UlyssesGroup(sp_degree=2, rank=0, num_heads=4)
     with pytest.raises(ValueError, match="does not split over 2 ranks"):
         group.check_rows(127)
 

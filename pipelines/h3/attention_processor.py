@@ -24,7 +24,7 @@ class SequenceParallel(Protocol):
     """Ulysses over a process group (replicas.UlyssesGroup implements it)."""
 
     rank: int
-    world_size: int
+    sp_degree: int
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T/W, H, D] (my rows, all heads) -> [T, H/W, D] (all rows, my heads)."""
@@ -45,7 +45,7 @@ class Documents:
 
     cu_seqlens: torch.Tensor  # [D+1] int32, global row bounds
     max_seqlen: int
-    sp: SequenceParallel | None = None  # rows are sharded over sp.world_size ranks when set
+    sp: SequenceParallel | None = None  # rows are sharded over sp.sp_degree ranks when set
 
 
 _current: contextvars.ContextVar[Documents | None] = contextvars.ContextVar("h3serve_documents", default=None)

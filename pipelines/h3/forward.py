@@ -30,7 +30,7 @@ def packed_forward(model, pack: Pack, sp: SequenceParallel | None = None
     With ``sp``, this rank computes rows ``[rank*T/W, (rank+1)*T/W)`` and rank 0 returns the result
     (other ranks return None). ``pack`` must already be on the model's device.
     """
-    rank, world = (sp.rank, sp.world_size) if sp is not None else (0, 1)
+    rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
     if pack.total_rows % world:
         raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
     lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
