@@ -1,20 +1,20 @@
 # One command to serve, one to test. Both set up .venv on first use.
 PY      ?= python3
 VENV    ?= .venv
-# A CPU build from this machine's wheel cache; on a CUDA box set TORCH=torch.
-TORCH   ?= torch==2.13.0
+# The CPU build pinned in .ci/torch-cpu.txt; on a CUDA box set TORCH=torch.
+TORCH   ?= -r .ci/torch-cpu.txt
 CONFIG  ?= deploy/serve_config.yaml
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test setup weights bench clean
+.PHONY: serve test test-fast lint setup weights bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH)"
+$(VENV)/.installed: pyproject.toml .ci/torch-cpu.txt | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
@@ -26,6 +26,15 @@ serve: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# No Ray, no processes, no GPU: the library layers in well under a minute.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not ray and not e2e and not slow and not gpu" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
 weights: setup
 	$(BIN)/h3serve weights
 
@@ -34,3 +43,19 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+.PHONY: demo-checkpoint readme-images eval
+
+# The shipped demo checkpoint: the tiny preset trained on procedural scenes (pipelines/h3/demo/README.md).
+DEMO_CHECKPOINT ?= pipelines/h3/demo/minimax-h3-tiny
+
+demo-checkpoint: setup
+	rm -rf $(DEMO_CHECKPOINT).new
+	$(BIN)/python -m pipelines.h3.demo.train --out $(DEMO_CHECKPOINT).new --seed 0
+	rm -rf $(DEMO_CHECKPOINT) && mv $(DEMO_CHECKPOINT).new $(DEMO_CHECKPOINT)
+
+readme-images: setup
+	$(BIN)/python -m pipelines.h3.demo.readme_images --out docs/images
+
+eval: setup
+	$(BIN)/h3serve eval --check

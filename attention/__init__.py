@@ -1,14 +1,14 @@
 """Attention admission: requirements, backends proven by their code, one selector.
 
-    >>> from attention import AttentionRequirements, Platform, resolve
-    >>> resolve(AttentionRequirements(packed_varlen=True), "auto", Platform.cpu()).backend
-    'torch_sdpa'
+>>> from attention import AttentionRequirements, Platform, resolve
+>>> resolve(AttentionRequirements(packed_varlen=True), "auto", Platform.cpu()).backend
+'torch_sdpa'
 """
 
 from .backend import AttentionBackend, Availability, overrides
 from .errors import AdmissionError, AttentionSelectionError, BackendUnavailable, UnknownBackendError
 from .impl import AttentionImpl
-from .platform import Platform
+from .platform import DeviceType, Platform
 from .ranking import RankedBackend, Ranking, RankingError
 from .registry import BACKENDS, backend_names, get_backend, probe_platform
 from .requirements import AttentionRequirements
@@ -23,6 +23,7 @@ __all__ = [
     "Availability",
     "BACKENDS",
     "BackendUnavailable",
+    "DeviceType",
     "Platform",
     "RankedBackend",
     "Ranking",

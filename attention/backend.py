@@ -98,7 +98,7 @@ class AttentionBackend:
         if self.min_compute_capability is not None and platform.device_type == "cuda":
             cc = platform.compute_capability
             if cc is None or tuple(cc) < self.min_compute_capability:
-                need = "%d.%d" % self.min_compute_capability
+                need = "{}.{}".format(*self.min_compute_capability)
                 reasons.append(f"{self.name} needs CUDA compute capability >= {need}, the node has {cc}")
         if dtype is not None and dtype not in self.dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)

@@ -42,9 +42,7 @@ class AttentionImpl:
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement packed varlen attention (forward_varlen)"
-        )
+        raise NotImplementedError(f"{type(self).__name__} does not implement packed varlen attention (forward_varlen)")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.forward(q, k, v)
@@ -64,8 +62,7 @@ def check_varlen_inputs(
     """Shape and dtype checks shared by every varlen implementation."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
-            f"forward_varlen takes packed [T, H, D] tensors; got q{tuple(q.shape)} "
-            f"k{tuple(k.shape)} v{tuple(v.shape)}"
+            f"forward_varlen takes packed [T, H, D] tensors; got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
         )
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
@@ -82,7 +79,4 @@ def check_varlen_inputs(
                 f"for cu_seqlens shape={tuple(cu_seqlens.shape)}"
             )
     elif k.shape[0] != q.shape[0]:
-        raise ValueError(
-            f"k has {k.shape[0]} rows but q has {q.shape[0]}; pass cu_seqlens_k for "
-            "different key bounds"
-        )
+        raise ValueError(f"k has {k.shape[0]} rows but q has {q.shape[0]}; pass cu_seqlens_k for different key bounds")

@@ -32,7 +32,9 @@ class Platform(BaseModel):
     def describe(self) -> str:
         sm = f" sm{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else ""
         libs = ", ".join(f"{k} {v}" for k, v in sorted(self.kernel_libraries.items())) or "none"
-        return f"{self.device_type}{sm} ({self.device_name}; torch {self.torch_version}; kernels: {libs}; {self.source})"
+        return (
+            f"{self.device_type}{sm} ({self.device_name}; torch {self.torch_version}; kernels: {libs}; {self.source})"
+        )
 
     def cache_key(self) -> str:
         return self.model_dump_json()
@@ -94,7 +96,7 @@ def probe(device: DeviceType | None = None, libraries: Iterable[str] = ()) -> Pl
     return Platform(
         device_type="cuda",
         device_name=torch.cuda.get_device_name(index),
-        compute_capability=tuple(torch.cuda.get_device_capability(index)),
+        compute_capability=torch.cuda.get_device_capability(index),
         kernel_libraries=found,
         source="probed",
     )

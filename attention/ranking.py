@@ -99,16 +99,23 @@ class Ranking(BaseModel):
             return None
         gmean = {n: math.exp(sum(math.log(t[n]) for t in packs) / len(packs)) for n in names}
         return cls(
-            device_name=platform.device_name, compute_capability=platform.compute_capability,
-            torch_version=platform.torch_version, dtype=str(dtype).removeprefix("torch.") if dtype else None,
-            head_dim=head_dim, backends=[RankedBackend(name=n, ms=gmean[n]) for n in sorted(names, key=gmean.get)],
+            device_name=platform.device_name,
+            compute_capability=platform.compute_capability,
+            torch_version=platform.torch_version,
+            dtype=str(dtype).removeprefix("torch.") if dtype else None,
+            head_dim=head_dim,
+            backends=tuple(RankedBackend(name=n, ms=gmean[n]) for n in sorted(names, key=lambda n: gmean[n])),
             measured="; ".join(x for x in (measured, f"geometric mean over {len(packs)} packs") if x),
         )
 
     def describe(self) -> str:
         sm = f" sm{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else ""
-        on = [f"{self.device_name}{sm}", f"torch {self.torch_version}", self.dtype,
-              self.head_dim and f"head_dim {self.head_dim}"]
+        on = [
+            f"{self.device_name}{sm}",
+            f"torch {self.torch_version}",
+            self.dtype,
+            self.head_dim and f"head_dim {self.head_dim}",
+        ]
         order = " > ".join(b.name for b in self.backends) or "empty"
         return f"{order} (measured on {', '.join(x for x in on if x)})"
 

@@ -28,8 +28,7 @@ def get_backend(name: str) -> AttentionBackend:
     if not isinstance(name, str) or _normalize(name) not in _LOOKUP:
         aliases = ", ".join(f"{a}->{b.name}" for b in ALL_BACKENDS for a in b.aliases)
         raise UnknownBackendError(
-            f"Unknown attention backend {name!r}. Valid names: auto, {', '.join(backend_names())} "
-            f"(aliases: {aliases})",
+            f"Unknown attention backend {name!r}. Valid names: auto, {', '.join(backend_names())} (aliases: {aliases})",
             backend=str(name),
         )
     return _LOOKUP[_normalize(name)]

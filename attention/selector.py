@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+@overload
+def parse_dtype(dtype: None) -> None: ...
+@overload
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype: ...
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -125,15 +129,30 @@ def resolve(
     platform = platform if platform is not None else probe_platform()
     explicit = selected.strip().lower() != "auto"
     measured = None if explicit else configured(ranking)  # the file's content, not its path, is in the key
-    return _resolve_cached(requirements, selected.strip().lower(), platform.model_dump_json(), model,
-                           parse_dtype(dtype), head_dim, measured)
+    return _resolve_cached(
+        requirements,
+        selected.strip().lower(),
+        platform.model_dump_json(),
+        model,
+        parse_dtype(dtype),
+        head_dim,
+        measured,
+    )
 
 
 @functools.lru_cache(maxsize=256)
 def _resolve_cached(requirements, selected, platform_json, model, dtype, head_dim, measured) -> Resolution:
     """One decision per distinct question (the platform travels as JSON: it holds a dict, so no hash)."""
-    resolution = _resolve(requirements, selected, Platform.model_validate_json(platform_json), model, dtype,
-                          head_dim, selected != "auto", measured)
+    resolution = _resolve(
+        requirements,
+        selected,
+        Platform.model_validate_json(platform_json),
+        model,
+        dtype,
+        head_dim,
+        selected != "auto",
+        measured,
+    )
     logger.info("h3serve admission: %s", resolution.describe())
     return resolution
 
@@ -152,8 +171,9 @@ def _resolve(requirements, selected, platform, model, dtype, head_dim, explicit,
         backend = get_backend(selected)
         rejection = _judge(backend, requirements, platform, dtype, head_dim)
         if rejection is not None and rejection.kind == "incapable":
+            requires = f", which model {model!r} requires" if model else ""
             raise AdmissionError(
-                f"Attention backend {backend.name!r} {rejection.reason}{', which model %r requires' % model if model else ''}. "
+                f"Attention backend {backend.name!r} {rejection.reason}{requires}. "
                 f"Choose one that does: {_capable_names(requirements)} (or 'auto').",
                 backend=backend.name,
                 model=model,

@@ -58,27 +58,51 @@ def cold(fn):
     def call():
         attention.clear_cache()
         return fn()
+
     return call
 
 
 def part1(reps: int) -> list[dict]:
     rows = []
     for name, (args, platform) in configs().items():
+
         def decide(args=args, platform=platform):  # the driver's whole decision, not counted anywhere
             return admit(args, "bench", platform, record=lambda tags: None)
 
         def raw(args=args, platform=platform):
-            return attention.resolve(REQUIREMENTS, args.attention_backend, platform, model=args.served_model_name,
-                                     dtype=args.dtype, head_dim=args.geometry.head_dim)
+            return attention.resolve(
+                REQUIREMENTS,
+                args.attention_backend,
+                platform,
+                model=args.served_model_name,
+                dtype=args.dtype,
+                head_dim=args.geometry.head_dim,
+            )
 
         resolution = decide()
         for what, fn in (("admit (cold)", cold(decide)), ("resolve (cold)", cold(raw)), ("resolve (cached)", raw)):
             ms = time_ms(fn, reps=reps, warmup=3)
-            rows.append({"config": name, "call": what, "backend": resolution.backend, "median_ms": median(ms),
-                         "p90_ms": percentile(ms, 90), "reps": reps})
+            rows.append(
+                {
+                    "config": name,
+                    "call": what,
+                    "backend": resolution.backend,
+                    "median_ms": median(ms),
+                    "p90_ms": percentile(ms, 90),
+                    "reps": reps,
+                }
+            )
     ms = time_ms(lambda: probe_platform("cpu"), reps=max(5, reps // 10))
-    rows.append({"config": "this node", "call": "probe_platform (local)", "backend": "-", "median_ms": median(ms),
-                 "p90_ms": percentile(ms, 90), "reps": len(ms)})
+    rows.append(
+        {
+            "config": "this node",
+            "call": "probe_platform (local)",
+            "backend": "-",
+            "median_ms": median(ms),
+            "p90_ms": percentile(ms, 90),
+            "reps": len(ms),
+        }
+    )
     return rows
 
 
@@ -86,8 +110,10 @@ def serve_requests(n: int) -> dict:
     """N requests through the in-process engine, with every Python call of every thread recorded."""
     spec = tiny_spec(sp=1)  # the driver's decision, made before anything is counted
     group = WorkerGroup.create(spec)
-    requests = [GenerationRequest(prompt=f"request {i}", width=64 + 32 * (i % 2), height=64, num_inference_steps=3,
-                                  seed=i) for i in range(n)]
+    requests = [
+        GenerationRequest(prompt=f"request {i}", width=64 + 32 * (i % 2), height=64, num_inference_steps=3, seed=i)
+        for i in range(n)
+    ]
     calls: collections.Counter[str] = collections.Counter()
 
     def record(frame, event, arg):
@@ -119,34 +145,53 @@ def serve_requests(n: int) -> dict:
         ours = path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in PACKAGES
         per_file[path.relative_to(REPO).as_posix() if ours else LIBRARIES] += count
     admission_frames = {f: per_file.get(f, 0) for f in ADMISSION_FILES}
-    return {"requests": n, "completed": len(results),
-            "selector_calls_before": before, "selector_calls_after": after,
-            "admission_frames": admission_frames, "calls_per_file": dict(per_file.most_common()),
-            "ok": before == after and not any(admission_frames.values()) and len(results) == n}
+    return {
+        "requests": n,
+        "completed": len(results),
+        "selector_calls_before": before,
+        "selector_calls_after": after,
+        "admission_frames": admission_frames,
+        "calls_per_file": dict(per_file.most_common()),
+        "ok": before == after and not any(admission_frames.values()) and len(results) == n,
+    }
 
 
 def run(smoke: bool = False) -> dict:
     say(f"machine: {machine()}")
     rows = part1(reps=20 if smoke else 300)
-    table(["config", "call", "backend", "median ms", "p90 ms", "reps"],
-          [[r["config"], r["call"], r["backend"], r["median_ms"], r["p90_ms"], r["reps"]] for r in rows],
-          title="Part 1: admission cost in the driver (cold = selector cache cleared before each call)")
-    say("  admit = H3's rule (sp_degree divides the preset's heads, device) + resolve; once per deployment, before\n"
+    table(
+        ["config", "call", "backend", "median ms", "p90 ms", "reps"],
+        [[r["config"], r["call"], r["backend"], r["median_ms"], r["p90_ms"], r["reps"]] for r in rows],
+        title="Part 1: admission cost in the driver (cold = selector cache cleared before each call)",
+    )
+    say(
+        "  admit = H3's rule (sp_degree divides the preset's heads, device) + resolve; once per deployment, before\n"
         "  any replica. The gpu rows use deploy/serve_config.gpu.yaml's args.\n"
         "  In Serve the platform comes from a probe task shaped like one SP rank (a Ray task, ~ms to s),\n"
-        "  also once per deployment.")
+        "  also once per deployment."
+    )
     path = serve_requests(2 if smoke else 8)
     say()
-    table(["evidence", "before", "after"],
-          [["attention.selector_calls()", path["selector_calls_before"], path["selector_calls_after"]]],
-          title=f"Part 2: {path['requests']} requests served through replicas.Engine in-process")
-    table(["module (request path, all threads)", "python calls"],
-          [[f, n] for f, n in path["admission_frames"].items()]
-          + [[f, n] for f, n in path["calls_per_file"].items() if f not in path["admission_frames"]],
-          title="Python calls on the request path, by module (admission modules first)")
+    table(
+        ["evidence", "before", "after"],
+        [["attention.selector_calls()", path["selector_calls_before"], path["selector_calls_after"]]],
+        title=f"Part 2: {path['requests']} requests served through replicas.Engine in-process",
+    )
+    table(
+        ["module (request path, all threads)", "python calls"],
+        [[f, n] for f, n in path["admission_frames"].items()]
+        + [[f, n] for f, n in path["calls_per_file"].items() if f not in path["admission_frames"]],
+        title="Python calls on the request path, by module (admission modules first)",
+    )
     say(f"\nadmission stays off the request path: {'YES' if path['ok'] else 'NO'}")
-    return {"benchmark": "admission", "smoke": smoke, "machine": machine(), "cost": rows, "request_path": path,
-            "ok": path["ok"]}
+    return {
+        "benchmark": "admission",
+        "smoke": smoke,
+        "machine": machine(),
+        "cost": rows,
+        "request_path": path,
+        "ok": path["ok"],
+    }
 
 
 main = main_for(__doc__, run)

@@ -87,7 +87,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = 
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(row):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
 
     lines = ([title] if title else []) + [line(cells[0]), "  ".join("-" * w for w in widths)]
     lines += [line(r) for r in cells[1:]]
@@ -101,9 +101,14 @@ def say(msg: str = "") -> None:
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "loadavg_1m": os.getloadavg()[0]}  # a shared machine: other work skews absolute times
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_1m": os.getloadavg()[0],
+    }  # a shared machine: other work skews absolute times
 
 
 def write_json(path: str | None, result: dict, quiet: bool = False) -> None:
@@ -142,9 +147,13 @@ def summarize_agreement(comparisons: Sequence[dict]) -> dict:
     pixel = [c["max_pixel_diff"] for c in comparisons if c["max_pixel_diff"] is not None]
     frac = [c["frac_pixels_differ"] for c in comparisons if c["frac_pixels_differ"] is not None]
     audio = [c["audio_max_diff"] for c in comparisons if c["audio_max_diff"] is not None]
-    return {"agree": all(c["agree"] for c in comparisons), "requests": len(comparisons),
-            "max_pixel_diff": max(pixel, default=None), "max_frac_pixels_differ": max(frac, default=None),
-            "audio_max_diff": max(audio, default=None)}
+    return {
+        "agree": all(c["agree"] for c in comparisons),
+        "requests": len(comparisons),
+        "max_pixel_diff": max(pixel, default=None),
+        "max_frac_pixels_differ": max(frac, default=None),
+        "audio_max_diff": max(audio, default=None),
+    }
 
 
 def cpu_resolution():
@@ -153,8 +162,14 @@ def cpu_resolution():
     from pipelines.h3 import preset, validate_deployment
 
     tiny = preset("tiny")
-    return validate_deployment(model=tiny.name, geometry=tiny.geometry(), attention_backend="auto",
-                               platform=Platform.cpu(), device="cpu", dtype="float32")
+    return validate_deployment(
+        model=tiny.name,
+        geometry=tiny.geometry(),
+        attention_backend="auto",
+        platform=Platform.cpu(),
+        device="cpu",
+        dtype="float32",
+    )
 
 
 def tiny_spec(sp: int = 1, rank_cpus: float = 1.0, checkpoint: str | None = None):
@@ -163,8 +178,9 @@ def tiny_spec(sp: int = 1, rank_cpus: float = 1.0, checkpoint: str | None = None
     from deploy.args import DeployArgs
     from pipelines.h3.checkpoint import random_tiny_checkpoint
 
-    args = DeployArgs(sp_degree=sp, rank_resources={"CPU": rank_cpus},
-                      checkpoint=checkpoint or str(random_tiny_checkpoint()))
+    args = DeployArgs(
+        sp_degree=sp, rank_resources={"CPU": rank_cpus}, checkpoint=checkpoint or str(random_tiny_checkpoint())
+    )
     return args.replica_spec(cpu_resolution())
 
 
@@ -191,8 +207,9 @@ class StepLog:
         self.steps = []
 
     def on_step(self, stats, seconds: float) -> None:
-        self.steps.append({"requests": stats.requests, "rows": stats.rows, "padding_rows": stats.padding_rows,
-                           "s": seconds})
+        self.steps.append(
+            {"requests": stats.requests, "rows": stats.rows, "padding_rows": stats.padding_rows, "s": seconds}
+        )
 
     def on_queue(self, waiting: int, active: int) -> None:
         pass

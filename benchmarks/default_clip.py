@@ -44,16 +44,27 @@ def cli(steps: int, out: Path, checkpoint: str | None, threads: int | None = Non
     default (one per core)."""
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = now()
-    done = subprocess.run([H3SERVE, "generate", PROMPT, "-o", str(out), "--steps", str(steps)]
-                          + (["--checkpoint", checkpoint] if checkpoint else []),
-                          capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(
+        [H3SERVE, "generate", PROMPT, "-o", str(out), "--steps", str(steps)]
+        + (["--checkpoint", checkpoint] if checkpoint else []),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     wall = now() - t0
     if done.returncode != 0:
         raise RuntimeError(f"h3serve generate failed ({done.returncode}):\n{done.stderr[-3000:]}")
     info = probe_media(out.read_bytes())
     way = "CLI: h3serve generate" + (f" (OMP_NUM_THREADS={threads})" if threads else "")
-    return {"way": way, "steps": steps, "total_s": wall, "frames": info.frames,
-            "size": f"{info.width}x{info.height}", "audio_channels": info.audio_channels}
+    return {
+        "way": way,
+        "steps": steps,
+        "total_s": wall,
+        "frames": info.frames,
+        "size": f"{info.width}x{info.height}",
+        "audio_channels": info.audio_channels,
+    }
 
 
 def phases(steps: int, checkpoint: str | None, threads: int = 1) -> dict:
@@ -84,25 +95,42 @@ def _phases(steps: int, checkpoint: str | None) -> dict:
     mp4 = media.mp4()
     t["mp4_s"] = now() - t0
     info = probe_media(mp4)
-    return {"steps": steps, "total_s": sum(t.values()), **t, "rows": state.rows,
-            "per_step_s": t["denoise_s"] / state.steps, "frames": info.frames, "size": f"{info.width}x{info.height}",
-            "audio_channels": info.audio_channels}
+    return {
+        "steps": steps,
+        "total_s": sum(t.values()),
+        **t,
+        "rows": state.rows,
+        "per_step_s": t["denoise_s"] / state.steps,
+        "frames": info.frames,
+        "size": f"{info.width}x{info.height}",
+        "audio_channels": info.audio_channels,
+    }
 
 
 def http(default_steps: int) -> list[dict]:
     rows = []
     with ServedDefault() as served, httpx.Client(base_url=served.url, timeout=900) as client:
         say(f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s")
-        for label, body in (("HTTP video job, server defaults (first request)", {"prompt": PROMPT}),
-                            ("HTTP video job, server defaults (warm)", {"prompt": PROMPT}),
-                            ("HTTP video job, 50 steps (warm)", {"prompt": PROMPT, "num_inference_steps": 50})):
+        for label, body in (
+            ("HTTP video job, server defaults (first request)", {"prompt": PROMPT}),
+            ("HTTP video job, server defaults (warm)", {"prompt": PROMPT}),
+            ("HTTP video job, 50 steps (warm)", {"prompt": PROMPT, "num_inference_steps": 50}),
+        ):
             t0 = now()
             job, mp4 = video_job(client, body)
             wall = now() - t0
             info = probe_media(mp4)
-            rows.append({"way": label, "steps": body.get("num_inference_steps", default_steps), "total_s": wall,
-                         "frames": info.frames, "size": job["size"], "seconds": job["seconds"],
-                         "audio_channels": info.audio_channels})
+            rows.append(
+                {
+                    "way": label,
+                    "steps": body.get("num_inference_steps", default_steps),
+                    "total_s": wall,
+                    "frames": info.frames,
+                    "size": job["size"],
+                    "seconds": job["seconds"],
+                    "audio_channels": info.audio_channels,
+                }
+            )
     return rows
 
 
@@ -110,9 +138,11 @@ def run(smoke: bool = False) -> dict:
     default_steps = default_args().limits.default_steps
     steps_list = [2] if smoke else sorted({default_steps, 50})
     checkpoint = served_checkpoint()
-    say(f"machine: {machine()}\nserve config limits.default_steps = {default_steps}; checkpoint "
-        f"{resolve_checkpoint(checkpoint)}" + (" (no shipped demo checkpoint here: the tiny preset, random weights)"
-                                               if checkpoint else " (the default)"))
+    say(
+        f"machine: {machine()}\nserve config limits.default_steps = {default_steps}; checkpoint "
+        f"{resolve_checkpoint(checkpoint)}"
+        + (" (no shipped demo checkpoint here: the tiny preset, random weights)" if checkpoint else " (the default)")
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for steps in steps_list:
@@ -120,26 +150,53 @@ def run(smoke: bool = False) -> dict:
             if not smoke:  # a shared box: one OpenMP thread can beat two that wait on each other
                 rows.append(cli(steps, Path(tmp) / f"clip-{steps}-1.mp4", checkpoint, threads=1))
             rows.append(phases(steps, checkpoint))
-            say(f"  {steps} steps: " + ", ".join(f"{r['way']} {r['total_s']:.1f} s" for r in rows[-3:]
-                                                 if r["steps"] == steps))
+            say(
+                f"  {steps} steps: "
+                + ", ".join(f"{r['way']} {r['total_s']:.1f} s" for r in rows[-3:] if r["steps"] == steps)
+            )
     if not smoke:
         rows += http(default_steps)
     say()
-    table(["way", "steps", "total s", "load s", "prepare s", "denoise s", "s/step", "decode s", "mp4 s", "clip"],
-          [[r["way"], r["steps"], r["total_s"], r.get("load_s"), r.get("prepare_s"), r.get("denoise_s"),
-            r.get("per_step_s"), r.get("decode_s"), r.get("mp4_s"),
-            f"{r['frames']} frames {r['size']}, {r['audio_channels']}ch"] for r in rows],
-          title="one default video request (shortest clip, tiny canvas), 2 CPU cores shared with other work")
+    table(
+        ["way", "steps", "total s", "load s", "prepare s", "denoise s", "s/step", "decode s", "mp4 s", "clip"],
+        [
+            [
+                r["way"],
+                r["steps"],
+                r["total_s"],
+                r.get("load_s"),
+                r.get("prepare_s"),
+                r.get("denoise_s"),
+                r.get("per_step_s"),
+                r.get("decode_s"),
+                r.get("mp4_s"),
+                f"{r['frames']} frames {r['size']}, {r['audio_channels']}ch",
+            ]
+            for r in rows
+        ],
+        title="one default video request (shortest clip, tiny canvas), 2 CPU cores shared with other work",
+    )
     ok = all(r["frames"] == 124 and r["audio_channels"] == 2 for r in rows)
     worst = max(r["total_s"] for r in rows if r["steps"] == (2 if smoke else default_steps))
     met = worst < TARGET_S
-    say(f"\ntarget: a default video request in under {TARGET_S:.0f} s on 2 CPU cores: slowest way at "
+    say(
+        f"\ntarget: a default video request in under {TARGET_S:.0f} s on 2 CPU cores: slowest way at "
         f"{2 if smoke else default_steps} steps {worst:.1f} s, {'met' if met else 'NOT met'}"
-        + (" (smoke: 2 steps, judged on the full run)" if smoke else ""))
+        + (" (smoke: 2 steps, judged on the full run)" if smoke else "")
+    )
     say(f"clips are 124 frames with stereo sound: {'YES' if ok else 'NO'}")
-    return {"benchmark": "default_clip", "smoke": smoke, "machine": machine(), "default_steps": default_steps,
-            "checkpoint": str(resolve_checkpoint(checkpoint)),
-            "rows": rows, "target_s": TARGET_S, "worst_default_s": worst, "met": met, "ok": ok}
+    return {
+        "benchmark": "default_clip",
+        "smoke": smoke,
+        "machine": machine(),
+        "default_steps": default_steps,
+        "checkpoint": str(resolve_checkpoint(checkpoint)),
+        "rows": rows,
+        "target_s": TARGET_S,
+        "worst_default_s": worst,
+        "met": met,
+        "ok": ok,
+    }
 
 
 main = main_for(__doc__, run)

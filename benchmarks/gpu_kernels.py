@@ -16,6 +16,7 @@ repo's ``attention`` and ``pipelines`` packages (no Ray).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -25,21 +26,20 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-
-from attention import Ranking, get_backend, probe_platform
-from attention.ranking import save as save_ranking
-
 from diffusers.models.transformers.transformer_minimax_h3 import (
     MINIMAX_H3_MODALITY_NUM,
     MiniMaxH3RotaryPosEmbed,
     MiniMaxH3TransformerBlock,
 )
 
+from attention import Ranking, get_backend, probe_platform
+from attention.ranking import save as save_ranking
 from pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
 from pipelines.h3.packing import pack_documents
 
 from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table
 from .h3_shapes import Clip, block_flops, clip_document, transformer_config
+
 BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa", "flex_attn")  # Part 2 builds its block with the first
 NOTES = [
     "Attention FLOPs = sum over real documents of 4 * len^2 * H * D; the trailing padding "
@@ -50,15 +50,45 @@ NOTES = [
 ]
 # Part 2's packs: T2VA requests as "WIDTHxHEIGHTxFRAMES"; 1344x768x124 is the released default (~38k rows).
 SIZES = {  # totals: pack sizes of Part 1; block_packs: the requests packed for Part 2
-    "full": dict(totals=[4096, 8192, 16384, 32768, 65536], check_total=8192, doc_range=(256, 16384),
-                 heads=56, head_dim=128, preset="full", text_tokens=256,
-                 block_packs=[["896x512x124"], ["1344x768x124"], ["896x512x124", "896x512x141"]],
-                 warmup=2, reps=5, matmul_n=8192),
-    "quick": dict(totals=[4096, 8192], check_total=4096, doc_range=(256, 16384), heads=56, head_dim=128,
-                  preset="full", text_tokens=256, block_packs=[["512x288x124"]], warmup=1, reps=3, matmul_n=4096),
-    "cpu": dict(totals=[256, 512], check_total=512, doc_range=(16, 256), heads=2, head_dim=32, preset="tiny",
-                text_tokens=32, block_packs=[["128x64x124"], ["64x64x124", "96x64x141"]], warmup=1, reps=2,
-                matmul_n=256),
+    "full": dict(
+        totals=[4096, 8192, 16384, 32768, 65536],
+        check_total=8192,
+        doc_range=(256, 16384),
+        heads=56,
+        head_dim=128,
+        preset="full",
+        text_tokens=256,
+        block_packs=[["896x512x124"], ["1344x768x124"], ["896x512x124", "896x512x141"]],
+        warmup=2,
+        reps=5,
+        matmul_n=8192,
+    ),
+    "quick": dict(
+        totals=[4096, 8192],
+        check_total=4096,
+        doc_range=(256, 16384),
+        heads=56,
+        head_dim=128,
+        preset="full",
+        text_tokens=256,
+        block_packs=[["512x288x124"]],
+        warmup=1,
+        reps=3,
+        matmul_n=4096,
+    ),
+    "cpu": dict(
+        totals=[256, 512],
+        check_total=512,
+        doc_range=(16, 256),
+        heads=2,
+        head_dim=32,
+        preset="tiny",
+        text_tokens=32,
+        block_packs=[["128x64x124"], ["64x64x124", "96x64x141"]],
+        warmup=1,
+        reps=2,
+        matmul_n=256,
+    ),
 }
 PACK_ALIGN = 1  # packs for one rank carry no padding; Ulysses pads only to T % sp_degree
 
@@ -94,13 +124,19 @@ def sdpa_fused_backends(device: str, dtype: torch.dtype, head_dim: int) -> list[
 
 
 def environment(platform) -> dict:
-    return {"device": platform.device_name, "compute_capability": platform.compute_capability,
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "flash_attn": platform.kernel_libraries.get("flash_attn"),
-            "kernel_libraries": dict(platform.kernel_libraries), "platform": platform.describe()}
+    return {
+        "device": platform.device_name,
+        "compute_capability": platform.compute_capability,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flash_attn": platform.kernel_libraries.get("flash_attn"),
+        "kernel_libraries": dict(platform.kernel_libraries),
+        "platform": platform.describe(),
+    }
 
 
 # -- Part 1: packed varlen attention ------------------------------------------------------------
+
 
 def mixed_lengths(total: int, rng: random.Random, lo: int, hi: int) -> list[int]:
     """Log-uniform document lengths in [lo, hi] (H3 serves short clips to long videos),
@@ -124,7 +160,7 @@ def make_pack(lengths, heads, head_dim, dtype, device, align, seed) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v = (torch.randn(padded, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    max_len = max(b - a for a, b in itertools.pairwise(bounds))
     return dict(q=q, k=k, v=v, cu=cu, max_len=max_len, bounds=bounds, lengths=lengths)
 
 
@@ -141,11 +177,11 @@ def reference_fp32(p, head_chunk: int = 8) -> torch.Tensor:
     q, k, v = p["q"], p["k"], p["v"]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     scale = q.shape[-1] ** -0.5
-    for a, b in zip(p["bounds"], p["bounds"][1:]):
+    for a, b in itertools.pairwise(p["bounds"]):
         for h in range(0, q.shape[1], head_chunk):  # chunks of heads bound the L x L scores' memory
-            qs, ks, vs = (t[a:b, h:h + head_chunk].float().transpose(0, 1) for t in (q, k, v))
+            qs, ks, vs = (t[a:b, h : h + head_chunk].float().transpose(0, 1) for t in (q, k, v))
             probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
-            out[a:b, h:h + head_chunk] = (probs @ vs).transpose(0, 1)
+            out[a:b, h : h + head_chunk] = (probs @ vs).transpose(0, 1)
     return out
 
 
@@ -169,11 +205,20 @@ def part1_varlen(s, device, dtype, platform, budget, res) -> dict:
     base = (run_varlen(get_backend("torch_sdpa").make_impl(), p).float() - ref).abs().max().item()
     limit, status, rows = 2 * base + 1e-3, {}, []
     for name, impl in impls.items():
-        out, error = attempt(lambda: run_varlen(impl, p))
+        out, error = attempt(lambda impl=impl, p=p: run_varlen(impl, p))
         err = None if out is None else (out.float() - ref).abs().max().item()
         status[name] = error or ("PASS" if err <= limit else "FAIL")
-        res["correctness"].append({"backend": name, "rows": p["bounds"][-1], "docs": len(p["lengths"]),
-                                   "max_abs_err": err, "sdpa_loop_err": base, "limit": limit, "result": status[name]})
+        res["correctness"].append(
+            {
+                "backend": name,
+                "rows": p["bounds"][-1],
+                "docs": len(p["lengths"]),
+                "max_abs_err": err,
+                "sdpa_loop_err": base,
+                "limit": limit,
+                "result": status[name],
+            }
+        )
         rows.append([name, p["bounds"][-1], len(p["lengths"]), err, limit, status[name]])
         del out
     say(f"\n  correctness vs fp32 reference (torch_sdpa loop in {dtype_name(dtype)}: max abs err {base:.3g})")
@@ -190,14 +235,43 @@ def part1_varlen(s, device, dtype, platform, budget, res) -> dict:
             for name, impl in impls.items():
                 if budget.over(f"varlen {case} {total} {name}"):
                     continue
-                ms, error = attempt(lambda: median_ms(lambda: run_varlen(impl, p), device, s["warmup"], s["reps"]))
+
+                def varlen(impl=impl, p=p):
+                    return run_varlen(impl, p)
+
+                ms, error = attempt(lambda varlen=varlen: median_ms(varlen, device, s["warmup"], s["reps"]))
                 tf = None if ms is None else tflops(flops, ms)
-                r = {"case": case, "rows": p["bounds"][-1], "docs": len(lengths), "max_len": max(lengths),
-                     "backend": name, "flops": flops, "ms": ms, "tflops": tf, "error": error,
-                     "pct_peak": tf and 100 * tf / PEAK_TFLOPS, "pct_matmul": tf and 100 * tf / mm}
+                r = {
+                    "case": case,
+                    "rows": p["bounds"][-1],
+                    "docs": len(lengths),
+                    "max_len": max(lengths),
+                    "backend": name,
+                    "flops": flops,
+                    "ms": ms,
+                    "tflops": tf,
+                    "error": error,
+                    "pct_peak": tf and 100 * tf / PEAK_TFLOPS,
+                    "pct_matmul": tf and 100 * tf / mm,
+                }
                 res["varlen"].append(r)
-                rows.append([r[c] for c in ("case", "rows", "docs", "max_len", "backend", "ms", "tflops", "pct_peak",
-                                            "pct_matmul")] + [error or status.get(name, "")])
+                rows.append(
+                    [
+                        r[c]
+                        for c in (
+                            "case",
+                            "rows",
+                            "docs",
+                            "max_len",
+                            "backend",
+                            "ms",
+                            "tflops",
+                            "pct_peak",
+                            "pct_matmul",
+                        )
+                    ]
+                    + [error or status.get(name, "")]
+                )
             del p
     say("")
     table(["case", "rows", "docs", "max_len", "backend", "ms", "TFLOP/s", "% peak", "% matmul", "note"], rows)
@@ -217,12 +291,17 @@ def measured_ranking(res, status, platform, dtype, s, mode) -> Ranking | None:
             times.setdefault((r["case"], r["rows"]), {})[r["backend"]] = r["ms"]
     left_out = sorted(set(status) - set(ranked))
     return Ranking.from_times(
-        platform, times, dtype=dtype, head_dim=s["head_dim"],
+        platform,
+        times,
+        dtype=dtype,
+        head_dim=s["head_dim"],
         measured=f"benchmarks.gpu_kernels {mode}, forward_varlen, {s['heads']} heads"
-                 + (f", left out (failed or errored): {', '.join(left_out)}" if left_out else ""))
+        + (f", left out (failed or errored): {', '.join(left_out)}" if left_out else ""),
+    )
 
 
 # -- Part 2: one H3 block --------------------------------------------------------------------------
+
 
 def block_inputs(cfg: dict, clips: list[Clip], device: str, dtype: torch.dtype) -> dict:
     """A pack of T2VA documents and what ``MiniMaxH3TransformerBlock.forward`` takes for it, as packed_forward
@@ -230,26 +309,37 @@ def block_inputs(cfg: dict, clips: list[Clip], device: str, dtype: torch.dtype) 
     pack = pack_documents([clip_document(cfg, c, seed=j) for j, c in enumerate(clips)]).to(device)
     rope = MiniMaxH3RotaryPosEmbed(cfg["rope_freq_dim"], cfg["rope_theta"]).to(device)
     T, K = pack.total_rows, pack.timestep.numel()
-    return dict(pack=pack, hidden=torch.randn(1, T, cfg["hidden_size"], device=device, dtype=dtype),  # [1, T, d]
-                temb=torch.randn(K, cfg["time_embed_dim"], device=device),  # [K, e] fp32, as time_embedder's
-                adaln_indices=pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags,  # [T]
-                rotary_emb=rope(pack.position_ids))  # cos, sin: [T, 6 * rope_freq_dim]
+    return dict(
+        pack=pack,
+        hidden=torch.randn(1, T, cfg["hidden_size"], device=device, dtype=dtype),  # [1, T, d]
+        temb=torch.randn(K, cfg["time_embed_dim"], device=device),  # [K, e] fp32, as time_embedder's
+        adaln_indices=pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags,  # [T]
+        rotary_emb=rope(pack.position_ids),
+    )  # cos, sin: [T, 6 * rope_freq_dim]
 
 
 def part2_block(s, device, dtype, status, budget, res) -> None:
     cfg = transformer_config(s["preset"])
     names = [n for n in BACKENDS if status.get(n) == "PASS"]
     H, D = cfg["num_attention_heads"], cfg["attention_head_dim"]
-    say(f"\n== Part 2: one MiniMaxH3TransformerBlock (diffusers) through h3serve's processor, preset {s['preset']} "
-        f"(hidden {cfg['hidden_size']}, {H} heads x {D}, ffn {cfg['ffn_dim']}), every backend that passed")
+    say(
+        f"\n== Part 2: one MiniMaxH3TransformerBlock (diffusers) through h3serve's processor, preset {s['preset']} "
+        f"(hidden {cfg['hidden_size']}, {H} heads x {D}, ffn {cfg['ffn_dim']}), every backend that passed"
+    )
     if not names:
         say("  no backend passed the correctness check; skipped")
         budget.skipped.append("block: no passing backend")
         return
     with torch.device(device):  # initialise on the GPU: a 645M-parameter CPU init is slow
         block = MiniMaxH3TransformerBlock(
-            hidden_size=cfg["hidden_size"], num_attention_heads=H, attention_head_dim=D, ffn_dim=cfg["ffn_dim"],
-            time_embed_dim=cfg["time_embed_dim"], norm_eps=cfg["norm_eps"], qk_norm_eps=cfg["qk_norm_eps"])
+            hidden_size=cfg["hidden_size"],
+            num_attention_heads=H,
+            attention_head_dim=D,
+            ffn_dim=cfg["ffn_dim"],
+            time_embed_dim=cfg["time_embed_dim"],
+            norm_eps=cfg["norm_eps"],
+            qk_norm_eps=cfg["qk_norm_eps"],
+        )
     block = block.to(dtype).eval()
     rows = []
     for names_of_clips in s["block_packs"]:
@@ -265,28 +355,58 @@ def part2_block(s, device, dtype, status, budget, res) -> None:
             impl = get_backend(name).make_impl()
             block.attn.set_processor(H3VarlenAttnProcessor(impl))  # same weights, only the kernel changes
 
-            def block_fn():
+            def block_fn(docs=docs, inp=inp):
                 with attending(docs):
                     return block(inp["hidden"], inp["temb"], inp["adaln_indices"], inp["rotary_emb"])
 
-            attn_fn = lambda: impl.forward_varlen(q, k, v, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
-            block_ms, error = attempt(lambda: median_ms(block_fn, device, s["warmup"], s["reps"]))
-            attn_ms, attn_error = attempt(lambda: median_ms(attn_fn, device, s["warmup"], s["reps"]))
+            def attn_fn(impl=impl, q=q, k=k, v=v, pack=pack):
+                return impl.forward_varlen(q, k, v, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
+
+            block_ms, error = attempt(lambda fn=block_fn: median_ms(fn, device, s["warmup"], s["reps"]))
+            attn_ms, attn_error = attempt(lambda fn=attn_fn: median_ms(fn, device, s["warmup"], s["reps"]))
             both = block_ms is not None and attn_ms is not None
             tf = None if block_ms is None else tflops(flops["total"], block_ms)
-            r = {"backend": name, "requests": names_of_clips, "rows": T, "padding_rows": pack.padding_rows,
-                 "doc_lengths": pack.lengths, "matmul_flops": flops["matmul"], "attention_flops": flops["attention"],
-                 "block_ms": block_ms, "tflops": tf, "mfu_pct": tf and 100 * tf / PEAK_TFLOPS,
-                 "attention_kernel_ms": attn_ms, "rest_ms": block_ms - attn_ms if both else None,
-                 "attention_pct": 100 * attn_ms / block_ms if both else None, "error": error or attn_error}
+            r = {
+                "backend": name,
+                "requests": names_of_clips,
+                "rows": T,
+                "padding_rows": pack.padding_rows,
+                "doc_lengths": pack.lengths,
+                "matmul_flops": flops["matmul"],
+                "attention_flops": flops["attention"],
+                "block_ms": block_ms,
+                "tflops": tf,
+                "mfu_pct": tf and 100 * tf / PEAK_TFLOPS,
+                "attention_kernel_ms": attn_ms,
+                "rest_ms": block_ms - attn_ms if both else None,
+                "attention_pct": 100 * attn_ms / block_ms if both else None,
+                "error": error or attn_error,
+            }
             res["block"].append(r)
-            rows.append([" + ".join(names_of_clips), T, max(pack.lengths), name] + [r[c] for c in (
-                "block_ms", "tflops", "mfu_pct", "attention_kernel_ms", "rest_ms", "attention_pct", "error")])
+            rows.append(
+                [" + ".join(names_of_clips), T, max(pack.lengths), name]
+                + [
+                    r[c]
+                    for c in (
+                        "block_ms",
+                        "tflops",
+                        "mfu_pct",
+                        "attention_kernel_ms",
+                        "rest_ms",
+                        "attention_pct",
+                        "error",
+                    )
+                ]
+            )
         del inp, q, k, v
-    table(["requests", "T", "max_len", "backend", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %",
-           "note"], rows)
-    say("  FLOPs (benchmarks/h3_shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
-        "  distinct timestep, attention 4 L^2 H D per document.")
+    table(
+        ["requests", "T", "max_len", "backend", "block ms", "TFLOP/s", "MFU %", "attn ms", "rest ms", "attn %", "note"],
+        rows,
+    )
+    say(
+        "  FLOPs (benchmarks/h3_shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
+        "  distinct timestep, attention 4 L^2 H D per document."
+    )
     say("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")
 
 
@@ -296,9 +416,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="much smaller sizes, to dry-run in seconds")
     ap.add_argument("--max-seconds", type=float, default=270.0, help="skip remaining cases past this")
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU, float32")
-    ap.add_argument("--ranking-out", metavar="PATH",
-                    help="write the measured backend ranking here (default: attention_ranking.json beside --out); "
-                         "point H3SERVE_ATTENTION_RANKING at it for auto selection")
+    ap.add_argument(
+        "--ranking-out",
+        metavar="PATH",
+        help="write the measured backend ranking here (default: attention_ranking.json beside --out); "
+        "point H3SERVE_ATTENTION_RANKING at it for auto selection",
+    )
     args = ap.parse_args(argv)
     if args.ranking_out is None and args.out:
         args.ranking_out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "attention_ranking.json")
@@ -310,9 +433,19 @@ def main(argv=None) -> int:
     else:
         device, dtype, mode = None, None, None
     platform = probe_platform(device or "cuda")
-    res = {"env": environment(platform), "mode": mode, "settings": SIZES.get(mode), "peak_tflops": PEAK_TFLOPS,
-           "notes": NOTES, "availability": {}, "correctness": [], "varlen": [], "block": [], "ranking": None,
-           "skipped": budget.skipped}
+    res = {
+        "env": environment(platform),
+        "mode": mode,
+        "settings": SIZES.get(mode),
+        "peak_tflops": PEAK_TFLOPS,
+        "notes": NOTES,
+        "availability": {},
+        "correctness": [],
+        "varlen": [],
+        "block": [],
+        "ranking": None,
+        "skipped": budget.skipped,
+    }
     say(f"platform: {platform.describe()}; torch {torch.__version__}, CUDA {torch.version.cuda}")
     if device is None:
         say("No CUDA device: nothing measured. (Use --cpu-dry-run to exercise the script on CPU.)")
@@ -325,8 +458,10 @@ def main(argv=None) -> int:
                 res["matmul_tflops"] = matmul_tflops(device, dtype, s["matmul_n"], s["warmup"], s["reps"])
                 res["sdpa_loop_fused_kernels"] = sdpa_fused_backends(device, dtype, s["head_dim"])
                 say(f"measured {dtype_name(dtype)} matmul {s['matmul_n']}^3: {res['matmul_tflops']:.4g} TFLOP/s")
-                say("fused SDPA kernels that take the torch_sdpa loop's [1, H, L, D] slices: "
-                    + (", ".join(res["sdpa_loop_fused_kernels"]) or "none (math backend: L x L scores in memory)"))
+                say(
+                    "fused SDPA kernels that take the torch_sdpa loop's [1, H, L, D] slices: "
+                    + (", ".join(res["sdpa_loop_fused_kernels"]) or "none (math backend: L x L scores in memory)")
+                )
                 for note in NOTES + (["CPU dry run: % of H200 peak is meaningless here."] if device == "cpu" else []):
                     say(f"note: {note}")
                 status, res["error"] = attempt(lambda: part1_varlen(s, device, dtype, platform, budget, res))

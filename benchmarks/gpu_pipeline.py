@@ -36,16 +36,44 @@ from pipelines.h3.packing import pack_documents
 from pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
 
 from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table, write_json
-from .h3_shapes import (FLOPS_FORMULA, Clip, activation_bytes_per_row, build_transformer, clip_document,
-                        forward_flops, human_bytes, parameter_bytes, rows_that_fit, transformer_config)
+from .h3_shapes import (
+    FLOPS_FORMULA,
+    Clip,
+    activation_bytes_per_row,
+    build_transformer,
+    clip_document,
+    forward_flops,
+    human_bytes,
+    parameter_bytes,
+    rows_that_fit,
+    transformer_config,
+)
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
 LENGTHS = (124, 141, 158, 175)  # the 17n+5 clip lengths of the packing part, 5.2 to 7.3 s
 SETTINGS = {
-    "full": dict(preset="full", device="cuda", dtype=torch.bfloat16, canvas=(1344, 768), text_tokens=256,
-                 warmup=1, reps=2, pack_reps=1, compiled_reps=1),
-    "cpu": dict(preset="tiny", device="cpu", dtype=torch.float32, canvas=(128, 64), text_tokens=32,
-                warmup=1, reps=1, pack_reps=1, compiled_reps=1),
+    "full": dict(
+        preset="full",
+        device="cuda",
+        dtype=torch.bfloat16,
+        canvas=(1344, 768),
+        text_tokens=256,
+        warmup=1,
+        reps=2,
+        pack_reps=1,
+        compiled_reps=1,
+    ),
+    "cpu": dict(
+        preset="tiny",
+        device="cpu",
+        dtype=torch.float32,
+        canvas=(128, 64),
+        text_tokens=32,
+        warmup=1,
+        reps=1,
+        pack_reps=1,
+        compiled_reps=1,
+    ),
 }
 
 
@@ -64,12 +92,24 @@ class Bench:
         install(self.model, get_backend(backend).make_impl())  # h3serve's processor, exactly this backend
         self.sync()
         self.weights = parameter_bytes(self.model)
-        self.res = {"backend": backend, "build_s": time.perf_counter() - start, "weights_bytes": self.weights,
-                    "parameters": sum(p.numel() for p in self.model.parameters()), "config": self.cfg,
-                    "flops_formula": FLOPS_FORMULA, "peak_tflops": PEAK_TFLOPS, "single": {}, "packing": [],
-                    "compiled": {}, "skipped": budget.skipped, "errors": {}}
-        say(f"built {self.res['parameters']:,} parameters ({human_bytes(self.weights)}) in "
-            f"{self.res['build_s']:.1f} s on {self.device}, backend {backend}")
+        self.res = {
+            "backend": backend,
+            "build_s": time.perf_counter() - start,
+            "weights_bytes": self.weights,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "config": self.cfg,
+            "flops_formula": FLOPS_FORMULA,
+            "peak_tflops": PEAK_TFLOPS,
+            "single": {},
+            "packing": [],
+            "compiled": {},
+            "skipped": budget.skipped,
+            "errors": {},
+        }
+        say(
+            f"built {self.res['parameters']:,} parameters ({human_bytes(self.weights)}) in "
+            f"{self.res['build_s']:.1f} s on {self.device}, backend {backend}"
+        )
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -89,9 +129,16 @@ class Bench:
         flops = forward_flops(self.cfg, pack)
         tflops = flops["total"] / (ms * 1e-3) / 1e12
         peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else None
-        return {"rows": pack.total_rows, "docs": len(pack.lengths), "s_per_step": ms / 1e3, "flops": flops,
-                "tflops": tflops, "mfu_pct": 100 * tflops / PEAK_TFLOPS, "peak_bytes": peak,
-                "activation_bytes_per_row": None if peak is None else (peak - self.weights) / pack.total_rows}
+        return {
+            "rows": pack.total_rows,
+            "docs": len(pack.lengths),
+            "s_per_step": ms / 1e3,
+            "flops": flops,
+            "tflops": tflops,
+            "mfu_pct": 100 * tflops / PEAK_TFLOPS,
+            "peak_bytes": peak,
+            "activation_bytes_per_row": None if peak is None else (peak - self.weights) / pack.total_rows,
+        }
 
     # -- 1. one released-size request, eager -----------------------------------------------------
     def single(self) -> None:
@@ -107,21 +154,49 @@ class Bench:
         say(f"\n== 1. one T2VA request {self.clips[0]} ({pack.total_rows} rows), eager")
         say(FLOPS_FORMULA)
         flops = r["flops"]
-        say(f"  FLOPs per step: matmul {flops['matmul']:.4g} + attention {flops['attention']:.4g} "
-            f"= {flops['total']:.4g}")
+        say(
+            f"  FLOPs per step: matmul {flops['matmul']:.4g} + attention {flops['attention']:.4g} "
+            f"= {flops['total']:.4g}"
+        )
         self.report([("eager", r)])
-        say(f"  activations: estimate {human_bytes(estimate * pack.total_rows)} ({estimate / 1e3:.0f} kB/row: "
+        say(
+            f"  activations: estimate {human_bytes(estimate * pack.total_rows)} ({estimate / 1e3:.0f} kB/row: "
             "hidden, residual, normed + modulated input, SwiGLU 2f + f, at the block dtype)"
-            + (f"; measured peak {human_bytes(r['peak_bytes'])} - weights {human_bytes(self.weights)} = "
-               f"{r['activation_bytes_per_row'] / 1e3:.0f} kB/row; about {r['rows_that_fit']} rows fit in 95% of "
-               f"{human_bytes(r['device_memory_bytes'])}" if r["peak_bytes"] else ""))
+            + (
+                f"; measured peak {human_bytes(r['peak_bytes'])} - weights {human_bytes(self.weights)} = "
+                f"{r['activation_bytes_per_row'] / 1e3:.0f} kB/row; about {r['rows_that_fit']} rows fit in 95% of "
+                f"{human_bytes(r['device_memory_bytes'])}"
+                if r["peak_bytes"]
+                else ""
+            )
+        )
 
     def report(self, rows: list[tuple[str, dict]]) -> None:
-        table(["mode", "rows", "s / step", "TFLOP/s", "MFU %", "peak memory", f"MFU >= {TARGET_MFU:.0f}%",
-               f"<= {TARGET_S_PER_STEP} s/step"],
-              [[m, r["rows"], r["s_per_step"], r["tflops"], r["mfu_pct"],
-                r["peak_bytes"] and human_bytes(r["peak_bytes"]), r["mfu_pct"] >= TARGET_MFU,
-                r["s_per_step"] <= TARGET_S_PER_STEP] for m, r in rows])
+        table(
+            [
+                "mode",
+                "rows",
+                "s / step",
+                "TFLOP/s",
+                "MFU %",
+                "peak memory",
+                f"MFU >= {TARGET_MFU:.0f}%",
+                f"<= {TARGET_S_PER_STEP} s/step",
+            ],
+            [
+                [
+                    m,
+                    r["rows"],
+                    r["s_per_step"],
+                    r["tflops"],
+                    r["mfu_pct"],
+                    r["peak_bytes"] and human_bytes(r["peak_bytes"]),
+                    r["mfu_pct"] >= TARGET_MFU,
+                    r["s_per_step"] <= TARGET_S_PER_STEP,
+                ]
+                for m, r in rows
+            ],
+        )
 
     # -- 2. packing at real shapes ------------------------------------------------------------------
     def packing(self) -> None:
@@ -146,19 +221,52 @@ class Bench:
             # one after another (FIFO, 50-step requests, the joiner arriving halfway through the first one's):
             # the rest of the first request, every other waiting request whole, then its own first step
             fifo = 24 * singles[0] + 49 * sum(singles[j] for j in range(1, n - 1)) + singles[n - 1]
-            self.res["packing"].append({"requests": n, "rows": r["rows"], "packed_s": packed[n], "apart_s": apart,
-                                        "throughput_ratio": apart / packed[n], "peak_bytes": r["peak_bytes"],
-                                        "mfu_pct": r["mfu_pct"], "join_first_step_s": join,
-                                        "fifo_first_step_s": fifo})
+            self.res["packing"].append(
+                {
+                    "requests": n,
+                    "rows": r["rows"],
+                    "packed_s": packed[n],
+                    "apart_s": apart,
+                    "throughput_ratio": apart / packed[n],
+                    "peak_bytes": r["peak_bytes"],
+                    "mfu_pct": r["mfu_pct"],
+                    "join_first_step_s": join,
+                    "fifo_first_step_s": fifo,
+                }
+            )
         self.save()
-        table(["requests", "rows", "one pack s", "one after another s", "throughput ratio", "MFU %", "peak memory",
-               "joiner's first step s", "FIFO first step s"],
-              [[p["requests"], p["rows"], p["packed_s"], p["apart_s"], p["throughput_ratio"], p["mfu_pct"],
-                p["peak_bytes"] and human_bytes(p["peak_bytes"]), p["join_first_step_s"], p["fifo_first_step_s"]]
-               for p in self.res["packing"]])
-        say("  joiner's first step: it arrives as the pack of n-1 starts a forward, waits for it, then steps in the\n"
+        table(
+            [
+                "requests",
+                "rows",
+                "one pack s",
+                "one after another s",
+                "throughput ratio",
+                "MFU %",
+                "peak memory",
+                "joiner's first step s",
+                "FIFO first step s",
+            ],
+            [
+                [
+                    p["requests"],
+                    p["rows"],
+                    p["packed_s"],
+                    p["apart_s"],
+                    p["throughput_ratio"],
+                    p["mfu_pct"],
+                    p["peak_bytes"] and human_bytes(p["peak_bytes"]),
+                    p["join_first_step_s"],
+                    p["fifo_first_step_s"],
+                ]
+                for p in self.res["packing"]
+            ],
+        )
+        say(
+            "  joiner's first step: it arrives as the pack of n-1 starts a forward, waits for it, then steps in the\n"
             "  pack of n (prepare, i.e. Qwen3-VL and the layout, comes on top and is not measured here). FIFO: one\n"
-            "  request at a time, 50 steps each, the joiner arriving halfway through the first request.")
+            "  request at a time, 50 steps each, the joiner arriving halfway through the first request."
+        )
 
     # -- 3. regional compilation -------------------------------------------------------------------------
     def compiled(self, backend_kw: dict) -> None:
@@ -176,15 +284,23 @@ class Bench:
         packed_forward(self.model, pack)  # the first call compiles
         self.sync()
         compile_s = time.perf_counter() - start
-        breaks = {" ".join(k.split("Explanation:")[-1].split("Hint:")[0].split())[:110]: n  # reason -> count
-                  for k, n in counters["graph_break"].items()}
-        r = self.res["compiled"] = {"how": how, "compile_s": compile_s, "graph_breaks": breaks,
-                                    "unique_graphs": counters["stats"]["unique_graphs"],
-                                    **self.measure(pack, self.s["compiled_reps"], 0)}
+        breaks = {
+            " ".join(k.split("Explanation:")[-1].split("Hint:")[0].split())[:110]: n  # reason -> count
+            for k, n in counters["graph_break"].items()
+        }
+        r = self.res["compiled"] = {
+            "how": how,
+            "compile_s": compile_s,
+            "graph_breaks": breaks,
+            "unique_graphs": counters["stats"]["unique_graphs"],
+            **self.measure(pack, self.s["compiled_reps"], 0),
+        }
         eager = self.res["single"]
         r["speedup_vs_eager"] = eager["s_per_step"] / r["s_per_step"] if eager else None
-        say(f"  {how}: first call (compiles) {compile_s:.1f} s; {r['unique_graphs']} graphs; graph breaks: "
-            + ("; ".join(f"{n}x {k}" for k, n in breaks.items()) or "none"))
+        say(
+            f"  {how}: first call (compiles) {compile_s:.1f} s; {r['unique_graphs']} graphs; graph breaks: "
+            + ("; ".join(f"{n}x {k}" for k, n in breaks.items()) or "none")
+        )
         self.report([("eager", eager), ("compiled", r)] if eager else [("compiled", r)])
 
 
@@ -192,8 +308,9 @@ def choose_backend(name: str, device: str, dtype: torch.dtype, head_dim: int) ->
     """``auto`` resolves as a deployment would (a measured ranking first, when one is configured)."""
     if name != "auto":
         return get_backend(name).name
-    return resolve(REQUIREMENTS, "auto", probe_platform(device), model="minimax-h3", dtype=dtype,
-                   head_dim=head_dim).backend
+    return resolve(
+        REQUIREMENTS, "auto", probe_platform(device), model="minimax-h3", dtype=dtype, head_dim=head_dim
+    ).backend
 
 
 def main(argv=None) -> int:
@@ -220,9 +337,12 @@ def main(argv=None) -> int:
         if bench is not None:
             res = bench.res
             res["mode"] = mode
-            parts = [("single", bench.single), ("packing", bench.packing),
-                     # CPU: dynamo traces (graph breaks show) but inductor's C++ build (~30 s) is left out
-                     ("compile", lambda: bench.compiled({} if mode == "full" else {"backend": "eager"}))]
+            parts = [
+                ("single", bench.single),
+                ("packing", bench.packing),
+                # CPU: dynamo traces (graph breaks show) but inductor's C++ build (~30 s) is left out
+                ("compile", lambda: bench.compiled({} if mode == "full" else {"backend": "eager"})),
+            ]
             for name, part in parts:
                 if name in args.skip or (name != "single" and budget.over(name)):
                     continue

@@ -13,6 +13,7 @@ Needs torch, diffusers and this repo's pipelines package (pydantic); no Ray, no 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
@@ -105,20 +106,43 @@ def clip_document(config: dict, clip: Clip, progress: float = 0.5, seed: int = 0
     text_tags = torch.full((clip.text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
     position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = (
         MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_tags, latent_frames, clip.height // SPATIAL, clip.width // SPATIAL, audio_latents,
-            tuple(config["patch_size"]), MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG))
+            text_tags,
+            latent_frames,
+            clip.height // SPATIAL,
+            clip.width // SPATIAL,
+            audio_latents,
+            tuple(config["patch_size"]),
+            MINIMAX_H3_AUDIO_CHANNELS,
+            MINIMAX_H3_AUDIO_TAG,
+            MINIMAX_H3_VIDEO_TAG,
+        )
+    )
     video_t, audio_t = 1.0 - progress, (1.0 - progress) ** 2  # two schedules: two distinct timesteps
     timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-        video_idx, audio_idx, cond_video, cond_audio, clip.text_tokens, video_t, audio_t,
-        max(video_t, KEYFRAME_NOISE_AUG), 1.0)
+        video_idx,
+        audio_idx,
+        cond_video,
+        cond_audio,
+        clip.text_tokens,
+        video_t,
+        audio_t,
+        max(video_t, KEYFRAME_NOISE_AUG),
+        1.0,
+    )
     g = torch.Generator().manual_seed(seed)
     pt, ph, pw = config["patch_size"]
     return Document(
         prompt_embeds=torch.randn(clip.text_tokens, config["text_dim"], generator=g),  # [n_text, text_dim]
         video_rows=torch.randn(video_idx.numel(), config["in_channels"] * pt * ph * pw, generator=g),  # [n_v, C*p]
         audio_rows=torch.randn(audio_idx.numel(), config["audio_in_channels"], generator=g),  # [n_a, C_a]
-        position_ids=position_ids, token_tags=token_tags, video_indices=video_idx, audio_indices=audio_idx,
-        text_indices=text_idx, timestep=timestep.float(), timestep_indices=timestep_indices)
+        position_ids=position_ids,
+        token_tags=token_tags,
+        video_indices=video_idx,
+        audio_indices=audio_idx,
+        text_indices=text_idx,
+        timestep=timestep.float(),
+        timestep_indices=timestep_indices,
+    )
 
 
 def clip_rows(config: dict, clip: Clip) -> int:
@@ -159,7 +183,7 @@ def forward_flops(config: dict, pack: Pack) -> dict:
 
 def doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     bounds = cu_seqlens.tolist()
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def activation_bytes_per_row(config: dict, dtype: torch.dtype) -> int:

@@ -25,12 +25,31 @@ import torch
 from pipelines.h3 import GenerationRequest, H3Pipeline
 from replicas import Engine, EngineLimits, WorkerGroup
 
-from .common import (StepLog, compare_media, keyframe_png, machine, median, now, parser, percentile, say,
-                     summarize_agreement, table, tiny_spec, write_json)
+from .common import (
+    StepLog,
+    compare_media,
+    keyframe_png,
+    machine,
+    median,
+    now,
+    parser,
+    percentile,
+    say,
+    summarize_agreement,
+    table,
+    tiny_spec,
+    write_json,
+)
 from .packing_report import cost_model, judge
 
-PROMPTS = ["a red fox", "a lighthouse at dusk with waves", "waves on a beach", "a city street at night",
-           "a blue square moving left with a low hum", "mountains under snow"]
+PROMPTS = [
+    "a red fox",
+    "a lighthouse at dusk with waves",
+    "waves on a beach",
+    "a city street at night",
+    "a blue square moving left with a low hum",
+    "mountains under snow",
+]
 # (width, height, num_frames, num_inference_steps): every shape twice, so buckets can form
 SHAPES = [(128, 64, 124, 8), (64, 64, 141, 6), (96, 64, 158, 4), (64, 128, 124, 6), (128, 64, 141, 4), (64, 64, 124, 8)]
 SMOKE_SHAPES = [(64, 64, 124, 3), (96, 64, 124, 2)]
@@ -49,8 +68,20 @@ def workload(smoke: bool, seed: int = 0) -> list[tuple[float, GenerationRequest]
         keys = {f"{end}_frame": keyframe_png(w, h, seed=10 * i + k) for k, end in enumerate(fl2va.get(i, ()))}
         if i >= (n + 1) // 2:
             t += rng.uniform(*gap)
-        out.append((t, GenerationRequest(prompt=rng.choice(PROMPTS), width=w, height=h, num_frames=frames,
-                                         num_inference_steps=steps, seed=1000 + i, **keys)))
+        out.append(
+            (
+                t,
+                GenerationRequest(
+                    prompt=rng.choice(PROMPTS),
+                    width=w,
+                    height=h,
+                    num_frames=frames,
+                    num_inference_steps=steps,
+                    seed=1000 + i,
+                    **keys,
+                ),
+            )
+        )
     return out
 
 
@@ -111,7 +142,7 @@ async def bucketed(pipe, work, done: dict, first: dict, max_batch: int = 8) -> S
             await sched.step(states)
             for i in batch:
                 first.setdefault(i, now() - t0)
-        for i, state in zip(batch, states):
+        for i, state in zip(batch, states, strict=True):
             done[i] = (await sched.call(pipe.decode, state), now() - t0)
     return sched
 
@@ -137,11 +168,22 @@ def summary(name, work, done, first, forwards, rows, padding, forward_s) -> dict
     ttfs = [first[i] - work[i][0] for i in range(len(work))]
     joining = [ttfs[i] for i, (arrival, _) in enumerate(work) if arrival > 0]  # arrived while others ran
     makespan = max(t for _, t in done.values())
-    return {"scheduler": name, "requests": len(work), "makespan_s": makespan, "throughput_rps": len(work) / makespan,
-            "p50_s": percentile(latency, 50), "p99_s": percentile(latency, 99), "forwards": forwards,
-            "ttfs_p50_s": percentile(ttfs, 50), "ttfs_join_p50_s": percentile(joining, 50),
-            "ttfs_join_max_s": max(joining, default=float("nan")),
-            "rows": rows, "padding_rows": padding, "padding_frac": padding / rows, "forward_s": forward_s}
+    return {
+        "scheduler": name,
+        "requests": len(work),
+        "makespan_s": makespan,
+        "throughput_rps": len(work) / makespan,
+        "p50_s": percentile(latency, 50),
+        "p99_s": percentile(latency, 99),
+        "forwards": forwards,
+        "ttfs_p50_s": percentile(ttfs, 50),
+        "ttfs_join_p50_s": percentile(joining, 50),
+        "ttfs_join_max_s": max(joining, default=float("nan")),
+        "rows": rows,
+        "padding_rows": padding,
+        "padding_frac": padding / rows,
+        "forward_s": forward_s,
+    }
 
 
 def compare(pipe, group, work, rounds: int) -> dict:
@@ -149,42 +191,106 @@ def compare(pipe, group, work, rounds: int) -> dict:
     per_round, comparisons, steps = [], [], []
     for k in range(rounds):
         done, first, ran = {x: {} for x in "abc"}, {x: {} for x in "abc"}, {}
-        runners = {"a": lambda: sequential(pipe, work, done["a"], first["a"]),
-                   "b": lambda: bucketed(pipe, work, done["b"], first["b"]),
-                   "c": lambda: packed(group, work, done["c"], first["c"])}
+        runners = {"a": (sequential, pipe), "b": (bucketed, pipe), "c": (packed, group)}
         for x in "abc" if k % 2 == 0 else "cba":  # alternate the order: load drifting over a round hits all alike
-            ran[x] = asyncio.run(runners[x]())
+            scheduler, model = runners[x]
+            ran[x] = asyncio.run(scheduler(model, work, done[x], first[x]))
         sa, sb, ec = ran["a"], ran["b"], ran["c"]
-        rows = [summary("(a) sequential", work, done["a"], first["a"], sa.forwards, sa.rows, sa.padding, sa.forward_s),
-                summary("(b) bucketed", work, done["b"], first["b"], sb.forwards, sb.rows, sb.padding, sb.forward_s),
-                summary("(c) packed engine", work, done["c"], first["c"], ec.stats.forwards, ec.stats.rows,
-                        ec.stats.padding_rows, sum(s["s"] for s in ec.observer.steps))]
+        rows = [
+            summary("(a) sequential", work, done["a"], first["a"], sa.forwards, sa.rows, sa.padding, sa.forward_s),
+            summary("(b) bucketed", work, done["b"], first["b"], sb.forwards, sb.rows, sb.padding, sb.forward_s),
+            summary(
+                "(c) packed engine",
+                work,
+                done["c"],
+                first["c"],
+                ec.stats.forwards,
+                ec.stats.rows,
+                ec.stats.padding_rows,
+                sum(s["s"] for s in ec.observer.steps),
+            ),
+        ]
         for r in rows:
             r["ratio_vs_a"] = r["throughput_rps"] / rows[0]["throughput_rps"]
         per_round.append(rows)
         steps += ec.observer.steps
         for other in "bc":
-            comparisons += [dict(compare_media(done[other][i][0], done["a"][i][0]), pair=f"{other}-vs-a", seed=r.seed)
-                            for i, (_, r) in enumerate(work)]
-        say(f"  round {k + 1}/{rounds}: throughput vs (a): b {rows[1]['ratio_vs_a']:.2f}x, "
-            f"c {rows[2]['ratio_vs_a']:.2f}x")
-    keys = ["makespan_s", "throughput_rps", "p50_s", "p99_s", "ttfs_join_p50_s", "ttfs_join_max_s", "forwards",
-            "rows", "padding_frac", "forward_s", "ratio_vs_a"]
-    med = [{"scheduler": per_round[0][j]["scheduler"], **{k: median([r[j][k] for r in per_round]) for k in keys}}
-           for j in range(3)]
+            comparisons += [
+                dict(compare_media(done[other][i][0], done["a"][i][0]), pair=f"{other}-vs-a", seed=r.seed)
+                for i, (_, r) in enumerate(work)
+            ]
+        say(
+            f"  round {k + 1}/{rounds}: throughput vs (a): b {rows[1]['ratio_vs_a']:.2f}x, "
+            f"c {rows[2]['ratio_vs_a']:.2f}x"
+        )
+    keys = [
+        "makespan_s",
+        "throughput_rps",
+        "p50_s",
+        "p99_s",
+        "ttfs_join_p50_s",
+        "ttfs_join_max_s",
+        "forwards",
+        "rows",
+        "padding_frac",
+        "forward_s",
+        "ratio_vs_a",
+    ]
+    med = [
+        {"scheduler": per_round[0][j]["scheduler"], **{k: median([r[j][k] for r in per_round]) for k in keys}}
+        for j in range(3)
+    ]
     agreement = {p: summarize_agreement([c for c in comparisons if c["pair"] == p]) for p in ("b-vs-a", "c-vs-a")}
-    table(["scheduler", "makespan s", "req/s", "p50 s", "p99 s", "join TTFS p50 s", "join TTFS max s", "forwards",
-           "rows", "padding %", "in forwards s", "vs (a)"],
-          [[m["scheduler"], m["makespan_s"], m["throughput_rps"], m["p50_s"], m["p99_s"], m["ttfs_join_p50_s"],
-            m["ttfs_join_max_s"], m["forwards"], m["rows"], 100 * m["padding_frac"], m["forward_s"], m["ratio_vs_a"]]
-           for m in med],
-          title=f"median of {rounds} round(s); p99 of {len(work)} requests is ~the max; TTFS = time to first step "
-                "of the requests that arrived after t=0; in forwards = the model thread's time in packed forwards")
-    table(["outputs", "requests", "agree", "max |pixel diff|", "max frac px differ", "audio max diff"],
-          [[p, a["requests"], a["agree"], a["max_pixel_diff"], a["max_frac_pixels_differ"], a["audio_max_diff"]]
-           for p, a in agreement.items()], title="outputs per request (frames: |diff| <= 1; audio: allclose 1e-4/1e-5)")
-    return {"rounds": per_round, "median": med, "agreement": agreement, "comparisons": comparisons,
-            "engine_steps": steps}
+    table(
+        [
+            "scheduler",
+            "makespan s",
+            "req/s",
+            "p50 s",
+            "p99 s",
+            "join TTFS p50 s",
+            "join TTFS max s",
+            "forwards",
+            "rows",
+            "padding %",
+            "in forwards s",
+            "vs (a)",
+        ],
+        [
+            [
+                m["scheduler"],
+                m["makespan_s"],
+                m["throughput_rps"],
+                m["p50_s"],
+                m["p99_s"],
+                m["ttfs_join_p50_s"],
+                m["ttfs_join_max_s"],
+                m["forwards"],
+                m["rows"],
+                100 * m["padding_frac"],
+                m["forward_s"],
+                m["ratio_vs_a"],
+            ]
+            for m in med
+        ],
+        title=f"median of {rounds} round(s); p99 of {len(work)} requests is ~the max; TTFS = time to first step "
+        "of the requests that arrived after t=0; in forwards = the model thread's time in packed forwards",
+    )
+    table(
+        ["outputs", "requests", "agree", "max |pixel diff|", "max frac px differ", "audio max diff"],
+        [
+            [p, a["requests"], a["agree"], a["max_pixel_diff"], a["max_frac_pixels_differ"], a["audio_max_diff"]]
+            for p, a in agreement.items()
+        ],
+        title="outputs per request (frames: |diff| <= 1; audio: allclose 1e-4/1e-5)",
+    )
+    return {
+        "rounds": per_round,
+        "median": med,
+        "agreement": agreement,
+        "comparisons": comparisons,
+        "engine_steps": steps,
+    }
 
 
 def warm_up(pipe: H3Pipeline, work, smoke: bool) -> None:
@@ -224,26 +330,43 @@ def measure(smoke: bool, rounds: int) -> dict:
     for name, w in scenarios.items():
         say(f"\n== {name}: arrivals (s) {', '.join(f'{a:.2f}' for a, _ in w)}")
         results[name] = compare(pipe, group, w, rounds)
-    say("(b) runs pipeline.step on each bucket: the same varlen kernel path as (c); sglang would pad a\n"
-        "    same-shape batch to [B, S] instead, which costs (b) more than here.")
+    say(
+        "(b) runs pipeline.step on each bucket: the same varlen kernel path as (c); sglang would pad a\n"
+        "    same-shape batch to [B, S] instead, which costs (b) more than here."
+    )
 
     cost = cost_model(pipe, work, reps=1 if smoke else 5)
     targets = judge(results, cost, work, smoke)
     ok = all(pair["agree"] for r in results.values() for pair in r["agreement"].values())
     say(f"\noutputs agree across schedulers: {'YES' if ok else 'NO'}")
     group.shutdown()
-    return {"benchmark": "packing", "smoke": smoke, "machine": machine(), "backend": group.spec.resolution.backend,
-            "scenarios": results, "cost": cost, "targets": targets, "ok": ok,
-            "workload": [{"arrival_s": t, "shape": describe(r), "steps": r.num_inference_steps, "task": r.task,
-                          "seed": r.seed} for t, r in work]}
+    return {
+        "benchmark": "packing",
+        "smoke": smoke,
+        "machine": machine(),
+        "backend": group.spec.resolution.backend,
+        "scenarios": results,
+        "cost": cost,
+        "targets": targets,
+        "ok": ok,
+        "workload": [
+            {"arrival_s": t, "shape": describe(r), "steps": r.num_inference_steps, "task": r.task, "seed": r.seed}
+            for t, r in work
+        ],
+    }
 
 
 def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, help="repeat a, b, c this many times (default 5; smoke 1)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a Serve replica of the "
-                    "default config runs: Ray sets OMP_NUM_THREADS=1 below 2 CPUs; on a shared box two OpenMP "
-                    "threads stall whenever another process runs)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1, as a Serve replica of the "
+        "default config runs: Ray sets OMP_NUM_THREADS=1 below 2 CPUs; on a shared box two OpenMP "
+        "threads stall whenever another process runs)",
+    )
     args = ap.parse_args(argv)
     result = run(args.smoke, args.rounds, args.threads)
     write_json(args.json, result)

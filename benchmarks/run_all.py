@@ -53,8 +53,10 @@ def main(argv=None) -> int:
     say()
     table(["benchmark", "result", "wall s"], results, title="summary")
     if not cuda:
-        say("gpu_kernels, gpu_pipeline: skipped, no CUDA device here. On a GPU node, in one command (see its header\n"
-            "  for carrying diffusers and pydantic to a machine without them):  bash benchmarks/gpu_session.sh")
+        say(
+            "gpu_kernels, gpu_pipeline: skipped, no CUDA device here. On a GPU node, in one command (see its header\n"
+            "  for carrying diffusers and pydantic to a machine without them):  bash benchmarks/gpu_session.sh"
+        )
     return 0 if all(r[1] == "ok" for r in results) else 1
 
 

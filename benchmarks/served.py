@@ -65,12 +65,19 @@ class ServedDefault:
 
     def __enter__(self) -> ServedDefault:
         if not ray.is_initialized():  # Serve's controller lives in namespace "serve", where `h3serve serve` puts it
-            ray.init(num_cpus=2, namespace="serve", include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                num_cpus=2,
+                namespace="serve",
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
             self.started_ray = True
         elif ray.get_runtime_context().namespace != "serve":
-            raise RuntimeError("the caller's Ray session must be in namespace 'serve' (where `h3serve serve` "
-                               "deploys) for this process to reach the replica through a handle")
+            raise RuntimeError(
+                "the caller's Ray session must be in namespace 'serve' (where `h3serve serve` "
+                "deploys) for this process to reach the replica through a handle"
+            )
         config = copy.deepcopy(load_config(None))
         config["http_options"].update(host="127.0.0.1", port=self.port)
         if self.checkpoint is not None:  # no shipped demo checkpoint in this checkout
@@ -81,8 +88,11 @@ class ServedDefault:
         path.write_text(yaml.safe_dump(config))
         self.log = open(path.with_suffix(".log"), "w+")
         started = time.perf_counter()
-        self.proc = subprocess.Popen([H3SERVE, "serve", str(path), "--address", ray.get_runtime_context().gcs_address],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [H3SERVE, "serve", str(path), "--address", ray.get_runtime_context().gcs_address],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         while "is serving at" not in self.output():
             if self.proc.poll() is not None or time.perf_counter() - started > self.timeout:
                 self.__exit__(None, None, None)

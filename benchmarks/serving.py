@@ -49,17 +49,23 @@ def replica_threads() -> int:
 def run(smoke: bool = False) -> dict:
     args = default_args()
     size, steps, reps = ((64, 64), 2, 1) if smoke else (None, args.limits.default_steps, 3)
-    body = {"prompt": "a lighthouse at dusk", "seed": 7, **({"size": f"{size[0]}x{size[1]}",
-                                                              "num_inference_steps": steps} if smoke else {})}
-    request = GenerationRequest(prompt=body["prompt"], width=size and size[0], height=size and size[1],
-                                num_inference_steps=steps, seed=7)
+    body = {
+        "prompt": "a lighthouse at dusk",
+        "seed": 7,
+        **({"size": f"{size[0]}x{size[1]}", "num_inference_steps": steps} if smoke else {}),
+    }
+    request = GenerationRequest(
+        prompt=body["prompt"], width=size and size[0], height=size and size[1], num_inference_steps=steps, seed=7
+    )
     own_threads = torch.get_num_threads()
     out: dict = {}
     with ServedDefault() as served:
         threads = ray.get(replica_threads.options(num_cpus=args.rank_resources["CPU"]).remote())
         say(f"checkpoint: {resolve_checkpoint(served.checkpoint)}")
-        say(f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s at {served.url}; a replica of "
-            f"{args.rank_resources} runs torch with {threads} thread(s), so this process uses {threads} too")
+        say(
+            f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s at {served.url}; a replica of "
+            f"{args.rank_resources} runs torch with {threads} thread(s), so this process uses {threads} too"
+        )
         torch.set_num_threads(threads)
         say(f"machine: {machine()}")
         handle = serve.get_deployment_handle("H3Replica", app_name="h3serve")
@@ -93,23 +99,34 @@ def run(smoke: bool = False) -> dict:
         def ping_ingress():  # HTTP + proxy + ingress, no replica hop
             http.get("/v1/models").raise_for_status()
 
-        paths = {"in-process engine": in_process, "PNG + base64 (in-process)": encode_png,
-                 "MP4 encode (in-process)": encode_mp4, "Serve handle -> replica (PNG)": via_handle,
-                 "HTTP image: POST /v1/images/generations": via_http_image,
-                 "HTTP video job: POST, poll, GET content": via_http_video,
-                 "ping: handle -> replica.diagnostics": ping_handle, "ping: HTTP GET /v1/models": ping_ingress}
+        paths = {
+            "in-process engine": in_process,
+            "PNG + base64 (in-process)": encode_png,
+            "MP4 encode (in-process)": encode_mp4,
+            "Serve handle -> replica (PNG)": via_handle,
+            "HTTP image: POST /v1/images/generations": via_http_image,
+            "HTTP video job: POST, poll, GET content": via_http_video,
+            "ping: handle -> replica.diagnostics": ping_handle,
+            "ping: HTTP GET /v1/models": ping_ingress,
+        }
         times = {k: [] for k in paths}
-        for i in range(1 + reps):  # interleaved; the first round warms every path up (its times are kept apart)
+        for _ in range(1 + reps):  # interleaved; the first round warms every path up (its times are kept apart)
             for name, fn in paths.items():
                 t0 = now()
                 fn()
                 times[name].append((now() - t0) * 1e3)
         middle = out["media"].frames[len(out["media"].frames) // 2].astype(int)
-        diffs = {k: int(np.abs(np.asarray(Image.open(io.BytesIO(out[k]))).astype(int) - middle).max())
-                 for k in ("handle_png", "http_png")}
+        diffs = {
+            k: int(np.abs(np.asarray(Image.open(io.BytesIO(out[k]))).astype(int) - middle).max())
+            for k in ("handle_png", "http_png")
+        }
         got, want = probe_media(out["http_mp4"]), probe_media(out["mp4"])
         video_same = (got.frames, got.width, got.height, got.audio_channels) == (
-            want.frames, want.width, want.height, want.audio_channels)
+            want.frames,
+            want.width,
+            want.height,
+            want.audio_channels,
+        )
         http.close()
         loop.run_until_complete(engine.close("benchmark done"))
         loop.close()
@@ -117,37 +134,65 @@ def run(smoke: bool = False) -> dict:
         torch.set_num_threads(own_threads)
 
     base = median(times["in-process engine"][1:])
-    rows = [{"path": k, "first_ms": v[0], "median_ms": median(v[1:]), "p90_ms": percentile(v[1:], 90),
-             "vs_in_process": None if k.startswith("ping") or "in-process)" in k else median(v[1:]) / base}
-            for k, v in times.items()]
+    rows = [
+        {
+            "path": k,
+            "first_ms": v[0],
+            "median_ms": median(v[1:]),
+            "p90_ms": percentile(v[1:], 90),
+            "vs_in_process": None if k.startswith("ping") or "in-process)" in k else median(v[1:]) / base,
+        }
+        for k, v in times.items()
+    ]
     shape = f"{request.width}x{request.height}" if size else "default canvas"
     say()
-    table(["path", "first (cold) ms", "median ms", "p90 ms", "vs in-process"],
-          [[r["path"], r["first_ms"], r["median_ms"], r["p90_ms"], r["vs_in_process"]] for r in rows],
-          title=f"{shape}, shortest clip, {steps} steps, sequential requests, {reps} each after one warm-up, "
-                "interleaved")
+    table(
+        ["path", "first (cold) ms", "median ms", "p90 ms", "vs in-process"],
+        [[r["path"], r["first_ms"], r["median_ms"], r["p90_ms"], r["vs_in_process"]] for r in rows],
+        title=f"{shape}, shortest clip, {steps} steps, sequential requests, {reps} each after one warm-up, interleaved",
+    )
     ms = {r["path"]: r["median_ms"] for r in rows}
     image, video = ms["HTTP image: POST /v1/images/generations"], ms["HTTP video job: POST, poll, GET content"]
     ratio_image = image / (base + ms["PNG + base64 (in-process)"])
     ratio_video = video / (base + ms["MP4 encode (in-process)"])
     hop, ingress = ms["ping: handle -> replica.diagnostics"], ms["ping: HTTP GET /v1/models"]
-    say(f"  HTTP image / (in-process + PNG + base64), the same work on both sides: {ratio_image:.2f}x\n"
+    say(
+        f"  HTTP image / (in-process + PNG + base64), the same work on both sides: {ratio_image:.2f}x\n"
         f"  HTTP video job / (in-process + MP4), the same work on both sides: {ratio_video:.2f}x\n"
         f"  fixed hops: handle -> replica ~{hop:.1f} ms, HTTP + proxy + ingress ~{ingress:.1f} ms; a video job adds\n"
         f"  the job store writes, polling every 50 ms and a second GET for the MP4 "
-        f"({len(out['http_mp4']) / 1e3:.0f} kB)")
+        f"({len(out['http_mp4']) / 1e3:.0f} kB)"
+    )
     ok = all(d <= 1 for d in diffs.values()) and video_same and out["job"]["status"] == "completed"
-    say(f"  same pixels over Serve as in-process (max |diff| <= 1): {diffs}; video job MP4 has the in-process clip's "
+    say(
+        f"  same pixels over Serve as in-process (max |diff| <= 1): {diffs}; video job MP4 has the in-process clip's "
         f"frames, size and audio channels: {'yes' if video_same else 'NO'} ({got.frames} frames {got.width}x"
-        f"{got.height}, {got.audio_channels} audio channels)")
+        f"{got.height}, {got.audio_channels} audio channels)"
+    )
     met = max(ratio_image, ratio_video) <= TARGET
-    say(f"\ntarget HTTP / in-process (same work) <= {TARGET}x: image {ratio_image:.2f}x, video {ratio_video:.2f}x, "
-        f"{'met' if met else 'NOT met'}" + (" (smoke size: judged on the default request)" if smoke else ""))
+    say(
+        f"\ntarget HTTP / in-process (same work) <= {TARGET}x: image {ratio_image:.2f}x, video {ratio_video:.2f}x, "
+        f"{'met' if met else 'NOT met'}" + (" (smoke size: judged on the default request)" if smoke else "")
+    )
     say(f"serving checks: {'YES' if ok else 'NO'}")
-    return {"benchmark": "serving", "smoke": smoke, "machine": machine(), "replica_threads": threads,
-            "startup_s": served.startup_s, "request": body, "steps": steps, "paths": rows, "samples_ms": times,
-            "ratio_image": ratio_image, "ratio_video": ratio_video, "target": TARGET, "met": met,
-            "pixel_diff_vs_in_process": diffs, "video_same_shape": video_same, "ok": ok}
+    return {
+        "benchmark": "serving",
+        "smoke": smoke,
+        "machine": machine(),
+        "replica_threads": threads,
+        "startup_s": served.startup_s,
+        "request": body,
+        "steps": steps,
+        "paths": rows,
+        "samples_ms": times,
+        "ratio_image": ratio_image,
+        "ratio_video": ratio_video,
+        "target": TARGET,
+        "met": met,
+        "pixel_diff_vs_in_process": diffs,
+        "video_same_shape": video_same,
+        "ok": ok,
+    }
 
 
 main = main_for(__doc__, run)

@@ -27,17 +27,20 @@ from .packing_report import one_pack
 
 def batches(smoke: bool) -> dict[str, list[GenerationRequest]]:
     mixed = [r for _, r in packing.workload(smoke)]
-    out = {"1 request 64x64x124": [GenerationRequest(prompt="a red fox", width=64, height=64, seed=1)],
-           f"mixed {len(mixed)} requests (T2VA + FL2VA)": mixed}
+    out = {
+        "1 request 64x64x124": [GenerationRequest(prompt="a red fox", width=64, height=64, seed=1)],
+        f"mixed {len(mixed)} requests (T2VA + FL2VA)": mixed,
+    }
     if not smoke:
-        out["4 x 128x64x158"] = [GenerationRequest(prompt=f"waves {i}", width=128, height=64, num_frames=158, seed=i)
-                                 for i in range(4)]
+        out["4 x 128x64x158"] = [
+            GenerationRequest(prompt=f"waves {i}", width=128, height=64, num_frames=158, seed=i) for i in range(4)
+        ]
     return out
 
 
 def allclose(got, want) -> tuple[bool, float]:
-    diffs = [float((g - w).abs().max()) for g, w in zip(got, want)]  # video, audio
-    return all(torch.allclose(g, w, rtol=1e-5, atol=1e-5) for g, w in zip(got, want)), max(diffs)
+    diffs = [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)]  # video, audio
+    return all(torch.allclose(g, w, rtol=1e-5, atol=1e-5) for g, w in zip(got, want, strict=True)), max(diffs)
 
 
 def run(smoke: bool = False) -> dict:
@@ -53,44 +56,85 @@ def run(smoke: bool = False) -> dict:
         for name, requests in batches(smoke).items():
             states = [duo.pipeline.prepare(r) for r in requests]
             pack1, pack2 = one_pack(solo.pipeline, states), one_pack(duo.pipeline, states)
-            runs = {"sp=1, 1 thread": (solo.forward_rank0, pack1, 1), "sp=2, 1 thread/rank": (duo, pack2, 1),
-                    "sp=1, 2 threads": (solo.forward_rank0, pack1, 2)}
+            runs = {
+                "sp=1, 1 thread": (solo.forward_rank0, pack1, 1),
+                "sp=2, 1 thread/rank": (duo, pack2, 1),
+                "sp=1, 2 threads": (solo.forward_rank0, pack1, 2),
+            }
             times = {k: [] for k in runs}
             for _ in range(reps + 1):  # interleaved; the first round warms up
                 for k, (fn, pack, n) in runs.items():
                     torch.set_num_threads(n)
-                    times[k] += time_ms(lambda: fn(pack), reps=1, warmup=0)
+                    times[k] += time_ms(lambda fn=fn, pack=pack: fn(pack), reps=1, warmup=0)
             torch.set_num_threads(threads)
             close, diff = allclose(duo(pack2), solo.forward_rank0(pack1))
             ok &= close
             ms = {k: median(v[1:]) for k, v in times.items()}
-            rows.append({"batch": name, "docs": len(pack1.lengths), "rows": pack1.total_rows,
-                         "sp2_rows": pack2.total_rows, "sp1_padding_rows": pack1.padding_rows,
-                         "sp2_padding_rows": pack2.padding_rows, **{f"{k} ms": v for k, v in ms.items()},
-                         "sp2_vs_sp1": ms["sp=2, 1 thread/rank"] / ms["sp=1, 1 thread"],
-                         "sp2_vs_sp1_2threads": ms["sp=2, 1 thread/rank"] / ms["sp=1, 2 threads"],
-                         "max_abs_diff": diff, "allclose_1e-5": close})
+            rows.append(
+                {
+                    "batch": name,
+                    "docs": len(pack1.lengths),
+                    "rows": pack1.total_rows,
+                    "sp2_rows": pack2.total_rows,
+                    "sp1_padding_rows": pack1.padding_rows,
+                    "sp2_padding_rows": pack2.padding_rows,
+                    **{f"{k} ms": v for k, v in ms.items()},
+                    "sp2_vs_sp1": ms["sp=2, 1 thread/rank"] / ms["sp=1, 1 thread"],
+                    "sp2_vs_sp1_2threads": ms["sp=2, 1 thread/rank"] / ms["sp=1, 2 threads"],
+                    "max_abs_diff": diff,
+                    "allclose_1e-5": close,
+                }
+            )
     finally:
         torch.set_num_threads(threads)
         duo.shutdown()
         solo.shutdown()
         if started_ray:
             ray.shutdown()
-    keys = ["batch", "docs", "rows", "sp2_padding_rows", "sp=1, 1 thread ms", "sp=2, 1 thread/rank ms", "sp2_vs_sp1",
-            "sp=1, 2 threads ms", "sp2_vs_sp1_2threads", "max_abs_diff", "allclose_1e-5"]
+    keys = [
+        "batch",
+        "docs",
+        "rows",
+        "sp2_padding_rows",
+        "sp=1, 1 thread ms",
+        "sp=2, 1 thread/rank ms",
+        "sp2_vs_sp1",
+        "sp=1, 2 threads ms",
+        "sp2_vs_sp1_2threads",
+        "max_abs_diff",
+        "allclose_1e-5",
+    ]
     say()
-    table(["batch", "docs", "rows", "sp=2 pad rows", "sp=1 ms", "sp=2 ms", "sp2/sp1", "sp=1 2thr ms",
-           "sp2/sp1(2thr)", "max |diff|", "allclose"], [[r[k] for k in keys] for r in rows],
-          title=f"one packed forward, median of {reps}, interleaved (tiny: 4 blocks + 2 refiner blocks, 4 heads x 32)")
-    say("  padding: sp=1 packs have none; sp=2 pads only to an even row count (T % 2: 0 or 1 row).\n"
+    table(
+        [
+            "batch",
+            "docs",
+            "rows",
+            "sp=2 pad rows",
+            "sp=1 ms",
+            "sp=2 ms",
+            "sp2/sp1",
+            "sp=1 2thr ms",
+            "sp2/sp1(2thr)",
+            "max |diff|",
+            "allclose",
+        ],
+        [[r[k] for k in keys] for r in rows],
+        title=f"one packed forward, median of {reps}, interleaved (tiny: 4 blocks + 2 refiner blocks, 4 heads x 32)",
+    )
+    say(
+        "  padding: sp=1 packs have none; sp=2 pads only to an even row count (T % 2: 0 or 1 row).\n"
         "  sp2/sp1: one torch thread per rank on both sides, so sp=2 halves each rank's compute (ideal 0.5x).\n"
         "  sp2/sp1(2thr): sp=1 given both cores instead; two OpenMP threads on a shared 2-core box stall\n"
-        "  whenever another process runs, so that column swings widely between runs.")
+        "  whenever another process runs, so that column swings widely between runs."
+    )
     small = rows[0]
     fixed = small["sp=2, 1 thread/rank ms"] - small["sp=1, 1 thread ms"] / 2
-    say(f"  sp=2 adds ~{fixed:.0f} ms per forward (from the {small['rows']}-row pack: sp=2 - sp=1/2): 4 all-to-alls\n"
+    say(
+        f"  sp=2 adds ~{fixed:.0f} ms per forward (from the {small['rows']}-row pack: sp=2 - sp=1/2): 4 all-to-alls\n"
         "  per attention (q, k, v to heads, output back to rows) in 4 blocks + 1 gather over gloo on loopback, a\n"
-        "  ray.put of the pack and an actor call; every rank also refines all prompts (text is not sharded).")
+        "  ray.put of the pack and an actor call; every rank also refines all prompts (text is not sharded)."
+    )
     say(f"\noutputs allclose (1e-5) sp=2 vs sp=1: {'YES' if ok else 'NO'}")
     return {"benchmark": "sp", "smoke": smoke, "machine": machine(), "reps": reps, "rows": rows, "ok": bool(ok)}
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import ray
 
-from attention import AttentionSelectionError, Platform, Resolution, probe_platform
+from attention import AttentionSelectionError, DeviceType, Platform, Resolution, probe_platform
 from pipelines.h3 import DeploymentConfigError, validate_deployment
 
 from .args import DeployArgs
@@ -21,15 +21,16 @@ class PlatformProbeError(RuntimeError):
 
 
 @ray.remote(num_cpus=0)
-def _probe(device: str) -> str:
+def _probe(device: DeviceType) -> str:
     return probe_platform(device).model_dump_json()
 
 
 def probe_replica_platform(args: DeployArgs) -> Platform:
     """Run a short task shaped like one SP rank, so it lands where replicas will."""
     resources = dict(args.rank_resources)
-    task = _probe.options(num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0),
-                          resources=resources or None)
+    task = _probe.options(
+        num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources or None
+    )
     try:
         return Platform.model_validate_json(ray.get(task.remote(args.device), timeout=args.platform_probe_timeout_s))
     except ray.exceptions.GetTimeoutError:
@@ -46,8 +47,9 @@ def target_platform(args: DeployArgs) -> Platform:
     return args.assumed_platform or Platform(device_type=args.device, source="assumed")
 
 
-def outcome_tags(args: DeployArgs, stage: str, resolution: Resolution | None = None,
-                 error: Exception | None = None) -> dict[str, str]:
+def outcome_tags(
+    args: DeployArgs, stage: str, resolution: Resolution | None = None, error: Exception | None = None
+) -> dict[str, str]:
     requested = args.attention_backend.strip().lower()
     return {
         "model": args.served_model_name,
@@ -67,8 +69,12 @@ def record_in_ray(tags: dict[str, str]) -> None:
     ray.get(admission_recorder().record_admission.remote(tags), timeout=30)
 
 
-def admit(args: DeployArgs, stage: str = "build", platform: Platform | None = None,
-          record: Callable[[dict[str, str]], None] = record_in_ray) -> Resolution:
+def admit(
+    args: DeployArgs,
+    stage: str = "build",
+    platform: Platform | None = None,
+    record: Callable[[dict[str, str]], None] = record_in_ray,
+) -> Resolution:
     """H3's admission rule for these args on the replicas' platform, counted; raises on refusal.
 
     Runs once in the driver (the application builder) and in the pre-flights; the replicas receive
@@ -77,14 +83,21 @@ def admit(args: DeployArgs, stage: str = "build", platform: Platform | None = No
     resolution, error = None, None
     try:
         resolution = validate_deployment(
-            model=args.served_model_name, geometry=args.geometry, attention_backend=args.attention_backend,
-            platform=platform or target_platform(args), device=args.device, dtype=args.dtype,
-            sp_degree=args.sp_degree, ranking=args.attention_ranking)
+            model=args.served_model_name,
+            geometry=args.geometry,
+            attention_backend=args.attention_backend,
+            platform=platform or target_platform(args),
+            device=args.device,
+            dtype=args.dtype,
+            sp_degree=args.sp_degree,
+            ranking=args.attention_ranking,
+        )
     except ADMISSION_ERRORS as e:
         error = e
     record(outcome_tags(args, stage, resolution, error))
     if error is not None:
         logger.error("h3serve admission refused the deployment: %s", error)
         raise error
+    assert resolution is not None
     logger.info("h3serve admission: %s", resolution.describe())
     return resolution

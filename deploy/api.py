@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,8 +45,13 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "2"
 OVERLOADED = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailableError, RayActorError)
 # fields of the model's errors -> the API parameter a client set
-API_PARAM = {"width": "size", "height": "size", "num_frames": "seconds", "first_frame": "input_reference",
-             "last_frame": "last_reference"}
+API_PARAM = {
+    "width": "size",
+    "height": "size",
+    "num_frames": "seconds",
+    "first_frame": "input_reference",
+    "last_frame": "last_reference",
+}
 # Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
 DISTILLED = ("guidance_scale", "negative_prompt")
 # A liveness probe answers without the token; everything else needs it, the API docs included (they
@@ -100,9 +105,11 @@ def resolve_api_key(env: str | None) -> str | None:
         return None
     key = os.environ.get(env, "")
     if not key:
-        raise RuntimeError(f"api_key_env is {env!r} but that environment variable is empty or unset: set it (a "
-                           "Kubernetes Secret, or `export` before `h3serve serve`), or set api_key_env: null in the "
-                           "serve config to run without auth")
+        raise RuntimeError(
+            f"api_key_env is {env!r} but that environment variable is empty or unset: set it (a "
+            "Kubernetes Secret, or `export` before `h3serve serve`), or set api_key_env: null in the "
+            "serve config to run without auth"
+        )
     return key
 
 
@@ -126,6 +133,9 @@ class Body(BaseModel):
         except UnicodeEncodeError:
             raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
         return prompt
+
+
+AnyBody = TypeVar("AnyBody", bound="Body")
 
 
 class ImagesBody(Body):
@@ -192,9 +202,20 @@ def closed_multipart(content_type: str, raw: bytes) -> bool:
 
 
 MEDIA_KINDS = {"image": "image", "video": "video", "audio": "audio"}
-EXTENSION_KINDS = {".png": "image", ".jpg": "image", ".jpeg": "image", ".webp": "image", ".mp4": "video",
-                   ".mov": "video", ".webm": "video", ".wav": "audio", ".mp3": "audio", ".flac": "audio",
-                   ".ogg": "audio", ".m4a": "audio"}
+EXTENSION_KINDS = {
+    ".png": "image",
+    ".jpg": "image",
+    ".jpeg": "image",
+    ".webp": "image",
+    ".mp4": "video",
+    ".mov": "video",
+    ".webm": "video",
+    ".wav": "audio",
+    ".mp3": "audio",
+    ".flac": "audio",
+    ".ogg": "audio",
+    ".m4a": "audio",
+}
 
 
 def upload_kind(content_type: str | None, filename: str | None) -> str | None:
@@ -217,13 +238,23 @@ def parse_references(value: Any) -> list[Reference]:
         try:
             references.append(Reference.model_validate(item))
         except ValidationError as e:
-            raise APIError(400, f"{field}: {e.errors()[0]['msg']} (a reference is an uploaded image, video or "
-                                "audio file, or {\"kind\": ..., \"data\": base64})", field) from None
+            raise APIError(
+                400,
+                f"{field}: {e.errors()[0]['msg']} (a reference is an uploaded image, video or "
+                'audio file, or {"kind": ..., "data": base64})',
+                field,
+            ) from None
     return references
 
 
-app = FastAPI(title="h3serve", version="0.2.0", docs_url=None, redoc_url=None, openapi_url=None,
-              description="OpenAI-style video (with stereo audio) and still generation with MiniMax-H3")
+app = FastAPI(
+    title="h3serve",
+    version="0.2.0",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+    description="OpenAI-style video (with stereo audio) and still generation with MiniMax-H3",
+)
 _metrics: RequestMetrics | None = None
 
 
@@ -276,8 +307,12 @@ class H3Ingress:
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
         store.check()  # an unusable store refuses to start, like a missing token
-        policy = JobPolicy(ttl_s=args.jobs.ttl_s, max_bytes=args.jobs.max_bytes, lease_s=args.jobs.lease_s,
-                           max_jobs=self.limits.max_video_jobs)
+        policy = JobPolicy(
+            ttl_s=args.jobs.ttl_s,
+            max_bytes=args.jobs.max_bytes,
+            lease_s=args.jobs.lease_s,
+            max_jobs=self.limits.max_video_jobs,
+        )
         self.jobs = JobStore(store, policy)
         self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")  # store calls block
         self.tasks: dict[str, asyncio.Task] = {}
@@ -347,7 +382,7 @@ class H3Ingress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _parse(self, request: Request, model: type[Body], uploads: tuple[str, ...] = ()) -> Body:
+    async def _parse(self, request: Request, model: type[AnyBody], uploads: tuple[str, ...] = ()) -> AnyBody:
         """A JSON object, or (where ``uploads`` are allowed) a multipart/urlencoded form, validated."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         raw = await self._body(request)
@@ -394,9 +429,12 @@ class H3Ingress:
                     raise APIError(400, "references must be uploaded files", "references")
                 kind = upload_kind(value.content_type, value.filename)
                 if kind is None:
-                    raise APIError(400, f"reference {value.filename!r}: cannot tell whether it is an image, a video "
-                                        "or audio; send it with an image/*, video/* or audio/* content type",
-                                   "references")
+                    raise APIError(
+                        400,
+                        f"reference {value.filename!r}: cannot tell whether it is an image, a video "
+                        "or audio; send it with an image/*, video/* or audio/* content type",
+                        "references",
+                    )
                 fields.setdefault("references", []).append({"kind": kind, "data": await value.read()})
             else:
                 fields[name] = await value.read() if isinstance(value, UploadFile) else value
@@ -420,14 +458,20 @@ class H3Ingress:
     def _common(self, body: Body) -> dict[str, Any]:
         self._check_model(body.model)
         if len(body.prompt) > self.limits.max_prompt_chars:
-            raise APIError(400, f"prompt is {len(body.prompt)} characters; the limit is {self.limits.max_prompt_chars}",
-                           "prompt")
+            raise APIError(
+                400, f"prompt is {len(body.prompt)} characters; the limit is {self.limits.max_prompt_chars}", "prompt"
+            )
         if not body.prompt.strip():
             raise APIError(400, "prompt must not be blank", "prompt")
         size = parse_size(body.size, self.limits)
         width, height = size if size else (None, None)
-        return dict(prompt=body.prompt, width=width, height=height, seed=body.seed,
-                    num_inference_steps=self._steps(body.num_inference_steps))
+        return dict(
+            prompt=body.prompt,
+            width=width,
+            height=height,
+            seed=body.seed,
+            num_inference_steps=self._steps(body.num_inference_steps),
+        )
 
     # -- images: a still of the shortest clip ----------------------------------------------------
     @app.post("/v1/images/generations")
@@ -440,16 +484,20 @@ class H3Ingress:
                 raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", "n")
             base = self._common(body)
             # n images are n clips: the engine packs them into the same forwards
-            calls = [self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
-                     for i in range(body.n)]
+            calls = [
+                self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
+                for i in range(body.n)
+            ]
             try:
                 pngs = await asyncio.gather(*calls)
             except BaseException:
                 for call in calls:
                     call.cancel()
                 raise
-            return {"created": epoch_seconds(),
-                    "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs]}
+            return {
+                "created": epoch_seconds(),
+                "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
+            }
 
         return await self._call("/v1/images/generations", request, run)
 
@@ -464,22 +512,42 @@ class H3Ingress:
             generation = self._common(body)
             if body.seconds is not None:
                 if body.seconds > self.limits.max_seconds:
-                    raise APIError(400, f"seconds={body.seconds:g} exceeds this server's limit of "
-                                        f"{self.limits.max_seconds:g}", "seconds")
+                    raise APIError(
+                        400,
+                        f"seconds={body.seconds:g} exceeds this server's limit of {self.limits.max_seconds:g}",
+                        "seconds",
+                    )
                 generation["num_frames"] = rules.frames_for_seconds(body.seconds)
-            request_ = GenerationRequest(**generation, first_frame=body.input_reference,
-                                         last_frame=body.last_reference, references=tuple(body.references))
+            request_ = GenerationRequest(
+                **generation,
+                first_frame=body.input_reference,
+                last_frame=body.last_reference,
+                references=tuple(body.references),
+            )
             await self.replica.validate.remote(request_)  # refuse now, not in a failed job later
             num_frames = request_.num_frames or rules.min_frames
             width, height = (request_.width, request_.height) if request_.width else rules.default_canvas
-            video = {"id": f"video_{uuid.uuid4().hex}", "object": "video", "model": self.model_name,
-                     "status": "queued", "progress": 0, "created_at": epoch_seconds(), "completed_at": None,
-                     "expires_at": None, "seconds": f"{num_frames / rules.fps:g}", "size": f"{width}x{height}",
-                     "prompt": body.prompt, "error": None}
+            video = {
+                "id": f"video_{uuid.uuid4().hex}",
+                "object": "video",
+                "model": self.model_name,
+                "status": "queued",
+                "progress": 0,
+                "created_at": epoch_seconds(),
+                "completed_at": None,
+                "expires_at": None,
+                "seconds": f"{num_frames / rules.fps:g}",
+                "size": f"{width}x{height}",
+                "prompt": body.prompt,
+                "error": None,
+            }
             runner = await self._io(self.jobs.create, video)
             if runner is None:
-                raise APIError(503, f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
-                               headers={"Retry-After": RETRY_AFTER_S})
+                raise APIError(
+                    503,
+                    f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
+                    headers={"Retry-After": RETRY_AFTER_S},
+                )
             self.runners[runner.job_id] = runner
             self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(self._run_job(runner, request_))
             return video
@@ -490,7 +558,9 @@ class H3Ingress:
         """Stream the replica's progress into the job's record; the MP4 into the store."""
         started, code, written = time.perf_counter(), 500, 0.0
         stream = self.replica.options(stream=True).generate_video.remote(request)
-        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, asyncio.current_task()))
+        job = asyncio.current_task()
+        assert job is not None  # a route's task
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, job))
         try:
             async for event in stream:
                 if "mp4" in event:
@@ -572,10 +642,15 @@ class H3Ingress:
                 ids = [v["id"] for v in videos]
                 if after not in ids:
                     raise APIError(400, f"after: no video job {after[:80]!r}", "after")
-                videos = videos[ids.index(after) + 1:]
+                videos = videos[ids.index(after) + 1 :]
             page = videos[:limit]
-            return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                    "last_id": page[-1]["id"] if page else None, "has_more": len(videos) > limit}
+            return {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(videos) > limit,
+            }
 
         return await self._call("/v1/videos:list", request, run)
 
@@ -613,8 +688,10 @@ class H3Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request):
         async def run():
-            return {"object": "list",
-                    "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}]}
+            return {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}],
+            }
 
         return await self._call("/v1/models", request, run)
 
@@ -634,9 +711,17 @@ class H3Ingress:
         async def run():
             if self._openapi is None:
                 root = request.scope.get("root_path", "")  # the application's route prefix
-                base = get_openapi(title=app.title, version=app.version, description=app.description,
-                                   routes=app.routes, servers=[{"url": root}] if root else None)
-                bodies = {"POST /v1/images/generations": ImagesBody, "POST /v1/videos": VideosBody}
+                base = get_openapi(
+                    title=app.title,
+                    version=app.version,
+                    description=app.description,
+                    routes=app.routes,
+                    servers=[{"url": root}] if root else None,
+                )
+                bodies: dict[str, type[BaseModel]] = {
+                    "POST /v1/images/generations": ImagesBody,
+                    "POST /v1/videos": VideosBody,
+                }
                 self._openapi = document(base, bodies, self.limits, await self.rules())
             return self._openapi
 

@@ -1,6 +1,6 @@
 """The application builder: the driver. Admission runs here, once, before any replica exists.
 
-    serve run deploy/serve_config.yaml      (import_path: deploy.app:build_app)
+serve run deploy/serve_config.yaml      (import_path: deploy.app:build_app)
 """
 
 import logging
@@ -31,4 +31,4 @@ def build_app(args: DeployArgs) -> Application:
         raise DeploymentRefused(f"h3serve refused the deployment: {type(e).__name__}: {e}") from e
     replica = serve.deployment(H3Replica, **H3Replica.deployment_options(args))
     replica = replica.bind(args.replica_spec(resolution), args.engine)
-    return H3Ingress.bind(replica, args)
+    return H3Ingress.bind(replica, args)  # type: ignore[attr-defined]  # a Serve deployment

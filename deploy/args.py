@@ -22,11 +22,19 @@ class RequestLimits(BaseModel):
     max_steps: int = Field(default=50, ge=2, description="largest num_inference_steps a request may ask for")
     default_steps: int = Field(default=50, ge=2, description="num_inference_steps when a request gives none")
     max_prompt_chars: int = Field(default=4000, ge=1, description="longest prompt, in characters")
-    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="largest HTTP request body, chunked or "
-                                "not: a prompt's few KB plus base64 keyframes and references (a 1344x768 PNG is up to "
-                                "~4 MB in base64); larger bodies get HTTP 413")
-    max_video_jobs: int = Field(default=256, ge=1, description="video job records kept; at the limit the oldest "
-                                "finished ones are dropped first, and with none finished a new job gets HTTP 503")
+    max_body_bytes: int = Field(
+        default=16 * 2**20,
+        ge=1024,
+        description="largest HTTP request body, chunked or "
+        "not: a prompt's few KB plus base64 keyframes and references (a 1344x768 PNG is up to "
+        "~4 MB in base64); larger bodies get HTTP 413",
+    )
+    max_video_jobs: int = Field(
+        default=256,
+        ge=1,
+        description="video job records kept; at the limit the oldest "
+        "finished ones are dropped first, and with none finished a new job gets HTTP 503",
+    )
 
     @model_validator(mode="after")
     def _steps(self) -> RequestLimits:
@@ -41,20 +49,34 @@ class JobStoreArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     store: str | None = Field(
-        default=None, description="a directory every ingress replica shares (on Kubernetes: a ReadWriteMany PVC "
+        default=None,
+        description="a directory every ingress replica shares (on Kubernetes: a ReadWriteMany PVC "
         "mounted on every pod that runs H3Ingress), or an fsspec URL such as s3://bucket/prefix (install s3fs, "
         "gcsfs... in the image). Jobs go under <store>/<application name>/. Default: $H3SERVE_CACHE/videos, else "
-        "~/.cache/h3serve/videos, on the ingress's own node (one node only)")
+        "~/.cache/h3serve/videos, on the ingress's own node (one node only)",
+    )
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options for a URL store, e.g. {endpoint_url: ...} for an "
-        "S3-compatible store; give credentials through the environment (AWS_*, a service account), not here")
-    ttl_s: float = Field(default=24 * 3600, gt=0, description="a finished job and its MP4 are removed this many "
-                         "seconds after finishing (OpenAI's expires_at)")
-    max_bytes: int = Field(default=20 * 2**30, ge=1, description="MP4 bytes kept in the store; beyond it the oldest "
-                           "finished jobs are removed first")
-    lease_s: float = Field(default=60.0, ge=1, description="a running job's record is rewritten at least every "
-                           "lease_s/4; a job not rewritten for lease_s lost its ingress (crash, restart) and reads "
-                           "as failed. Keep it well above clock skew between nodes and a slow store write")
+        default_factory=dict,
+        description="fsspec options for a URL store, e.g. {endpoint_url: ...} for an "
+        "S3-compatible store; give credentials through the environment (AWS_*, a service account), not here",
+    )
+    ttl_s: float = Field(
+        default=24 * 3600,
+        gt=0,
+        description="a finished job and its MP4 are removed this many seconds after finishing (OpenAI's expires_at)",
+    )
+    max_bytes: int = Field(
+        default=20 * 2**30,
+        ge=1,
+        description="MP4 bytes kept in the store; beyond it the oldest finished jobs are removed first",
+    )
+    lease_s: float = Field(
+        default=60.0,
+        ge=1,
+        description="a running job's record is rewritten at least every "
+        "lease_s/4; a job not rewritten for lease_s lost its ingress (crash, restart) and reads "
+        "as failed. Keep it well above clock skew between nodes and a slow store write",
+    )
 
 
 class DeployArgs(BaseModel):
@@ -63,55 +85,78 @@ class DeployArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Literal["tiny", "full"] = Field(
-        default="tiny", description="the architecture: 'full' is the released MiniMax-H3, 'tiny' the CPU default")
+        default="tiny", description="the architecture: 'full' is the released MiniMax-H3, 'tiny' the CPU default"
+    )
     checkpoint: str | None = Field(
-        default=None, description="directory holding a copy of the released checkpoint layout (modular_model_index."
-        "json, transformer/, vae/, ...) on every replica node; none: the built-in tiny checkpoint (tiny only)")
-    attention_backend: str = Field(default="auto", description="attention backend name or alias, or 'auto'; an "
-                                   "explicit choice that cannot do packed varlen attention is refused")
+        default=None,
+        description="directory holding a copy of the released checkpoint layout (modular_model_index."
+        "json, transformer/, vae/, ...) on every replica node; none: the built-in tiny checkpoint (tiny only)",
+    )
+    attention_backend: str = Field(
+        default="auto",
+        description="attention backend name or alias, or 'auto'; an "
+        "explicit choice that cannot do packed varlen attention is refused",
+    )
     attention_ranking: str | None = Field(
-        default=None, description="a measured attention ranking file (`benchmarks.gpu_kernels --ranking-out`) that "
+        default=None,
+        description="a measured attention ranking file (`benchmarks.gpu_kernels --ranking-out`) that "
         "orders 'auto' when it was measured on the replicas' platform; read by the driver. None: "
-        "$H3SERVE_ATTENTION_RANKING if set, else the backends' declared order")
+        "$H3SERVE_ATTENTION_RANKING if set, else the backends' declared order",
+    )
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the replicas run")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        default=None, description="transformer and text encoder dtype (the VAEs and boundary layers stay float32); "
-        "default: float32 on cpu, bfloat16 on cuda")
-    sp_degree: int = Field(default=1, ge=1, description="Ulysses ranks per replica, one placement-group bundle each; "
-                           "must divide the attention heads (56 for the released model)")
-    rank_resources: dict[str, float] | None = Field(
-        default=None, description="one placement-group bundle per SP rank; default {CPU: 1} on cpu, "
-        "{CPU: 4, GPU: 1} on cuda")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default_factory=lambda fields: "bfloat16" if fields["device"] == "cuda" else "float32",
+        description="transformer and text encoder dtype (the VAEs and boundary layers stay float32); "
+        "default: float32 on cpu, bfloat16 on cuda",
+    )
+    sp_degree: int = Field(
+        default=1,
+        ge=1,
+        description="Ulysses ranks per replica, one placement-group bundle each; "
+        "must divide the attention heads (56 for the released model)",
+    )
+    rank_resources: dict[str, float] = Field(
+        default_factory=lambda fields: {"CPU": 4.0, "GPU": 1.0} if fields["device"] == "cuda" else {"CPU": 1.0},
+        description="one placement-group bundle per SP rank; default {CPU: 1} on cpu, {CPU: 4, GPU: 1} on cuda",
+    )
 
-    probe_platform: bool = Field(default=True, description="learn the replica platform with a probe task shaped "
-                                 "like one SP rank (false: use assumed_platform)")
+    probe_platform: bool = Field(
+        default=True,
+        description="learn the replica platform with a probe task shaped "
+        "like one SP rank (false: use assumed_platform)",
+    )
     platform_probe_timeout_s: float = Field(default=600.0, gt=0, description="how long the probe may wait for a node")
     assumed_platform: Platform | None = Field(
-        default=None, description="the replica platform when probe_platform is false; default: bare `device`")
+        default=None, description="the replica platform when probe_platform is false; default: bare `device`"
+    )
 
-    collective_timeout_s: float = Field(default=60.0, gt=0, description="a torch.distributed collective waiting "
-                                        "longer on a peer fails the step instead of hanging")
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a torch.distributed collective waiting longer on a peer fails the step instead of hanging",
+    )
     engine: EngineLimits = Field(default_factory=EngineLimits, description="the step engine's bounds per replica")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="what one HTTP request may ask for")
     jobs: JobStoreArgs = Field(default_factory=JobStoreArgs, description="where video jobs and their MP4s are kept")
-    served_model_name: str | None = Field(default=None, description="the id in /v1/models; default: the preset's")
+    served_model_name: str = Field(
+        default_factory=lambda fields: preset(fields["model"]).name,
+        description="the id in /v1/models; default: the preset's",
+    )
     api_key_env: str | None = Field(
-        default="H3SERVE_API_KEY", description="environment variable holding the bearer token every API call needs; "
-        "an empty or unset variable refuses to start. null: open mode, no token (explicitly)")
+        default="H3SERVE_API_KEY",
+        description="environment variable holding the bearer token every API call needs; "
+        "an empty or unset variable refuses to start. null: open mode, no token (explicitly)",
+    )
 
     @model_validator(mode="after")
-    def _defaults(self) -> DeployArgs:
-        if self.dtype is None:
-            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
-        if self.rank_resources is None:
-            self.rank_resources = {"CPU": 4.0, "GPU": 1.0} if self.device == "cuda" else {"CPU": 1.0}
+    def _consistent(self) -> DeployArgs:
         if self.device == "cuda" and self.rank_resources.get("GPU", 0) < 1:
             raise ValueError(f"rank_resources must hold GPU >= 1 on device cuda, got {self.rank_resources}")
         if self.model != "tiny" and self.checkpoint is None:
-            raise ValueError(f"checkpoint is required for model {self.model!r}: a directory holding the released "
-                             "MiniMax-H3 layout (only tiny has a built-in checkpoint)")
-        if self.served_model_name is None:
-            self.served_model_name = preset(self.model).name
+            raise ValueError(
+                f"checkpoint is required for model {self.model!r}: a directory holding the released "
+                "MiniMax-H3 layout (only tiny has a built-in checkpoint)"
+            )
         return self
 
     @property
@@ -124,7 +169,15 @@ class DeployArgs(BaseModel):
 
     def replica_spec(self, resolution: Resolution) -> ReplicaSpec:
         """What every replica builds: these args with the driver's admitted backend."""
-        return ReplicaSpec(resolution=resolution, checkpoint=self.checkpoint, model_name=self.served_model_name,
-                           num_heads=self.geometry.num_heads, head_dim=self.geometry.head_dim, device=self.device,
-                           dtype=self.dtype, sp_degree=self.sp_degree, collective_timeout_s=self.collective_timeout_s,
-                           worker_resources=dict(self.rank_resources))
+        return ReplicaSpec(
+            resolution=resolution,
+            checkpoint=self.checkpoint,
+            model_name=self.served_model_name,
+            num_heads=self.geometry.num_heads,
+            head_dim=self.geometry.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+            sp_degree=self.sp_degree,
+            collective_timeout_s=self.collective_timeout_s,
+            worker_resources=dict(self.rank_resources),
+        )

@@ -1,6 +1,6 @@
 """The serve config's ``args:`` reference, generated from ``DeployArgs`` (its fields and descriptions).
 
-    python -m deploy.config_reference > docs/CONFIG.md     (tests/test_config_reference.py checks it)
+python -m deploy.config_reference > docs/CONFIG.md     (tests/test_config_reference.py checks it)
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ def _type(field: FieldInfo) -> str:
 
 
 def _default(field: FieldInfo) -> str:
+    if field.default_factory_takes_validated_data:
+        return "depends"  # on other fields: the description says how
     if field.default_factory is not None:
-        value = field.default_factory()
+        value = field.get_default(call_default_factory=True)
         return "see below" if isinstance(value, BaseModel) else repr(value)
     return "required" if field.is_required() else repr(field.default)
 

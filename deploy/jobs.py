@@ -12,6 +12,7 @@ Timestamps are wall-clock seconds: replicas' clocks must agree to well within ``
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 import logging
@@ -80,11 +81,22 @@ class JobStore:
         if video["status"] in FINISHED or now - record["updated_at"] <= record["lease_s"]:
             return record
         silent = now - record["updated_at"]
-        record = {**record, "updated_at": now, "video": {
-            **video, "status": "failed", "completed_at": int(now), "expires_at": int(now + self.policy.ttl_s),
-            "error": {"code": RUNNER_LOST, "message": f"the server running this job stopped updating it {silent:.0f} "
-                      f"s ago (its lease is {record['lease_s']:g} s): it crashed or was restarted. Resubmit the "
-                      "request"}}}
+        record = {
+            **record,
+            "updated_at": now,
+            "video": {
+                **video,
+                "status": "failed",
+                "completed_at": int(now),
+                "expires_at": int(now + self.policy.ttl_s),
+                "error": {
+                    "code": RUNNER_LOST,
+                    "message": f"the server running this job stopped updating it {silent:.0f} "
+                    f"s ago (its lease is {record['lease_s']:g} s): it crashed or was restarted. Resubmit the "
+                    "request",
+                },
+            },
+        }
         logger.warning("video job %s lost its runner %.0f s ago: failed", video["id"], silent)
         self._write(record)
         self._finished[video["id"]] = record
@@ -139,7 +151,7 @@ class JobStore:
         return sorted(videos, key=lambda v: (v["created_at"], v["id"]), reverse=True)
 
     # -- bounds ------------------------------------------------------------------------------
-    def _records(self, names: list[str]) -> dict[str, dict]:
+    def _records(self, names: builtins.list[str]) -> dict[str, dict]:
         records = {}
         for name in names:
             if name.endswith(".json"):
@@ -153,8 +165,11 @@ class JobStore:
         if sum(n.endswith(".json") for n in names) < self.policy.max_jobs:
             return True
         records = self._records(names)
-        finished = sorted((r["video"]["completed_at"] or 0, job_id) for job_id, r in records.items()
-                          if r["video"]["status"] in FINISHED)
+        finished = sorted(
+            (r["video"]["completed_at"] or 0, job_id)
+            for job_id, r in records.items()
+            if r["video"]["status"] in FINISHED
+        )
         excess = len(records) - self.policy.max_jobs + 1
         for _, job_id in finished[:excess]:
             self._remove(job_id)
@@ -181,8 +196,11 @@ class JobStore:
                 if raw is not None and now - json.loads(raw)["deleted_at"] > self.policy.lease_s:
                     self._remove(name.removesuffix(".deleted"))
         records = self._records([n for n in names if f"{n.removesuffix('.json')}.deleted" not in present])
-        finished = sorted((r["video"]["completed_at"] or 0, job_id) for job_id, r in records.items()
-                          if r["video"]["status"] in FINISHED)
+        finished = sorted(
+            (r["video"]["completed_at"] or 0, job_id)
+            for job_id, r in records.items()
+            if r["video"]["status"] in FINISHED
+        )
         total = sum(r["bytes"] for r in records.values())
         for completed_at, job_id in finished:
             expired = now - completed_at > self.policy.ttl_s
@@ -223,8 +241,7 @@ class JobRunner:
                 self.gone = True  # the tombstone stays until the sweeper sees no runner can write
                 self.jobs.store.delete(f"{self.job_id}.json", f"{self.job_id}.mp4")
                 raise JobGone(self.job_id)
-            self.record = {**self.record, "updated_at": self.jobs.clock(),
-                           "video": {**self.record["video"], **fields}}
+            self.record = {**self.record, "updated_at": self.jobs.clock(), "video": {**self.record["video"], **fields}}
             self.jobs._write(self.record)
             self.last_write = started
 
@@ -237,5 +254,9 @@ class JobRunner:
 
     def fail(self, code: str, message: str) -> None:
         now = int(self.jobs.clock())
-        self.update(status="failed", completed_at=now, expires_at=int(now + self.jobs.policy.ttl_s),
-                    error={"code": code, "message": message})
+        self.update(
+            status="failed",
+            completed_at=now,
+            expires_at=int(now + self.jobs.policy.ttl_s),
+            error={"code": code, "message": message},
+        )

@@ -117,6 +117,8 @@ class MediaStore:
             raise self._unusable(e) from e
 
     def _unusable(self, error: Exception) -> StoreError:
-        return StoreError(f"the video job store {self.url!r} is not usable: {type(error).__name__}: {error}. Set "
-                          "jobs.store in the serve config to a writable directory shared by every ingress replica (a "
-                          "ReadWriteMany PVC on Kubernetes) or an fsspec URL such as s3://bucket/prefix")
+        return StoreError(
+            f"the video job store {self.url!r} is not usable: {type(error).__name__}: {error}. Set "
+            "jobs.store in the serve config to a writable directory shared by every ingress replica (a "
+            "ReadWriteMany PVC on Kubernetes) or an fsspec URL such as s3://bucket/prefix"
+        )

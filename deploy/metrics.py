@@ -35,32 +35,59 @@ class MetricDef:
         return f"ray_{self.name}" + ("_total" if self.kind == "counter" else "")
 
 
-ADMISSION_DECISIONS = MetricDef("h3serve_admission_decisions", "counter",
-                                "Attention admission decisions in the driver.",
-                                ("model", "backend", "chosen_by", "outcome", "reason", "stage"))
-ADMISSION_FAILURES = MetricDef("h3serve_admission_failures", "counter",
-                               "Deployments refused by attention admission (no replica was created).",
-                               ("model", "backend", "chosen_by", "reason", "stage"))
-BUILD_FAILURES = MetricDef("h3serve_replica_build_failures", "counter",
-                           "Replicas that failed to build (backend unavailable on the node, bad weights...).",
-                           ("backend", "reason"))
+ADMISSION_DECISIONS = MetricDef(
+    "h3serve_admission_decisions",
+    "counter",
+    "Attention admission decisions in the driver.",
+    ("model", "backend", "chosen_by", "outcome", "reason", "stage"),
+)
+ADMISSION_FAILURES = MetricDef(
+    "h3serve_admission_failures",
+    "counter",
+    "Deployments refused by attention admission (no replica was created).",
+    ("model", "backend", "chosen_by", "reason", "stage"),
+)
+BUILD_FAILURES = MetricDef(
+    "h3serve_replica_build_failures",
+    "counter",
+    "Replicas that failed to build (backend unavailable on the node, bad weights...).",
+    ("backend", "reason"),
+)
 # "route", not "endpoint": the Prometheus Operator sets its own "endpoint" target label
-REQUESTS = MetricDef("h3serve_requests", "counter", "HTTP requests by route and status code.",
-                     ("route", "status"))
-REQUEST_LATENCY = MetricDef("h3serve_request_latency_seconds", "histogram",
-                            "End-to-end HTTP latency (video jobs: submit to finished).", ("route",),
-                            tuple(LATENCY_BUCKETS))
-QUEUE_DEPTH = MetricDef("h3serve_queue_depth", "gauge", "Requests per replica engine, waiting or active.",
-                        ("state",))
-STEP_SECONDS = MetricDef("h3serve_step_seconds", "histogram", "Wall time of one packed forward and its scheduler steps.",
-                         (), tuple(STEP_BUCKETS))
-ROWS_PER_STEP = MetricDef("h3serve_rows_per_step", "histogram", "Rows in one packed forward, padding included.",
-                            (), tuple(ROW_BUCKETS))
-PADDING_FRACTION = MetricDef("h3serve_padding_fraction", "histogram", "Padding rows / all rows of a packed forward.",
-                             (), tuple(FRACTION_BUCKETS))
+REQUESTS = MetricDef("h3serve_requests", "counter", "HTTP requests by route and status code.", ("route", "status"))
+REQUEST_LATENCY = MetricDef(
+    "h3serve_request_latency_seconds",
+    "histogram",
+    "End-to-end HTTP latency (video jobs: submit to finished).",
+    ("route",),
+    tuple(LATENCY_BUCKETS),
+)
+QUEUE_DEPTH = MetricDef("h3serve_queue_depth", "gauge", "Requests per replica engine, waiting or active.", ("state",))
+STEP_SECONDS = MetricDef(
+    "h3serve_step_seconds",
+    "histogram",
+    "Wall time of one packed forward and its scheduler steps.",
+    (),
+    tuple(STEP_BUCKETS),
+)
+ROWS_PER_STEP = MetricDef(
+    "h3serve_rows_per_step", "histogram", "Rows in one packed forward, padding included.", (), tuple(ROW_BUCKETS)
+)
+PADDING_FRACTION = MetricDef(
+    "h3serve_padding_fraction", "histogram", "Padding rows / all rows of a packed forward.", (), tuple(FRACTION_BUCKETS)
+)
 
-ALL_METRICS = (ADMISSION_DECISIONS, ADMISSION_FAILURES, BUILD_FAILURES, REQUESTS, REQUEST_LATENCY, QUEUE_DEPTH,
-               STEP_SECONDS, ROWS_PER_STEP, PADDING_FRACTION)
+ALL_METRICS = (
+    ADMISSION_DECISIONS,
+    ADMISSION_FAILURES,
+    BUILD_FAILURES,
+    REQUESTS,
+    REQUEST_LATENCY,
+    QUEUE_DEPTH,
+    STEP_SECONDS,
+    ROWS_PER_STEP,
+    PADDING_FRACTION,
+)
 
 
 def make(metric: MetricDef):
@@ -68,8 +95,9 @@ def make(metric: MetricDef):
         return Counter(metric.name, description=metric.description, tag_keys=metric.tag_keys)
     if metric.kind == "gauge":
         return Gauge(metric.name, description=metric.description, tag_keys=metric.tag_keys)
-    return Histogram(metric.name, description=metric.description, boundaries=list(metric.boundaries),
-                     tag_keys=metric.tag_keys)
+    return Histogram(
+        metric.name, description=metric.description, boundaries=list(metric.boundaries), tag_keys=metric.tag_keys
+    )
 
 
 # -- admission: a detached recorder ---------------------------------------------------------
@@ -99,8 +127,9 @@ class AdmissionRecorder:
 
 
 def admission_recorder():
-    return AdmissionRecorder.options(name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached",
-                                     get_if_exists=True).remote()
+    return AdmissionRecorder.options(  # type: ignore[attr-defined]  # a Ray actor class
+        name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote()
 
 
 # -- replicas: the engine's observer ---------------------------------------------------------

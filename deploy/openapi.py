@@ -17,62 +17,108 @@ from pipelines.h3 import ModelRules
 
 from .args import RequestLimits
 
-ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"], "description": "the request parameter at fault, if one is"},
-        "code": {"type": "integer", "description": "the HTTP status"}}}}}
-VIDEO = {"type": "object", "required": ["id", "object", "status", "progress", "created_at"], "properties": {
-    "id": {"type": "string"}, "object": {"const": "video"}, "model": {"type": "string"},
-    "status": {"enum": ["queued", "in_progress", "completed", "failed"]}, "progress": {"type": "integer"},
-    "created_at": {"type": "integer"}, "completed_at": {"type": ["integer", "null"]},
-    "expires_at": {"type": ["integer", "null"]}, "seconds": {"type": "string"}, "size": {"type": "string"},
-    "prompt": {"type": "string"}, "error": {"type": ["object", "null"]}}}
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"], "description": "the request parameter at fault, if one is"},
+                "code": {"type": "integer", "description": "the HTTP status"},
+            },
+        }
+    },
+}
+VIDEO = {
+    "type": "object",
+    "required": ["id", "object", "status", "progress", "created_at"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "video"},
+        "model": {"type": "string"},
+        "status": {"enum": ["queued", "in_progress", "completed", "failed"]},
+        "progress": {"type": "integer"},
+        "created_at": {"type": "integer"},
+        "completed_at": {"type": ["integer", "null"]},
+        "expires_at": {"type": ["integer", "null"]},
+        "seconds": {"type": "string"},
+        "size": {"type": "string"},
+        "prompt": {"type": "string"},
+        "error": {"type": ["object", "null"]},
+    },
+}
 VIDEO_ID = {"type": "string", "pattern": "^video_[0-9a-f]{32}$", "description": "as returned by POST /v1/videos"}
 UPLOAD_JSON = {"type": "string", "description": "an image as base64 or a data: URL"}
 UPLOAD_FORM = {"type": "string", "format": "binary", "description": "an image file"}
-REFERENCE_JSON = {"type": "object", "required": ["kind", "data"], "properties": {
-    "kind": {"enum": ["image", "video", "audio"]}, "data": {"type": "string", "description": "base64"}}}
+REFERENCE_JSON = {
+    "type": "object",
+    "required": ["kind", "data"],
+    "properties": {"kind": {"enum": ["image", "video", "audio"]}, "data": {"type": "string", "description": "base64"}},
+}
 
 
 def field_docs(limits: RequestLimits, rules: ModelRules | None, form: bool) -> dict[str, dict]:
     longest = limits.max_seconds if rules is None else min(limits.max_seconds, rules.max_seconds)
-    seconds = {"type": "number", "maximum": longest, "description": "clip length; default: the shortest the model "
-               "makes" + ("" if rules is None else f" ({rules.min_seconds:g} s)")}
+    seconds = {
+        "type": "number",
+        "maximum": longest,
+        "description": "clip length; default: the shortest the model "
+        "makes" + ("" if rules is None else f" ({rules.min_seconds:g} s)"),
+    }
     if rules is not None:
         seconds["minimum"] = rules.min_seconds
     return {
         "prompt": {"type": "string", "minLength": 1, "maxLength": limits.max_prompt_chars},
         "model": {"type": "string", "description": "the served model's id (GET /v1/models), or omitted"},
-        "size": {"type": "string", "pattern": "^[0-9]{1,5}x[0-9]{1,5}$", "description": "WIDTHxHEIGHT; default: "
-                 "the model's own canvas. At most max_pixels, and within the model's canvas rules"},
+        "size": {
+            "type": "string",
+            "pattern": "^[0-9]{1,5}x[0-9]{1,5}$",
+            "description": "WIDTHxHEIGHT; default: "
+            "the model's own canvas. At most max_pixels, and within the model's canvas rules",
+        },
         "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-        "num_inference_steps": {"type": "integer", "minimum": 2, "maximum": limits.max_steps,
-                                "description": f"default {limits.default_steps}"},
+        "num_inference_steps": {
+            "type": "integer",
+            "minimum": 2,
+            "maximum": limits.max_steps,
+            "description": f"default {limits.default_steps}",
+        },
         "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n, "description": "images, one clip each"},
         "response_format": {"enum": ["b64_json"]},
         "seconds": seconds,
-        "fps": {"type": "integer", "description": "the model's own frame rate, or omitted"} if rules is None else
-               {"enum": [rules.fps], "description": "the model's own frame rate, or omitted"},
+        "fps": {"type": "integer", "description": "the model's own frame rate, or omitted"}
+        if rules is None
+        else {"enum": [rules.fps], "description": "the model's own frame rate, or omitted"},
         "input_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the first frame (FL2VA)"},
         "last_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the last frame (FL2VA)"},
-        "references": {"type": "array", "description": "ordered image, video or audio references (Ref2VA)",
-                       "items": {"type": "string", "format": "binary"} if form else REFERENCE_JSON},
+        "references": {
+            "type": "array",
+            "description": "ordered image, video or audio references (Ref2VA)",
+            "items": {"type": "string", "format": "binary"} if form else REFERENCE_JSON,
+        },
     }
 
 
 def properties(model: type[BaseModel], docs: dict[str, dict]) -> dict:
-    return {"type": "object", "required": [n for n, f in model.model_fields.items() if f.is_required()],
-            "properties": {name: docs[name] for name in model.model_fields}}
+    return {
+        "type": "object",
+        "required": [n for n, f in model.model_fields.items() if f.is_required()],
+        "properties": {name: docs[name] for name in model.model_fields},
+    }
 
 
-def document(base: dict, bodies: dict[str, type[BaseModel]], limits: RequestLimits,
-             rules: ModelRules | None) -> dict:
+def document(base: dict, bodies: dict[str, type[BaseModel]], limits: RequestLimits, rules: ModelRules | None) -> dict:
     """``base`` (FastAPI's document) with request bodies, query parameters and error responses filled in."""
     doc = copy.deepcopy(base)
     doc.setdefault("components", {}).setdefault("schemas", {}).update(Error=ERROR, Video=VIDEO)
-    error = {"description": "an error in OpenAI's shape", "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/Error"}}}}
+    error = {
+        "description": "an error in OpenAI's shape",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
     json_docs, form_docs = field_docs(limits, rules, form=False), field_docs(limits, rules, form=True)
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
@@ -89,12 +135,14 @@ def document(base: dict, bodies: dict[str, type[BaseModel]], limits: RequestLimi
                 operation["requestBody"] = {"required": True, "content": content}
     for path, method in (("/v1/videos", "post"), ("/v1/videos/{video_id}", "get")):
         if method in doc["paths"].get(path, {}):
-            doc["paths"][path][method]["responses"]["200"]["content"] = {"application/json": {
-                "schema": {"$ref": "#/components/schemas/Video"}}}
+            doc["paths"][path][method]["responses"]["200"]["content"] = {
+                "application/json": {"schema": {"$ref": "#/components/schemas/Video"}}
+            }
     listing = doc["paths"].get("/v1/videos", {}).get("get")
     if listing is not None:
         listing["parameters"] = [
             {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
             {"name": "after", "in": "query", "schema": VIDEO_ID},
-            {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}}]
+            {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+        ]
     return doc

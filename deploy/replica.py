@@ -72,7 +72,8 @@ class H3Replica:
             while not ticket.future.done():
                 yield {"progress": list(ticket.progress)}
                 changed = asyncio.ensure_future(ticket.changed.wait())
-                await asyncio.wait([changed, ticket.future], return_when=asyncio.FIRST_COMPLETED)
+                waiters: list[asyncio.Future[Any]] = [changed, ticket.future]
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
                 ticket.changed.clear()
             media = await ticket.future

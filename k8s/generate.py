@@ -27,8 +27,9 @@ TARGET = REPO / "k8s" / "rayservice.yaml"
 
 BEGIN = "# >>> BEGIN GENERATED serveConfigV2"
 END = "# <<< END GENERATED serveConfigV2"
-BLOCK = re.compile(rf"^(?P<indent>[ ]*){re.escape(BEGIN)}[^\n]*\n.*?^(?P=indent){re.escape(END)}[^\n]*\n",
-                   re.MULTILINE | re.DOTALL)
+BLOCK = re.compile(
+    rf"^(?P<indent>[ ]*){re.escape(BEGIN)}[^\n]*\n.*?^(?P=indent){re.escape(END)}[^\n]*\n", re.MULTILINE | re.DOTALL
+)
 
 
 def serve_config_body(source: Path) -> str:
@@ -48,25 +49,31 @@ def render_block(body: str, indent: str, source: Path) -> str:
     rel = source.relative_to(REPO) if source.is_relative_to(REPO) else source
     inner = indent + "  "
     content = "".join(inner + line + "\n" if line else "\n" for line in body.splitlines())
-    return (f"{indent}{BEGIN} from {rel} by k8s/generate.py; do not edit by hand\n"
-            f"{indent}serveConfigV2: |\n"
-            f"{content}"
-            f"{indent}{END}\n")
+    return (
+        f"{indent}{BEGIN} from {rel} by k8s/generate.py; do not edit by hand\n"
+        f"{indent}serveConfigV2: |\n"
+        f"{content}"
+        f"{indent}{END}\n"
+    )
 
 
 def regenerate(manifest: str, body: str, source: Path) -> str:
     matches = list(BLOCK.finditer(manifest))
     if len(matches) != 1:
-        raise SystemExit(f"{TARGET}: expected exactly one block between '{BEGIN}' and '{END}' "
-                         f"at the same indentation, found {len(matches)}")
+        raise SystemExit(
+            f"{TARGET}: expected exactly one block between '{BEGIN}' and '{END}' "
+            f"at the same indentation, found {len(matches)}"
+        )
     match = matches[0]
-    return manifest[:match.start()] + render_block(body, match["indent"], source) + manifest[match.end():]
+    return manifest[: match.start()] + render_block(body, match["indent"], source) + manifest[match.end() :]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 with a diff if out of date")
-    parser.add_argument("--source", type=Path, default=SOURCE, help=f"serve config (default: {SOURCE.relative_to(REPO)})")
+    parser.add_argument(
+        "--source", type=Path, default=SOURCE, help=f"serve config (default: {SOURCE.relative_to(REPO)})"
+    )
     parser.add_argument("--target", type=Path, default=TARGET, help=f"RayService (default: {TARGET.relative_to(REPO)})")
     ns = parser.parse_args(argv)
 
@@ -83,8 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{target.relative_to(REPO) if target.is_relative_to(REPO) else target}: up to date")
         return 0
     if ns.check:
-        sys.stdout.writelines(difflib.unified_diff(current.splitlines(keepends=True), updated.splitlines(keepends=True),
-                                                   fromfile=f"{target} (committed)", tofile=f"{target} (generated)"))
+        sys.stdout.writelines(
+            difflib.unified_diff(
+                current.splitlines(keepends=True),
+                updated.splitlines(keepends=True),
+                fromfile=f"{target} (committed)",
+                tofile=f"{target} (generated)",
+            )
+        )
         print(f"\n{target} is out of date with {source}: run `python k8s/generate.py`", file=sys.stderr)
         return 1
     target.write_text(updated)

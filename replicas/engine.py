@@ -41,8 +41,11 @@ class EngineLimits(BaseModel):
 
     max_queue: int = Field(default=64, ge=1, description="waiting requests per replica; one more gets HTTP 503")
     max_active: int = Field(default=16, ge=1, description="requests in the running pack")
-    max_rows_per_step: int = Field(default=16384, ge=64, description="rows of one packed forward: text, "
-                                   "conditioning, audio and video rows of every request in it")
+    max_rows_per_step: int = Field(
+        default=16384,
+        ge=64,
+        description="rows of one packed forward: text, conditioning, audio and video rows of every request in it",
+    )
 
 
 class EngineObserver(Protocol):
@@ -79,14 +82,20 @@ class Ticket:
         return self.state.progress
 
     @property
+    def prepared(self) -> RequestState:
+        """The state of a ticket in the pack (diffusers' blocks ran for it when it joined)."""
+        assert self.state is not None, f"{self.id} has not joined the pack"
+        return self.state
+
+    @property
     def cancelled(self) -> bool:
         return self.future.done() and self.future.cancelled()
 
 
 class Engine:
-    def __init__(self, group: WorkerGroup, limits: EngineLimits = EngineLimits(),
-                 observer: EngineObserver | None = None):
-        self.group, self.pipeline, self.limits, self.observer = group, group.pipeline, limits, observer
+    def __init__(self, group: WorkerGroup, limits: EngineLimits | None = None, observer: EngineObserver | None = None):
+        self.group, self.pipeline, self.observer = group, group.pipeline, observer
+        self.limits = limits or EngineLimits()
         self.stats = EngineStats()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._active: list[Ticket] = []
@@ -123,8 +132,11 @@ class Engine:
 
     def _check_budget(self, rows: int) -> None:
         if rows > self.limits.max_rows_per_step:
-            raise RequestError("size", f"request needs {rows} rows per step, above this replica's budget of "
-                                       f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens")
+            raise RequestError(
+                "size",
+                f"request needs {rows} rows per step, above this replica's budget of "
+                f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens",
+            )
 
     async def generate(self, request: GenerationRequest, request_id: str | None = None) -> GeneratedMedia:
         ticket = self.submit(request, request_id)
@@ -224,8 +236,8 @@ class Engine:
         if not batch:
             return
         loop = asyncio.get_running_loop()
-        by_state = {id(t.state): t for t in batch}
-        for states, pack in self.pipeline.packs([t.state for t in batch]):
+        by_state = {id(t.prepared): t for t in batch}
+        for states, pack in self.pipeline.packs([t.prepared for t in batch]):
             started = time.perf_counter()
             out = await self._forward(pack)
             stats = self.pipeline.apply(states, pack, out)
@@ -238,12 +250,12 @@ class Engine:
                 ticket = by_state[id(state)]
                 ticket.forwards += 1
                 ticket.changed.set()
-        for ticket in [t for t in batch if t.state.done]:
+        for ticket in [t for t in batch if t.prepared.done]:
             self._active.remove(ticket)
             if ticket.future.done():
                 continue
             try:
-                media = await loop.run_in_executor(self._executor, self.pipeline.decode, ticket.state)
+                media = await loop.run_in_executor(self._executor, self.pipeline.decode, ticket.prepared)
             except Exception as e:
                 ticket.future.set_exception(e)
                 continue

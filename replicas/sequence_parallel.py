@@ -55,6 +55,9 @@ class UlyssesGroup:
         """Every rank's output rows, concatenated in rank order, on rank 0 (None elsewhere)."""
         if self.sp_degree == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.sp_degree)] if self.rank == 0 else None
+        if self.rank != 0:
+            dist.gather(local.contiguous(), None, dst=0, group=self.group)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.sp_degree)]
         dist.gather(local.contiguous(), parts, dst=0, group=self.group)
-        return torch.cat(parts) if self.rank == 0 else None
+        return torch.cat(parts)

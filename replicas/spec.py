@@ -15,8 +15,10 @@ class ReplicaSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     resolution: Resolution
-    checkpoint: str | None = Field(description="checkpoint directory in the released MiniMax-H3 layout on every "
-                                   "rank's node; None: the built-in tiny checkpoint")
+    checkpoint: str | None = Field(
+        description="checkpoint directory in the released MiniMax-H3 layout on every "
+        "rank's node; None: the built-in tiny checkpoint"
+    )
     model_name: str = Field(description="the model id the API serves")
     num_heads: int = Field(gt=0, description="attention heads the deployment was admitted for")
     head_dim: int = Field(gt=0, description="head size the deployment was admitted for")

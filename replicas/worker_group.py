@@ -15,7 +15,12 @@ import socket
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipelines.h3 import H3Denoiser, H3Pipeline, TransformerGeometry
@@ -32,8 +37,11 @@ class WorkerGroupBroken(RuntimeError):
 
 
 def _load_kwargs(spec: ReplicaSpec) -> dict:
-    return dict(device=spec.device, dtype=spec.dtype,
-                expected=TransformerGeometry(num_heads=spec.num_heads, head_dim=spec.head_dim))
+    return dict(
+        device=spec.device,
+        dtype=spec.dtype,
+        expected=TransformerGeometry(num_heads=spec.num_heads, head_dim=spec.head_dim),
+    )
 
 
 def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
@@ -83,6 +91,7 @@ class SPWorker:
         self.sp = init_distributed(self.spec, self.rank, master)
 
     def forward(self, pack: Pack) -> None:
+        assert self.denoiser is not None, "build() first"
         self.denoiser.forward(pack, self.sp)
 
     def ping(self) -> int:
@@ -92,8 +101,14 @@ class SPWorker:
 class WorkerGroup:
     """Rank 0's view of the group: build, launch a step on every rank, check health, shut down."""
 
-    def __init__(self, spec: ReplicaSpec, pipeline: H3Pipeline, workers: list, sp: UlyssesGroup | None,
-                 own_pg: PlacementGroup | None):
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        pipeline: H3Pipeline,
+        workers: list,
+        sp: UlyssesGroup | None,
+        own_pg: PlacementGroup | None,
+    ):
         self.spec, self.pipeline, self.workers, self.sp, self._own_pg = spec, pipeline, workers, sp, own_pg
         self.broken_reason: str | None = None
         # packs are now aligned for, and run on, the whole group
@@ -105,8 +120,9 @@ class WorkerGroup:
         return self.spec.sp_degree
 
     @classmethod
-    def create(cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0, placement_timeout_s: float = 120.0
-               ) -> WorkerGroup:
+    def create(
+        cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0, placement_timeout_s: float = 120.0
+    ) -> WorkerGroup:
         pipeline = build_rank0(spec)  # rank 0 fails closed first, before reserving anything
         if spec.sp_degree == 1:
             return cls(spec, pipeline, [], None, None)
@@ -117,9 +133,14 @@ class WorkerGroup:
             for rank in range(1, spec.sp_degree):
                 bundle = pg.bundle_specs[first + rank - 1]
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + rank - 1)
-                workers.append(SPWorker.options(
-                    num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-                    scheduling_strategy=strategy).remote(spec, rank))
+                workers.append(
+                    SPWorker.options(  # type: ignore[attr-defined]  # a Ray actor class
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        max_concurrency=2,
+                        scheduling_strategy=strategy,
+                    ).remote(spec, rank)
+                )
             # build everywhere before any rendezvous, so BackendUnavailable surfaces at once
             ray.get([w.build.remote() for w in workers], timeout=startup_timeout_s)
             master = f"{ray.util.get_node_ip_address()}:{free_port()}"
@@ -141,8 +162,10 @@ class WorkerGroup:
         pg = get_current_placement_group()
         if pg is not None:
             if len(pg.bundle_specs) < spec.sp_degree:
-                raise ValueError(f"sp_degree={spec.sp_degree} needs {spec.sp_degree} placement group bundles, "
-                                 f"the replica has {len(pg.bundle_specs)}")
+                raise ValueError(
+                    f"sp_degree={spec.sp_degree} needs {spec.sp_degree} placement group bundles, "
+                    f"the replica has {len(pg.bundle_specs)}"
+                )
             return pg, None, 1
         pg = placement_group([dict(spec.worker_resources)] * (spec.sp_degree - 1), strategy="PACK")
         try:
@@ -164,7 +187,9 @@ class WorkerGroup:
 
     def forward_rank0(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            return self.pipeline.denoiser.forward(pack, self.sp)
+            out = self.pipeline.denoiser.forward(pack, self.sp)
+            assert out is not None  # rank 0 gathers every rank's rows
+            return out
         except RuntimeError as e:
             if self.sp is None:
                 raise

@@ -32,8 +32,15 @@ def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
     import ray
 
     # the dashboard serves the state API (list_actors) that tests use to prove what never ran
-    ray.init(num_cpus=2, num_gpus=logical_gpus, namespace="serve", include_dashboard=True, dashboard_port=free_port(),
-             log_to_driver=False, _metrics_export_port=metrics_port)
+    ray.init(
+        num_cpus=2,
+        num_gpus=logical_gpus,
+        namespace="serve",
+        include_dashboard=True,
+        dashboard_port=free_port(),
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
     return ray.get_runtime_context().gcs_address
 
 
@@ -60,8 +67,13 @@ class ServeProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(config.with_name(log_name) if log_name else config.with_suffix(".log"), "w+")
-        self.proc = subprocess.Popen([*H3SERVE, "serve", str(config), "--address", address], cwd=REPO,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*H3SERVE, "serve", str(config), "--address", address],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def output(self) -> str:
         self.log.flush()
@@ -103,8 +115,9 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
-def wait_video(http: httpx.Client, video_id: str, timeout: float = 180, headers: dict | None = None,
-               prefix: str = "") -> dict:
+def wait_video(
+    http: httpx.Client, video_id: str, timeout: float = 180, headers: dict | None = None, prefix: str = ""
+) -> dict:
     """Poll a video job until it is completed or failed; its progress values seen on the way in ``seen``."""
     seen = []
 

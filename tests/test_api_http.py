@@ -6,10 +6,21 @@ import time
 
 import pytest
 from ray import serve
+from serving import (
+    SCHEMATHESIS,
+    ServeProcess,
+    client,
+    default_config,
+    error_of,
+    free_port,
+    requests_counted,
+    start_cluster,
+    wait_for,
+    wait_video,
+    write_config,
+)
 
 from deploy.api import PUBLIC_ROUTES
-from serving import (SCHEMATHESIS, ServeProcess, client, default_config, error_of, free_port, requests_counted,
-                     start_cluster, wait_for, wait_video, write_config)
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 KEY = "h3-test-key"
@@ -22,10 +33,17 @@ def two_apps(store) -> dict:
     config = default_config()
     default = config["applications"][0]
     default["args"]["jobs"] = {"store": str(store)}
-    locked = {**default, "name": "locked", "route_prefix": "/locked",
-              "runtime_env": {"env_vars": {"H3_TEST_KEY": KEY}},
-              "args": {**default["args"], "api_key_env": "H3_TEST_KEY",
-                       "limits": {**default["args"]["limits"], "max_body_bytes": LOCKED_BODY_LIMIT}}}
+    locked = {
+        **default,
+        "name": "locked",
+        "route_prefix": "/locked",
+        "runtime_env": {"env_vars": {"H3_TEST_KEY": KEY}},
+        "args": {
+            **default["args"],
+            "api_key_env": "H3_TEST_KEY",
+            "limits": {**default["args"]["limits"], "max_body_bytes": LOCKED_BODY_LIMIT},
+        },
+    }
     config["applications"].append(locked)
     return config
 
@@ -58,37 +76,134 @@ def multipart(boundary: str, body: bytes) -> dict:
 PART = b'--b0\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhello\r\n'
 # (name, method, path, request kwargs, status, words the message holds, param)
 MALFORMED = [
-    ("lone surrogate", "POST", "/v1/images/generations", {"content": b'{"prompt": "\\ud800"}', "headers": JSON},
-     400, "lone surrogate", "prompt"),
-    ("lone surrogate in a video", "POST", "/v1/videos", {"content": b'{"prompt": "a \\udfff b"}', "headers": JSON},
-     400, "lone surrogate", "prompt"),
-    ("size of thousands of digits", "POST", "/v1/images/generations", {"json": {"prompt": "x", "size": "9" * 5000
-                                                                                + "x64"}}, 400, "WIDTHxHEIGHT", "size"),
-    ("size of thousands of digits, form", "POST", "/v1/videos", {"data": {"prompt": "x", "size": "64x" + "9" * 5000}},
-     400, "WIDTHxHEIGHT", "size"),
-    ("an integer of thousands of digits", "POST", "/v1/videos", {"content": b'{"prompt": "x", "seed": ' + b"9" * 5000
-                                                                 + b"}", "headers": JSON}, 400, "JSON object", None),
-    ("arrays nested 100000 deep", "POST", "/v1/images/generations", {"content": b"[" * 100000, "headers": JSON},
-     400, "nested too deeply", None),
-    ("multipart without its closing boundary", "POST", "/v1/videos", multipart("b0", PART), 400,
-     "no closing boundary", None),
+    (
+        "lone surrogate",
+        "POST",
+        "/v1/images/generations",
+        {"content": b'{"prompt": "\\ud800"}', "headers": JSON},
+        400,
+        "lone surrogate",
+        "prompt",
+    ),
+    (
+        "lone surrogate in a video",
+        "POST",
+        "/v1/videos",
+        {"content": b'{"prompt": "a \\udfff b"}', "headers": JSON},
+        400,
+        "lone surrogate",
+        "prompt",
+    ),
+    (
+        "size of thousands of digits",
+        "POST",
+        "/v1/images/generations",
+        {"json": {"prompt": "x", "size": "9" * 5000 + "x64"}},
+        400,
+        "WIDTHxHEIGHT",
+        "size",
+    ),
+    (
+        "size of thousands of digits, form",
+        "POST",
+        "/v1/videos",
+        {"data": {"prompt": "x", "size": "64x" + "9" * 5000}},
+        400,
+        "WIDTHxHEIGHT",
+        "size",
+    ),
+    (
+        "an integer of thousands of digits",
+        "POST",
+        "/v1/videos",
+        {"content": b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "headers": JSON},
+        400,
+        "JSON object",
+        None,
+    ),
+    (
+        "arrays nested 100000 deep",
+        "POST",
+        "/v1/images/generations",
+        {"content": b"[" * 100000, "headers": JSON},
+        400,
+        "nested too deeply",
+        None,
+    ),
+    (
+        "multipart without its closing boundary",
+        "POST",
+        "/v1/videos",
+        multipart("b0", PART),
+        400,
+        "no closing boundary",
+        None,
+    ),
     ("multipart without a boundary", "POST", "/v1/videos", multipart("", PART), 400, "malformed form body", None),
-    ("multipart part without a name", "POST", "/v1/videos",
-     multipart("b0", b"--b0\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b0--\r\n"), 400, "", None),
-    ("non-UTF-8 JSON", "POST", "/v1/images/generations", {"content": b'{"prompt": "\xff\xfe"}', "headers": JSON},
-     400, "not UTF-8", None),
-    ("truncated JSON", "POST", "/v1/images/generations", {"content": b'{"prompt": "x"', "headers": JSON},
-     400, "the body must be a JSON object", None),
-    ("truncated JSON video", "POST", "/v1/videos", {"content": b'{"prompt": "x", "seconds": ', "headers": JSON},
-     400, "the body must be a JSON object", None),
+    (
+        "multipart part without a name",
+        "POST",
+        "/v1/videos",
+        multipart("b0", b"--b0\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b0--\r\n"),
+        400,
+        "",
+        None,
+    ),
+    (
+        "non-UTF-8 JSON",
+        "POST",
+        "/v1/images/generations",
+        {"content": b'{"prompt": "\xff\xfe"}', "headers": JSON},
+        400,
+        "not UTF-8",
+        None,
+    ),
+    (
+        "truncated JSON",
+        "POST",
+        "/v1/images/generations",
+        {"content": b'{"prompt": "x"', "headers": JSON},
+        400,
+        "the body must be a JSON object",
+        None,
+    ),
+    (
+        "truncated JSON video",
+        "POST",
+        "/v1/videos",
+        {"content": b'{"prompt": "x", "seconds": ', "headers": JSON},
+        400,
+        "the body must be a JSON object",
+        None,
+    ),
     ("a JSON array", "POST", "/v1/images/generations", {"json": [{"prompt": "x"}]}, 400, "JSON object", None),
-    ("text/plain", "POST", "/v1/images/generations", {"content": b"prompt=a fox", "headers":
-                                                      {"content-type": "text/plain"}},
-     400, "the body must be a JSON object", None),
-    ("a form on the JSON-only route", "POST", "/v1/images/generations", {"data": {"prompt": "x"}},
-     415, "application/json", None),
-    ("an image content type", "POST", "/v1/videos", {"content": b"\x89PNG", "headers": {"content-type": "image/png"}},
-     415, "multipart/form-data", None),
+    (
+        "text/plain",
+        "POST",
+        "/v1/images/generations",
+        {"content": b"prompt=a fox", "headers": {"content-type": "text/plain"}},
+        400,
+        "the body must be a JSON object",
+        None,
+    ),
+    (
+        "a form on the JSON-only route",
+        "POST",
+        "/v1/images/generations",
+        {"data": {"prompt": "x"}},
+        415,
+        "application/json",
+        None,
+    ),
+    (
+        "an image content type",
+        "POST",
+        "/v1/videos",
+        {"content": b"\x89PNG", "headers": {"content-type": "image/png"}},
+        415,
+        "multipart/form-data",
+        None,
+    ),
     ("unknown route", "GET", "/v2/nothing", {}, 404, "Not Found", None),
     ("wrong method", "PUT", "/v1/videos", {}, 405, "Method Not Allowed", None),
     ("wrong method on a job", "POST", "/v1/videos/video_x", {"json": {}}, 405, "Method Not Allowed", None),
@@ -109,7 +224,7 @@ def test_bodies_over_the_limit_get_413_with_or_without_content_length(server):
 
     def chunked():  # no Content-Length: the limit must hold while streaming
         for i in range(0, len(over), 4096):
-            yield over[i:i + 4096]
+            yield over[i : i + 4096]
 
     with client(server.url) as http:
         error = error_of(http.post("/locked/v1/images/generations", content=over, headers={**AUTH, **JSON}), 413)
@@ -132,9 +247,11 @@ def test_every_route_needs_the_token_but_health(server):
         video_id = video.json()["id"]
         assert wait_video(http, video_id, headers=AUTH, prefix="/locked", timeout=120)["status"] == "completed"
         expected = {  # (method, path) -> (request path, kwargs, status with the token)
-            ("POST", "/v1/images/generations"): ("/v1/images/generations",
-                                                 {"json": {"prompt": "x", "size": "64x64", "num_inference_steps": 2}},
-                                                 200),
+            ("POST", "/v1/images/generations"): (
+                "/v1/images/generations",
+                {"json": {"prompt": "x", "size": "64x64", "num_inference_steps": 2}},
+                200,
+            ),
             ("POST", "/v1/videos"): ("/v1/videos", {"json": {"prompt": "x", "seconds": 100}}, 400),
             ("GET", "/v1/videos"): ("/v1/videos", {}, 200),
             ("GET", "/v1/videos/{video_id}"): (f"/v1/videos/{video_id}", {}, 200),
@@ -166,12 +283,19 @@ def test_every_route_needs_the_token_but_health(server):
 
 
 def test_401s_and_4xxs_are_counted_by_route_and_status(server):
-    series = {"401": ("/v1/models", "401"), "400": ("/v1/images/generations", "400"), "404": ("unmatched", "404"),
-              "405": ("unmatched", "405"), "413": ("/v1/videos", "413")}
+    series = {
+        "401": ("/v1/models", "401"),
+        "400": ("/v1/images/generations", "400"),
+        "404": ("unmatched", "404"),
+        "405": ("unmatched", "405"),
+        "413": ("/v1/videos", "413"),
+    }
 
     def counts() -> dict[str, float]:
-        return {key: requests_counted(server.metrics_port, application="locked", route=route, status=status)
-                for key, (route, status) in series.items()}
+        return {
+            key: requests_counted(server.metrics_port, application="locked", route=route, status=status)
+            for key, (route, status) in series.items()
+        }
 
     def settled():  # earlier tests' requests may still be on their way to the export port
         first = counts()
@@ -219,9 +343,28 @@ def test_the_openapi_document_describes_the_bodies_the_routes_parse(server):
 
 def schemathesis(url: str, cwd, *args: str) -> subprocess.CompletedProcess:
     """The schemathesis command, in ``cwd`` (it keeps a .schemathesis/ cache where it runs)."""
-    command = [*SCHEMATHESIS, "run", f"{url}/openapi.json", "--checks", "not_a_server_error", "--seed", "7",
-               "--workers", "1", "--phases", "examples,coverage,fuzzing", "--request-timeout", "60",
-               "--max-examples", "15", "--suppress-health-check", "all", "--output-truncate", "true", *args]
+    command = [
+        *SCHEMATHESIS,
+        "run",
+        f"{url}/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--seed",
+        "7",
+        "--workers",
+        "1",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--request-timeout",
+        "60",
+        "--max-examples",
+        "15",
+        "--suppress-health-check",
+        "all",
+        "--output-truncate",
+        "true",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 

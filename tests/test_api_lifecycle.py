@@ -9,9 +9,19 @@ import pytest
 import ray
 from ray import serve
 from ray.util.state import list_actors
-
-from serving import (H3SERVE, REPO, SERVE, ServeProcess, client, default_config, free_port, start_cluster, wait_for,
-                     wait_video, write_config)
+from serving import (
+    H3SERVE,
+    REPO,
+    SERVE,
+    ServeProcess,
+    client,
+    default_config,
+    free_port,
+    start_cluster,
+    wait_for,
+    wait_video,
+    write_config,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 LEASE_S = 6
@@ -79,10 +89,13 @@ def without(*names: str) -> dict:
 
 
 def test_h3serve_serve_refuses_an_unset_or_empty_token_before_starting_anything(tmp_path):
-    for config, env in ((keyed_config(tmp_path, None), without("H3SERVE_API_KEY")),
-                        (keyed_config(tmp_path, "H3_TEST_EMPTY_KEY"), {**os.environ, "H3_TEST_EMPTY_KEY": ""})):
-        result = subprocess.run([*H3SERVE, "serve", str(config)], cwd=REPO, capture_output=True, text=True,
-                                timeout=120, env=env)
+    for config, env in (
+        (keyed_config(tmp_path, None), without("H3SERVE_API_KEY")),
+        (keyed_config(tmp_path, "H3_TEST_EMPTY_KEY"), {**os.environ, "H3_TEST_EMPTY_KEY": ""}),
+    ):
+        result = subprocess.run(
+            [*H3SERVE, "serve", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+        )
         assert result.returncode == 2, result.stderr[-3000:]
         assert "environment variable is empty or unset" in result.stderr
         assert "api_key_env: null" in result.stderr  # says how to run open, explicitly
@@ -94,8 +107,13 @@ def test_plain_serve_reaches_deploy_failed_when_the_clusters_token_is_unset(serv
     ingress refuses in its constructor, and the application reaches DEPLOY_FAILED with the message."""
     server.stop()
     config = keyed_config(tmp_path, "H3_TEST_UNSET_KEY")
-    subprocess.run([*SERVE, "run", str(config), "--non-blocking", "--address", server.address], cwd=REPO,
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [*SERVE, "run", str(config), "--non-blocking", "--address", server.address],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
     def failed():
         app = serve.status().applications.get("h3serve")
@@ -108,20 +126,26 @@ def test_plain_serve_reaches_deploy_failed_when_the_clusters_token_is_unset(serv
 
 
 def ingress_actors(address: str) -> list:
-    return [a for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
-            if "H3Ingress" in (a.class_name or "")]
-
-
+    return [
+        a
+        for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+        if "H3Ingress" in (a.class_name or "")
+    ]
 
 
 def test_a_job_whose_ingress_crashed_fails_within_its_lease(server):
     process = server.start()
     with client(process.url) as http:
         job = http.post("/v1/videos", json=LONG).json()
-        wait_for(lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress", timeout=60,
-                 interval=0.2, what="the job to run")
+        wait_for(
+            lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress",
+            timeout=60,
+            interval=0.2,
+            what="the job to run",
+        )
         (ingress,) = ingress_actors(server.address)
         ray.kill(ray.get_actor(ingress.name, namespace=ingress.ray_namespace), no_restart=True)  # a crash: no __del__
+
         # Serve starts a new ingress; it finds the job's heartbeat stopping and fails it
         def failed():
             try:
@@ -143,8 +167,12 @@ def test_a_finished_video_outlives_the_server_and_the_cluster(server):
         assert wait_video(http, done["id"])["status"] == "completed"
         mp4 = http.get(f"/v1/videos/{done['id']}/content").content
         running = http.post("/v1/videos", json=LONG).json()
-        wait_for(lambda: http.get(f"/v1/videos/{running['id']}").json()["progress"] > 0, timeout=60, interval=0.2,
-                 what="the long job to make progress")
+        wait_for(
+            lambda: http.get(f"/v1/videos/{running['id']}").json()["progress"] > 0,
+            timeout=60,
+            interval=0.2,
+            what="the long job to make progress",
+        )
 
     server.restart_cluster()  # Ctrl-C on `h3serve serve`, and a new Ray cluster: nothing in memory survives
     process = server.start()

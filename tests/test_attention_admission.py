@@ -37,7 +37,9 @@ def fresh_cache():
 
 
 def test_explicit_sage_attn_with_packed_varlen_fails_closed():
-    with pytest.raises(AdmissionError, match="Attention backend 'sage_attn' does not implement packed varlen attention") as e:
+    with pytest.raises(
+        AdmissionError, match="Attention backend 'sage_attn' does not implement packed varlen attention"
+    ) as e:
         resolve(VARLEN, "sage_attn", H100, model="h3-full")
     assert "h3-full" in str(e.value)
     assert e.value.reason == "incapable" and e.value.missing == ("packed_varlen",)
@@ -121,10 +123,17 @@ def test_unknown_name_lists_the_valid_names():
     assert "'flashinfer'" in str(e.value)
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("FA", "flash_attn"), ("Flash-Attn", "flash_attn"), ("sdpa", "torch_sdpa"),
-    ("SAGE", "sage_attn"), ("Torch_SDPA", "torch_sdpa"), (" auto ", None),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("FA", "flash_attn"),
+        ("Flash-Attn", "flash_attn"),
+        ("sdpa", "torch_sdpa"),
+        ("SAGE", "sage_attn"),
+        ("Torch_SDPA", "torch_sdpa"),
+        (" auto ", None),
+    ],
+)
 def test_names_are_case_insensitive_with_aliases(name, expected):
     if expected is None:
         assert resolve(VARLEN, name, Platform.cpu()).backend == "torch_sdpa"
@@ -134,13 +143,18 @@ def test_names_are_case_insensitive_with_aliases(name, expected):
 
 def test_capability_is_derived_from_the_code_not_the_name():
     assert {n for n in backend_names() if get_backend(n).supports_packed_varlen()} == {
-        "flash_attn", "flex_attn", "torch_sdpa", "torch_varlen"}
+        "flash_attn",
+        "flex_attn",
+        "torch_sdpa",
+        "torch_varlen",
+    }
     assert get_backend("sage_attn").unsupported_requirements(VARLEN) == ("packed_varlen",)
     assert get_backend("flash_attn").unsupported_requirements(VARLEN) == ()
     assert get_backend("sage_attn").unsupported_requirements(AttentionRequirements()) == ()
 
 
 # --- override detection: aliases and wrappers still count -----------------------------
+
 
 def _packed(self, q, k, v, *, cu_seqlens, max_seqlen, cu_seqlens_k=None, max_seqlen_k=None):
     return TorchSDPAImpl.forward_varlen(self, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
@@ -182,10 +196,17 @@ def make_backend(impl):
     return type(f"{impl.__name__}Backend", (AttentionBackend,), {"name": impl.__name__, "impl_cls": impl})()
 
 
-@pytest.mark.parametrize("impl,capable", [
-    (AliasedImpl, True), (WrappedImpl, True), (InheritsOverride, True),
-    (WrapsTheBase, False), (DenseOnly, False), (AttentionImpl, False),
-])
+@pytest.mark.parametrize(
+    "impl,capable",
+    [
+        (AliasedImpl, True),
+        (WrappedImpl, True),
+        (InheritsOverride, True),
+        (WrapsTheBase, False),
+        (DenseOnly, False),
+        (AttentionImpl, False),
+    ],
+)
 def test_override_detection(impl, capable):
     assert overrides(impl, "forward_varlen") is capable
     assert make_backend(impl).supports_packed_varlen() is capable
@@ -195,14 +216,21 @@ def test_aliased_and_wrapped_overrides_really_run():
     q = torch.randn(8, 2, 16)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     for impl in (AliasedImpl(), WrappedImpl()):
-        torch.testing.assert_close(impl.forward_varlen(q, q, q, cu_seqlens=cu, max_seqlen=5),
-                                   TorchSDPAImpl().forward_varlen(q, q, q, cu_seqlens=cu, max_seqlen=5))
+        torch.testing.assert_close(
+            impl.forward_varlen(q, q, q, cu_seqlens=cu, max_seqlen=5),
+            TorchSDPAImpl().forward_varlen(q, q, q, cu_seqlens=cu, max_seqlen=5),
+        )
 
 
 def test_base_forward_varlen_names_the_class():
     with pytest.raises(NotImplementedError, match="DenseOnly"):
-        DenseOnly().forward_varlen(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1),
-                                   cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
+        DenseOnly().forward_varlen(
+            torch.zeros(1, 1, 1),
+            torch.zeros(1, 1, 1),
+            torch.zeros(1, 1, 1),
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            max_seqlen=1,
+        )
 
 
 def test_a_new_requirement_is_unsupported_unless_a_backend_says_so():
@@ -210,8 +238,11 @@ def test_a_new_requirement_is_unsupported_unless_a_backend_says_so():
     import dataclasses
 
     Extended = dataclasses.make_dataclass(
-        "Extended", [("sliding_window", bool, dataclasses.field(default=False))],
-        bases=(AttentionRequirements,), frozen=True)
+        "Extended",
+        [("sliding_window", bool, dataclasses.field(default=False))],
+        bases=(AttentionRequirements,),
+        frozen=True,
+    )
 
     class WindowedBackend(type(get_backend("torch_sdpa"))):
         def supports_sliding_window(self):
@@ -223,6 +254,7 @@ def test_a_new_requirement_is_unsupported_unless_a_backend_says_so():
 
 
 # --- the Resolution and the cache --------------------------------------------------
+
 
 def test_resolution_records_the_decision_and_round_trips_as_json():
     no_fa = Platform.cuda((9, 0), {"torch.nn.attention.varlen": "2.13.0"})

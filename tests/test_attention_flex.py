@@ -1,5 +1,6 @@
 """flex_attn: packed varlen through torch's flex_attention, against an fp32 per-document reference."""
 
+import itertools
 import math
 import random
 
@@ -65,7 +66,8 @@ def test_flex_varlen_matches_reference_fp32(head_dim, n_docs):
     torch.manual_seed(head_dim * 10 + n_docs)
     bounds = random_bounds(rng, n_docs, 80)
     q, k, v = (torch.randn(bounds[-1], 3, head_dim) for _ in range(3))
-    out = FLEX.forward_varlen(q, k, v, cu_seqlens=cu(bounds), max_seqlen=max(b - a for a, b in zip(bounds, bounds[1:])))
+    max_seqlen = max(b - a for a, b in itertools.pairwise(bounds))
+    out = FLEX.forward_varlen(q, k, v, cu_seqlens=cu(bounds), max_seqlen=max_seqlen)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, reference(q, k, v, bounds, bounds), rtol=1e-5, atol=1e-5)
 
@@ -111,12 +113,15 @@ def test_dense_forward_matches_sdpa():
     torch.testing.assert_close(FLEX.forward(q, k, v), SDPA.forward(q, k, v))
 
 
-@pytest.mark.parametrize("bounds,rows,match", [
-    ([0, 4, 10], 12, "end at the tensor's row count 12"),  # rows beyond the last document
-    ([0, 4, 12], 10, "end at the tensor's row count 10"),  # documents beyond the rows
-    ([1, 4, 10], 10, "start at 0"),
-    ([0, 6, 4, 10], 10, "never decrease"),
-])
+@pytest.mark.parametrize(
+    "bounds,rows,match",
+    [
+        ([0, 4, 10], 12, "end at the tensor's row count 12"),  # rows beyond the last document
+        ([0, 4, 12], 10, "end at the tensor's row count 10"),  # documents beyond the rows
+        ([1, 4, 10], 10, "start at 0"),
+        ([0, 6, 4, 10], 10, "never decrease"),
+    ],
+)
 def test_bad_cu_seqlens_raise_value_error(bounds, rows, match):
     q = torch.randn(rows, 2, 32)
     with pytest.raises(ValueError, match=match):
@@ -130,11 +135,13 @@ def test_bad_cu_seqlens_dtype_and_k_bounds_raise_value_error():
     with pytest.raises(ValueError, match="cu_seqlens_k"):
         FLEX.forward_varlen(q, q, q, cu_seqlens=cu([0, 4, 10]), max_seqlen=6, cu_seqlens_k=cu([0, 10]), max_seqlen_k=10)
     with pytest.raises(ValueError, match="cu_seqlens_k must start at 0"):
-        FLEX.forward_varlen(q, q, q, cu_seqlens=cu([0, 4, 10]), max_seqlen=6,
-                            cu_seqlens_k=cu([0, 4, 9]), max_seqlen_k=5)
+        FLEX.forward_varlen(
+            q, q, q, cu_seqlens=cu([0, 4, 10]), max_seqlen=6, cu_seqlens_k=cu([0, 4, 9]), max_seqlen_k=5
+        )
 
 
 # --- the block mask and its cache ------------------------------------------------------
+
 
 def test_block_mask_equals_create_block_mask():
     """Built from tiles, never a [T, T] mask, yet the same partial and full tiles as flex's own builder."""
@@ -156,14 +163,16 @@ def test_block_mask_is_cached_per_layout():
     assert document_block_mask.cache_info().misses == 1 and document_block_mask.cache_info().hits == 2
     first = document_block_mask((0, 10, 40), (0, 10, 40), 40, 40, "cpu")
     FLEX.forward_varlen(q, q, q, cu_seqlens=cu([0, 11, 40]), max_seqlen=29)  # same rows, other documents
-    FLEX.forward_varlen(q, q, q, cu_seqlens=cu([0, 10, 40]), max_seqlen=30,
-                        cu_seqlens_k=cu([0, 20, 40]), max_seqlen_k=20)  # same q layout, other key bounds
+    FLEX.forward_varlen(
+        q, q, q, cu_seqlens=cu([0, 10, 40]), max_seqlen=30, cu_seqlens_k=cu([0, 20, 40]), max_seqlen_k=20
+    )  # same q layout, other key bounds
     assert document_block_mask.cache_info().misses == 3
     assert document_block_mask((0, 11, 40), (0, 11, 40), 40, 40, "cpu") is not first
     assert document_block_mask((0, 10, 40), (0, 10, 40), 40, 40, "cpu") is first
 
 
 # --- admission ----------------------------------------------------------------------------
+
 
 def test_capability_is_derived_from_the_code():
     backend = get_backend("flex_attn")
@@ -200,6 +209,7 @@ def test_declared_cuda_order_keeps_torch_sdpa_ahead_until_measured():
 
 # --- GPU: compiled flex_attention ---------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -214,7 +224,7 @@ def test_compiled_flex_matches_sdpa_reference_on_gpu(head_dim, dtype):
         bounds.append(bounds[-1] + n)
     gen = torch.Generator(device="cuda").manual_seed(head_dim)
     q, k, v = (torch.randn(bounds[-1], 8, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
-    kw = dict(cu_seqlens=cu(bounds, "cuda"), max_seqlen=max(b - a for a, b in zip(bounds, bounds[1:])))
+    kw = dict(cu_seqlens=cu(bounds, "cuda"), max_seqlen=max(b - a for a, b in itertools.pairwise(bounds)))
     out = FLEX.forward_varlen(q, k, v, **kw)
     ref = SDPA.forward_varlen(q.float(), k.float(), v.float(), **kw)
     low = SDPA.forward_varlen(q, k, v, **kw)

@@ -39,8 +39,11 @@ def test_varlen_kernel_matches_sdpa_reference(backend_name, head_dim, dtype):
     assert backend.supports_packed_varlen()
     q, k, v, cu, max_len = packed_inputs(12, head_dim, dtype=dtype)
     out = backend.make_impl().forward_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max_len)
-    ref = get_backend("torch_sdpa").make_impl().forward_varlen(
-        q.float(), k.float(), v.float(), cu_seqlens=cu, max_seqlen=max_len)
+    ref = (
+        get_backend("torch_sdpa")
+        .make_impl()
+        .forward_varlen(q.float(), k.float(), v.float(), cu_seqlens=cu, max_seqlen=max_len)
+    )
     low = get_backend("torch_sdpa").make_impl().forward_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max_len)
     err = (out.float() - ref).abs().max().item()
     low_err = (low.float() - ref).abs().max().item()

@@ -28,8 +28,13 @@ H200 = Platform.cuda((9, 0), LIBS, device_name="NVIDIA H200")  # torch_version: 
 
 
 def ranking(*names, device_name="NVIDIA H200", torch_version=torch.__version__, **kw) -> Ranking:
-    return Ranking(device_name=device_name, compute_capability=(9, 0), torch_version=torch_version,
-                   backends=[RankedBackend(name=n, ms=1.0 + i) for i, n in enumerate(names)], **kw)
+    return Ranking(
+        device_name=device_name,
+        compute_capability=(9, 0),
+        torch_version=torch_version,
+        backends=[RankedBackend(name=n, ms=1.0 + i) for i, n in enumerate(names)],
+        **kw,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -68,16 +73,21 @@ def test_unranked_candidates_follow_in_declared_order():
     # a ranked backend that cannot run here is passed over, then the declared order resumes
     resolution = resolve(VARLEN, "auto", H200, dtype="float32", ranking=ranking("torch_varlen", "nonesuch"))
     assert resolution.backend == "torch_sdpa"
-    assert [(r.backend, r.kind) for r in resolution.rejected] == [("torch_varlen", "unavailable"),
-                                                                  ("flash_attn", "unavailable")]
+    assert [(r.backend, r.kind) for r in resolution.rejected] == [
+        ("torch_varlen", "unavailable"),
+        ("flash_attn", "unavailable"),
+    ]
 
 
-@pytest.mark.parametrize("other,field", [
-    (dict(device_name="NVIDIA H100 80GB HBM3"), "device"),
-    (dict(torch_version="2.12.0+cu126"), "torch"),
-    (dict(dtype="float16"), "dtype"),
-    (dict(head_dim=64), "head_dim"),
-])
+@pytest.mark.parametrize(
+    "other,field",
+    [
+        (dict(device_name="NVIDIA H100 80GB HBM3"), "device"),
+        (dict(torch_version="2.12.0+cu126"), "torch"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(head_dim=64), "head_dim"),
+    ],
+)
 def test_a_ranking_for_another_platform_is_ignored(other, field):
     measured = ranking("flex_attn", "torch_sdpa", **other)
     resolution = resolve(VARLEN, "auto", H200, dtype="bfloat16", head_dim=128, ranking=measured)
@@ -119,8 +129,11 @@ def test_an_explicit_choice_ignores_the_ranking(tmp_path, monkeypatch):
 
 def test_cpu_auto_stays_torch_sdpa_under_any_ranking():
     cpu = probe_platform("cpu")
-    measured = Ranking(device_name=cpu.device_name, torch_version=cpu.torch_version,
-                       backends=[RankedBackend(name="flex_attn", ms=0.1), RankedBackend(name="torch_sdpa", ms=9.0)])
+    measured = Ranking(
+        device_name=cpu.device_name,
+        torch_version=cpu.torch_version,
+        backends=[RankedBackend(name="flex_attn", ms=0.1), RankedBackend(name="torch_sdpa", ms=9.0)],
+    )
     resolution = resolve(VARLEN, "auto", cpu, ranking=measured)
     assert resolution.backend == "torch_sdpa" and resolution.order == "measured"
 

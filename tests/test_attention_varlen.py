@@ -1,5 +1,6 @@
 """Varlen correctness of torch_sdpa against an fp32 per-document reference (flash-attn test style)."""
 
+import itertools
 import math
 import random
 
@@ -44,7 +45,7 @@ def test_sdpa_varlen_matches_reference(dtype, head_dim, n_docs):
     T, H = bounds[-1], 3
     q, k, v = (torch.randn(T, H, head_dim, dtype=dtype) for _ in range(3))
     cu = torch.tensor(bounds, dtype=torch.int32)
-    out = SDPA.forward_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(b - a for a, b in zip(bounds, bounds[1:])))
+    out = SDPA.forward_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(b - a for a, b in itertools.pairwise(bounds)))
     assert out.shape == q.shape and out.dtype == dtype
     ref = naive_varlen(q, k, v, bounds, bounds, upcast=True)
     naive = naive_varlen(q, k, v, bounds, bounds, upcast=False)
@@ -81,9 +82,13 @@ def test_different_k_bounds_are_honoured():
     q = torch.randn(bq[-1], H, D)
     k, v = torch.randn(bk[-1], H, D), torch.randn(bk[-1], H, D)
     out = SDPA.forward_varlen(
-        q, k, v,
-        cu_seqlens=torch.tensor(bq, dtype=torch.int32), max_seqlen=14,
-        cu_seqlens_k=torch.tensor(bk, dtype=torch.int32), max_seqlen_k=21,
+        q,
+        k,
+        v,
+        cu_seqlens=torch.tensor(bq, dtype=torch.int32),
+        max_seqlen=14,
+        cu_seqlens_k=torch.tensor(bk, dtype=torch.int32),
+        max_seqlen_k=21,
     )
     ref = naive_varlen(q, k, v, bq, bk, upcast=True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -96,13 +101,22 @@ def test_mismatched_k_bounds_are_rejected():
     q = torch.randn(10, 2, 32)
     with pytest.raises(ValueError, match="cu_seqlens_k"):
         SDPA.forward_varlen(
-            q, q, q,
-            cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen=6,
-            cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32), max_seqlen_k=10,
+            q,
+            q,
+            q,
+            cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32),
+            max_seqlen=6,
+            cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32),
+            max_seqlen_k=10,
         )
     with pytest.raises(ValueError, match="k has 12 rows"):
-        SDPA.forward_varlen(q, torch.randn(12, 2, 32), torch.randn(12, 2, 32),
-                            cu_seqlens=torch.tensor([0, 10], dtype=torch.int32), max_seqlen=10)
+        SDPA.forward_varlen(
+            q,
+            torch.randn(12, 2, 32),
+            torch.randn(12, 2, 32),
+            cu_seqlens=torch.tensor([0, 10], dtype=torch.int32),
+            max_seqlen=10,
+        )
 
 
 def test_bad_cu_seqlens_dtype_is_rejected():

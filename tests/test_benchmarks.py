@@ -5,6 +5,7 @@ Never asserts on timings: this machine is shared and small; the numbers live in 
 
 import importlib
 import importlib.metadata
+import itertools
 import json
 import logging
 import re
@@ -22,6 +23,8 @@ from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULERS = ["(a) sequential", "(b) bucketed", "(c) packed engine"]
@@ -102,7 +105,7 @@ def test_forward_flops_match_counted_matmuls_and_attention_calls():
 
     def spy(q, k, v, *, cu_seqlens, max_seqlen, **kw):  # 4 L^2 H D for every document of every call
         bounds = cu_seqlens.tolist()
-        counted[0] += sum(4 * (b - a) ** 2 * q.shape[1] * q.shape[2] for a, b in zip(bounds, bounds[1:]))
+        counted[0] += sum(4 * (b - a) ** 2 * q.shape[1] * q.shape[2] for a, b in itertools.pairwise(bounds))
         return original(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kw)
 
     impl.forward_varlen = spy
@@ -170,8 +173,7 @@ def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(capsys):
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One cluster for the SP and serving smokes, in the namespace `h3serve serve` deploys into."""
-    ray.init(num_cpus=2, namespace="serve", include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
+    ray.init(num_cpus=2, namespace="serve", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     yield
     ray.shutdown()
 
@@ -195,7 +197,12 @@ def test_serving_smoke_http_handle_and_in_process_agree(ray_cluster, capsys):
     assert result["ok"] and result["video_same_shape"]
     assert all(d <= 1 for d in result["pixel_diff_vs_in_process"].values())
     paths = [p["path"] for p in result["paths"]]
-    assert paths[:6] == ["in-process engine", "PNG + base64 (in-process)", "MP4 encode (in-process)",
-                         "Serve handle -> replica (PNG)", "HTTP image: POST /v1/images/generations",
-                         "HTTP video job: POST, poll, GET content"]
+    assert paths[:6] == [
+        "in-process engine",
+        "PNG + base64 (in-process)",
+        "MP4 encode (in-process)",
+        "Serve handle -> replica (PNG)",
+        "HTTP image: POST /v1/images/generations",
+        "HTTP video job: POST, poll, GET content",
+    ]
     assert all(path in out for path in paths) and "target HTTP / in-process" in out

@@ -8,7 +8,6 @@ import pytest
 import ray
 from ray import serve
 from ray.util.state import list_actors
-
 from serving import REPO, SERVE, default_config, free_port, h3serve, scrape, start_cluster, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -47,7 +46,8 @@ def test_admit_refuses_sage_attn_and_writes_the_counter(sage_config, tmp_path):
     families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
     failures = families["h3serve_admission_failures"].samples
     assert [(s.labels["backend"], s.labels["reason"], s.value) for s in failures if s.name.endswith("_total")] == [
-        ("sage_attn", "incapable", 1.0)]
+        ("sage_attn", "incapable", 1.0)
+    ]
 
 
 def test_admit_passes_both_shipped_configs():
@@ -70,8 +70,13 @@ def test_serve_preflight_exits_before_starting_anything(cluster, sage_config):
 def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(cluster, sage_config):
     address, metrics_port = cluster
     # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
-    subprocess.run([*SERVE, "run", str(sage_config), "--non-blocking", "--address", address], cwd=REPO,
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [*SERVE, "run", str(sage_config), "--non-blocking", "--address", address],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
     def failed():
         app = serve.status().applications.get("h3serve")
@@ -99,8 +104,13 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(cluster, tm
     config = copy.deepcopy(default_config())
     platform = json.loads((REPO / "deploy" / "platforms" / "h100-flash-attn.json").read_text())
     config["applications"][0]["args"].update(
-        attention_backend="flash_attn", device="cuda", dtype="bfloat16", probe_platform=False,
-        assumed_platform=platform, rank_resources={"CPU": 0.25, "GPU": 1})
+        attention_backend="flash_attn",
+        device="cuda",
+        dtype="bfloat16",
+        probe_platform=False,
+        assumed_platform=platform,
+        rank_resources={"CPU": 0.25, "GPU": 1},
+    )
     path = write_config(tmp_path, config, free_port(), "claims-gpu.yaml")
     # the pre-flight passes (the assumed platform has flash_attn); the replicas then refuse, and
     # `h3serve serve` must notice DEPLOY_FAILED and exit non-zero instead of serving nothing forever
@@ -129,8 +139,15 @@ def spec_for(backend: str, sp_degree: int = 1):
 
     admitted = resolve(REQUIREMENTS, "auto", Platform.cpu(), model="minimax-h3-tiny", head_dim=32)
     resolution = Resolution(**{**admitted.model_dump(), "backend": backend})
-    return ReplicaSpec(resolution=resolution, checkpoint=None, model_name="minimax-h3-tiny", num_heads=4,
-                       head_dim=32, sp_degree=sp_degree, worker_resources={"CPU": 0.25})
+    return ReplicaSpec(
+        resolution=resolution,
+        checkpoint=None,
+        model_name="minimax-h3-tiny",
+        num_heads=4,
+        head_dim=32,
+        sp_degree=sp_degree,
+        worker_resources={"CPU": 0.25},
+    )
 
 
 def replica_app(spec, name: str):
@@ -168,8 +185,11 @@ def test_a_stopped_replica_releases_its_sp_workers(cluster):
     assert handle.diagnostics.remote().result()["sp_degree"] == 2
 
     def workers(state: str):
-        return [a for a in list_actors(address=address, detail=True, limit=10000)
-                if (a.class_name or "").endswith("SPWorker") and a.state == state]
+        return [
+            a
+            for a in list_actors(address=address, detail=True, limit=10000)
+            if (a.class_name or "").endswith("SPWorker") and a.state == state
+        ]
 
     assert len(workers("ALIVE")) == 1
     serve.delete(name)

@@ -6,11 +6,11 @@ import pytest
 import ray
 from diffusers.modular_pipelines import MiniMaxH3Blocks
 from ray import serve
+from serving import ServeProcess, client, default_config, free_port, start_cluster, wait_for, write_config
 
 from pipelines.h3 import preset
 from pipelines.h3.checkpoint import tiny_components
 from pipelines.h3.media import probe_media
-from serving import ServeProcess, client, default_config, free_port, start_cluster, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 

@@ -15,10 +15,19 @@ import pytest
 import ray
 from PIL import Image
 from ray import serve
+from serving import (
+    ServeProcess,
+    client,
+    default_config,
+    error_of,
+    free_port,
+    start_cluster,
+    wait_for,
+    wait_video,
+    write_config,
+)
 
 from pipelines.h3.media import probe_media
-from serving import ServeProcess, client, default_config, error_of, free_port, start_cluster, wait_for, wait_video
-from serving import write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 MODEL = "minimax-h3-tiny"
@@ -62,8 +71,14 @@ def assert_clip(mp4: bytes, frames: int) -> None:
 
 
 def test_openai_client_gets_pngs_of_the_requested_size(api):
-    result = api.images.generate(model=MODEL, prompt="a lighthouse at dusk", size="64x64",
-                                 response_format="b64_json", n=2, extra_body={"seed": 3, "num_inference_steps": 4})
+    result = api.images.generate(
+        model=MODEL,
+        prompt="a lighthouse at dusk",
+        size="64x64",
+        response_format="b64_json",
+        n=2,
+        extra_body={"seed": 3, "num_inference_steps": 4},
+    )
     images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in result.data]
     assert [(i.format, i.size) for i in images] == [("PNG", (64, 64))] * 2
     assert images[0].tobytes() != images[1].tobytes()  # n images use seeds 3 and 4
@@ -95,8 +110,10 @@ def test_an_image_is_the_middle_frame_of_the_shortest_clip(server):
 
 def test_video_job_lifecycle_down_to_a_playable_mp4_with_stereo_audio(server):
     with client(server.url) as http:
-        created = http.post("/v1/videos", json={"prompt": "waves on a beach", "seconds": 5, "size": "128x64",
-                                                "num_inference_steps": 6, "seed": 1})
+        created = http.post(
+            "/v1/videos",
+            json={"prompt": "waves on a beach", "seconds": 5, "size": "128x64", "num_inference_steps": 6, "seed": 1},
+        )
         assert created.status_code == 200, created.text
         job = created.json()
         assert (job["object"], job["model"], job["status"], job["progress"]) == ("video", MODEL, "queued", 0)
@@ -117,8 +134,12 @@ def test_video_job_lifecycle_down_to_a_playable_mp4_with_stereo_audio(server):
 def test_openai_client_creates_retrieves_and_downloads_a_video(api, server):
     video = api.videos.create(prompt="a train", seconds="8", size="128x64", extra_body={"num_inference_steps": 2})
     assert (video.status, video.seconds, video.size) == ("queued", "8", "128x64")  # 8 s is 192 = 17 * 11 + 5
-    wait_for(lambda: api.videos.retrieve(video.id).status in ("completed", "failed"), timeout=180, interval=0.5,
-             what="the video job")
+    wait_for(
+        lambda: api.videos.retrieve(video.id).status in ("completed", "failed"),
+        timeout=180,
+        interval=0.5,
+        what="the video job",
+    )
     assert api.videos.retrieve(video.id).status == "completed"
     assert_clip(api.videos.download_content(video.id).read(), 192)
     paged = [v.id for v in api.videos.list(limit=1)]  # one per page: the client follows last_id and has_more
@@ -129,8 +150,12 @@ def test_deleting_a_running_job_takes_it_out_of_the_engine(server):
     replica = serve.get_deployment_handle("H3Replica", app_name="h3serve")
     with client(server.url) as http:
         job = http.post("/v1/videos", json={"prompt": "long", "seconds": 14, "num_inference_steps": 50}).json()
-        wait_for(lambda: http.get(f"/v1/videos/{job['id']}").json()["progress"] > 0, timeout=60, interval=0.1,
-                 what="progress")
+        wait_for(
+            lambda: http.get(f"/v1/videos/{job['id']}").json()["progress"] > 0,
+            timeout=60,
+            interval=0.1,
+            what="progress",
+        )
         early = error_of(http.get(f"/v1/videos/{job['id']}/content"), 409)
         assert "in_progress, not completed" in early["message"]
         assert http.delete(f"/v1/videos/{job['id']}").status_code == 200

@@ -7,7 +7,6 @@ import httpx
 import pytest
 import ray
 from ray import serve
-
 from serving import ServeProcess, client, default_config, free_port, start_cluster, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -23,18 +22,37 @@ def multi_app_config() -> dict:
         new = copy.deepcopy(template)
         new.update(name=name, route_prefix=route, **extra)
         new["args"].update(args)
-        new["deployments"] = [{"name": "H3Ingress", "ray_actor_options": {"num_cpus": 0.05}},
-                              {"name": "H3Replica", **replica}]
+        new["deployments"] = [
+            {"name": "H3Ingress", "ray_actor_options": {"num_cpus": 0.05}},
+            {"name": "H3Replica", **replica},
+        ]
         return new
 
     base["applications"] = [
         app("h3serve", "/", {}, {"num_replicas": 2}),
-        app("busy", "/busy", {"engine": {"max_queue": 1, "max_active": 1}, "api_key_env": "H3_TEST_KEY"},
-            {"num_replicas": 1}, runtime_env={"env_vars": {"H3_TEST_KEY": KEY}}),
-        app("elastic", "/elastic", {"engine": {"max_queue": 8, "max_active": 2}},
-            {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                    "upscale_delay_s": 0.5, "downscale_delay_s": 600, "metrics_interval_s": 0.5,
-                                    "look_back_period_s": 2}}),
+        app(
+            "busy",
+            "/busy",
+            {"engine": {"max_queue": 1, "max_active": 1}, "api_key_env": "H3_TEST_KEY"},
+            {"num_replicas": 1},
+            runtime_env={"env_vars": {"H3_TEST_KEY": KEY}},
+        ),
+        app(
+            "elastic",
+            "/elastic",
+            {"engine": {"max_queue": 8, "max_active": 2}},
+            {
+                "autoscaling_config": {
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "target_ongoing_requests": 1,
+                    "upscale_delay_s": 0.5,
+                    "downscale_delay_s": 600,
+                    "metrics_interval_s": 0.5,
+                    "look_back_period_s": 2,
+                }
+            },
+        ),
     ]
     return base
 

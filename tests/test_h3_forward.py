@@ -42,32 +42,57 @@ def models():
     return reference, served
 
 
-def document(n_text: int, frames: int, height: int, width: int, n_audio: int, t_video: float, t_audio: float,
-             anchors: tuple[str, ...] = (), seed: int = 0) -> Document:
+def document(
+    n_text: int,
+    frames: int,
+    height: int,
+    width: int,
+    n_audio: int,
+    t_video: float,
+    t_audio: float,
+    anchors: tuple[str, ...] = (),
+    seed: int = 0,
+) -> Document:
     """One request's layout as diffusers' layout blocks build it (t2va, or fl2va with keyframe anchors)."""
     generator = torch.Generator().manual_seed(seed)
     tags = torch.ones(n_text, dtype=torch.long)  # all text
     position_ids, token_tags, video, audio, text, n_cond_video, n_cond_audio = (
-        MiniMaxH3PrepareLayoutStep.build_packed_sequence(tags, frames, height, width, n_audio, (1, 2, 2), 2, 2, 0,
-                                                         anchors))
+        MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            tags, frames, height, width, n_audio, (1, 2, 2), 2, 2, 0, anchors
+        )
+    )
     timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-        video, audio, n_cond_video, n_cond_audio, n_text, t_video, t_audio, max(t_video, 0.999), 1.0)
+        video, audio, n_cond_video, n_cond_audio, n_text, t_video, t_audio, max(t_video, 0.999), 1.0
+    )
     return Document(
         prompt_embeds=torch.randn(n_text, CONFIG["text_dim"], generator=generator),
         video_rows=torch.randn(video.numel(), CONFIG["in_channels"] * 4, generator=generator),
         audio_rows=torch.randn(audio.numel(), CONFIG["audio_in_channels"], generator=generator),
-        position_ids=position_ids, token_tags=token_tags, video_indices=video, audio_indices=audio,
-        text_indices=text, timestep=timestep, timestep_indices=timestep_indices)
+        position_ids=position_ids,
+        token_tags=token_tags,
+        video_indices=video,
+        audio_indices=audio,
+        text_indices=text,
+        timestep=timestep,
+        timestep_indices=timestep_indices,
+    )
 
 
 def diffusers_forward(model, doc: Document) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         video, audio = model(
-            hidden_states=doc.video_rows[None], audio_hidden_states=doc.audio_rows[None],
-            encoder_hidden_states=doc.prompt_embeds[None], timestep=doc.timestep,
-            timestep_indices=doc.timestep_indices, token_tags=doc.token_tags, position_ids=doc.position_ids,
-            video_indices=doc.video_indices, audio_indices=doc.audio_indices, text_indices=doc.text_indices,
-            return_dict=False)
+            hidden_states=doc.video_rows[None],
+            audio_hidden_states=doc.audio_rows[None],
+            encoder_hidden_states=doc.prompt_embeds[None],
+            timestep=doc.timestep,
+            timestep_indices=doc.timestep_indices,
+            token_tags=doc.token_tags,
+            position_ids=doc.position_ids,
+            video_indices=doc.video_indices,
+            audio_indices=doc.audio_indices,
+            text_indices=doc.text_indices,
+            return_dict=False,
+        )
     return video[0], audio[0]
 
 
@@ -75,8 +100,9 @@ def diffusers_forward(model, doc: Document) -> tuple[torch.Tensor, torch.Tensor]
 DOCUMENTS = [
     dict(n_text=5, frames=7, height=4, width=8, n_audio=20, t_video=0.3, t_audio=0.5, seed=1),
     dict(n_text=9, frames=2, height=4, width=4, n_audio=7, t_video=0.7, t_audio=0.1, anchors=("first",), seed=2),
-    dict(n_text=3, frames=12, height=8, width=4, n_audio=33, t_video=0.05, t_audio=0.9, anchors=("first", "last"),
-         seed=3),
+    dict(
+        n_text=3, frames=12, height=8, width=4, n_audio=33, t_video=0.05, t_audio=0.9, anchors=("first", "last"), seed=3
+    ),
 ]
 
 
@@ -98,7 +124,7 @@ def test_three_requests_packed_equal_each_alone(models, row_multiple):
     pack = pack_documents(docs, row_multiple=row_multiple)
     assert pack.total_rows % row_multiple == 0 and pack.padding_rows < row_multiple
     assert len(pack.timestep) > 3  # the documents' distinct timesteps merged into one vector
-    for doc, (video, audio) in zip(docs, pack.split(*packed_forward(served, pack))):
+    for doc, (video, audio) in zip(docs, pack.split(*packed_forward(served, pack)), strict=True):
         expected_video, expected_audio = diffusers_forward(reference, doc)
         torch.testing.assert_close(video, expected_video, atol=ATOL, rtol=0)
         torch.testing.assert_close(audio, expected_audio, atol=ATOL, rtol=0)

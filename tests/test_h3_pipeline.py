@@ -50,15 +50,23 @@ def diffusers_run(pipeline: H3Pipeline, request: GenerationRequest, **inputs):
     """diffusers' own MiniMaxH3 modular pipeline, same components and inputs, its own attention processor."""
     reference = MiniMaxH3Blocks().init_pipeline()
     reference.register_to_config(**pipeline.stages.before.config)
-    components = {name: getattr(pipeline.stages.before, name) for name in pipeline.stages.before.component_names
-                  if getattr(pipeline.stages.before, name, None) is not None}
+    components = {
+        name: getattr(pipeline.stages.before, name)
+        for name in pipeline.stages.before.component_names
+        if getattr(pipeline.stages.before, name, None) is not None
+    }
     for name, model in pipeline.denoiser.transformers.items():
         components[name] = copy.deepcopy(model)
         components[name].set_attn_processor(MiniMaxH3AttnProcessor())
     reference.update_components(**components)
-    return reference(prompt=request.prompt, num_inference_steps=request.num_inference_steps,
-                     generator=torch.Generator().manual_seed(request.seed), output_type="pt",
-                     num_frames=request.num_frames or pipeline.rules.min_frames, **inputs)
+    return reference(
+        prompt=request.prompt,
+        num_inference_steps=request.num_inference_steps,
+        generator=torch.Generator().manual_seed(request.seed),
+        output_type="pt",
+        num_frames=request.num_frames or pipeline.rules.min_frames,
+        **inputs,
+    )
 
 
 def assert_same_generation(ours, theirs):
@@ -71,6 +79,7 @@ def assert_same_generation(ours, theirs):
 
 # --- one request equals diffusers' modular pipeline -----------------------------------------
 
+
 def test_t2va_equals_diffusers_modular_pipeline(tiny_pipeline):
     request = GenerationRequest(prompt="a red circle moving left", num_inference_steps=STEPS, seed=3)
     ours, theirs = run(tiny_pipeline, request), diffusers_run(tiny_pipeline, request)
@@ -81,11 +90,16 @@ def test_t2va_equals_diffusers_modular_pipeline(tiny_pipeline):
 
 def test_fl2va_equals_diffusers_modular_pipeline(tiny_pipeline):
     first, last = png(96, 64, seed=1), png(64, 64, seed=2)
-    request = GenerationRequest(prompt="a sunrise", num_inference_steps=STEPS, seed=5, first_frame=first,
-                                last_frame=last)
+    request = GenerationRequest(
+        prompt="a sunrise", num_inference_steps=STEPS, seed=5, first_frame=first, last_frame=last
+    )
     ours = run(tiny_pipeline, request)
-    theirs = diffusers_run(tiny_pipeline, request, image=Image.open(io.BytesIO(first)).convert("RGB"),
-                           last_image=Image.open(io.BytesIO(last)).convert("RGB"))
+    theirs = diffusers_run(
+        tiny_pipeline,
+        request,
+        image=Image.open(io.BytesIO(first)).convert("RGB"),
+        last_image=Image.open(io.BytesIO(last)).convert("RGB"),
+    )
     assert_same_generation(ours, theirs)
     assert ours.get("videos").shape[-2:] == (64, 96)  # the canvas follows the first frame's aspect
 
@@ -99,13 +113,19 @@ def test_ref2va_equals_diffusers_modular_pipeline(ref_pipeline):
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ImageReference
 
     image = png(80, 48, seed=4)
-    request = GenerationRequest(prompt="the subject walks", num_inference_steps=STEPS, seed=2,
-                                references=(Reference(kind="image", data=image),))
+    request = GenerationRequest(
+        prompt="the subject walks", num_inference_steps=STEPS, seed=2, references=(Reference(kind="image", data=image),)
+    )
     assert "transformer_ref" in ref_pipeline.rules.partitions
     ours = run(ref_pipeline, request)
     width, height = ref_pipeline.rules.default_canvas
-    theirs = diffusers_run(ref_pipeline, request, height=height, width=width,
-                           references=[MiniMaxH3ImageReference(image=Image.open(io.BytesIO(image)).convert("RGB"))])
+    theirs = diffusers_run(
+        ref_pipeline,
+        request,
+        height=height,
+        width=width,
+        references=[MiniMaxH3ImageReference(image=Image.open(io.BytesIO(image)).convert("RGB"))],
+    )
     assert_same_generation(ours, theirs)
 
 
@@ -125,11 +145,18 @@ def test_video_references_need_torchvision(ref_pipeline):
 
 # --- many requests, of different tasks, in one pack --------------------------------------------
 
+
 def test_mixed_tasks_share_a_pack_and_equal_each_alone(tiny_pipeline):
     requests = [
         GenerationRequest(prompt="a red circle", num_inference_steps=STEPS, seed=1),
-        GenerationRequest(prompt="waves on a beach at night", width=64, height=64, num_frames=141,
-                          num_inference_steps=STEPS + 2, seed=2),
+        GenerationRequest(
+            prompt="waves on a beach at night",
+            width=64,
+            height=64,
+            num_frames=141,
+            num_inference_steps=STEPS + 2,
+            seed=2,
+        ),
         GenerationRequest(prompt="a blue square", num_inference_steps=STEPS, seed=3, first_frame=png(64, 32)),
     ]
     states = [tiny_pipeline.prepare(r) for r in requests]
@@ -137,7 +164,7 @@ def test_mixed_tasks_share_a_pack_and_equal_each_alone(tiny_pipeline):
     while not all(s.done for s in states):
         forwards += len(tiny_pipeline.step([s for s in states if not s.done]))
     assert forwards == max(s.steps for s in states)  # every step was one forward for all of them
-    for request, state in zip(requests, states):
+    for request, state in zip(requests, states, strict=True):
         alone = tiny_pipeline.prepare(request)
         while not alone.done:
             tiny_pipeline.step([alone])
@@ -158,6 +185,7 @@ def test_generate_makes_a_clip_with_stereo_sound_at_the_vae_rate(tiny_pipeline):
 
 # --- the model's own rules ----------------------------------------------------------------------
 
+
 def test_rules_come_from_the_checkpoint(tiny_pipeline):
     rules = tiny_pipeline.rules
     assert (rules.fps, rules.min_frames, rules.max_frames) == (24, 124, 345)
@@ -166,14 +194,17 @@ def test_rules_come_from_the_checkpoint(tiny_pipeline):
     assert rules.frames_for_seconds(14.375) == 345
 
 
-@pytest.mark.parametrize("change,field,message", [
-    (dict(num_frames=120), "num_frames", "17n\\+5"),
-    (dict(num_frames=107), "num_frames", "between 124 and 345"),
-    (dict(width=100, height=64), "size", "multiples of 32"),
-    (dict(width=320, height=64), "size", "aspect ratio"),
-    (dict(width=256, height=128), "size", "larger than the model's canvas"),
-    (dict(width=128), "size", "give both or neither"),
-])
+@pytest.mark.parametrize(
+    "change,field,message",
+    [
+        (dict(num_frames=120), "num_frames", "17n\\+5"),
+        (dict(num_frames=107), "num_frames", "between 124 and 345"),
+        (dict(width=100, height=64), "size", "multiples of 32"),
+        (dict(width=320, height=64), "size", "aspect ratio"),
+        (dict(width=256, height=128), "size", "larger than the model's canvas"),
+        (dict(width=128), "size", "give both or neither"),
+    ],
+)
 def test_requests_outside_the_rules_name_the_field(tiny_pipeline, change, field, message):
     with pytest.raises(RequestError, match=message) as error:
         tiny_pipeline.validate(GenerationRequest(prompt="x", **change))
@@ -199,6 +230,7 @@ def test_distilled_model_takes_no_guidance_fields():
 
 # --- checkpoints: the released layout, strictly, offline -----------------------------------------
 
+
 def test_a_checkpoint_saved_by_the_libraries_themselves_serves(tmp_path):
     """Not h3serve's writer: diffusers' ModularPipeline.save_pretrained, whose index holds absolute paths."""
     components = tiny_components(seed=7)
@@ -222,11 +254,15 @@ def corrupt(checkpoint, tmp_path, edit):
     return copy_
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda t: t.pop("proj_out.weight"), "missing keys: proj_out.weight"),
-    (lambda t: t.update({"extra.weight": torch.zeros(2)}), "unexpected keys: extra.weight"),
-    (lambda t: t.update({"proj_out.weight": torch.zeros(3, 3)}), "proj_out.weight"),
-], ids=["missing", "unexpected", "wrong-shape"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t.pop("proj_out.weight"), "missing keys: proj_out.weight"),
+        (lambda t: t.update({"extra.weight": torch.zeros(2)}), "unexpected keys: extra.weight"),
+        (lambda t: t.update({"proj_out.weight": torch.zeros(3, 3)}), "proj_out.weight"),
+    ],
+    ids=["missing", "unexpected", "wrong-shape"],
+)
 def test_a_checkpoint_that_does_not_fit_is_refused(tiny_checkpoint, tmp_path, edit, message):
     bad = corrupt(tiny_checkpoint, tmp_path, edit)
     with pytest.raises(CheckpointError, match=message) as error:
@@ -257,8 +293,16 @@ def test_the_index_declares_the_released_classes(tiny_checkpoint):
     assert index["text_encoder"][:2] == ["transformers", "Qwen3VLForConditionalGeneration"]
     assert index["processor"][:2] == ["transformers", "Qwen3VLProcessor"]
     assert CheckpointIndex(tiny_checkpoint).partitions() == ("transformer",)
-    for folder in ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler",
-                   "audio_scheduler"):
+    for folder in (
+        "transformer",
+        "vae",
+        "audio_vae",
+        "text_encoder",
+        "tokenizer",
+        "processor",
+        "scheduler",
+        "audio_scheduler",
+    ):
         assert (tiny_checkpoint / folder).is_dir()
 
 
@@ -280,19 +324,39 @@ def test_the_backend_is_built_exactly_as_admitted(tiny_checkpoint):
 
 # --- the driver's admission rule -------------------------------------------------------------------
 
+
 def test_validate_deployment_on_cpu_and_for_the_released_geometry():
     tiny = preset("tiny").geometry()
-    resolution = validate_deployment(model="minimax-h3-tiny", geometry=tiny, attention_backend="auto",
-                                     platform=Platform.cpu(), device="cpu", dtype="float32")
+    resolution = validate_deployment(
+        model="minimax-h3-tiny",
+        geometry=tiny,
+        attention_backend="auto",
+        platform=Platform.cpu(),
+        device="cpu",
+        dtype="float32",
+    )
     assert resolution.backend == "torch_sdpa" and resolution.head_dim == 32
     full = preset("full").geometry()
     assert (full.num_heads, full.head_dim) == (56, 128)  # the released transformer, from diffusers' defaults
     with pytest.raises(DeploymentConfigError, match=r"sp_degree=3 must divide the transformer's 56 attention heads"):
-        validate_deployment(model="minimax-h3", geometry=full, attention_backend="auto", platform=Platform.cpu(),
-                            device="cpu", dtype="float32", sp_degree=3)
+        validate_deployment(
+            model="minimax-h3",
+            geometry=full,
+            attention_backend="auto",
+            platform=Platform.cpu(),
+            device="cpu",
+            dtype="float32",
+            sp_degree=3,
+        )
     with pytest.raises(UnknownBackendError):
-        validate_deployment(model="minimax-h3", geometry=full, attention_backend="nope", platform=Platform.cpu(),
-                            device="cpu", dtype="float32")
+        validate_deployment(
+            model="minimax-h3",
+            geometry=full,
+            attention_backend="nope",
+            platform=Platform.cpu(),
+            device="cpu",
+            dtype="float32",
+        )
 
 
 def test_text_encoder_layers_after_the_one_h3_reads_are_dropped_without_changing_it():
@@ -303,8 +367,13 @@ def test_text_encoder_layers_after_the_one_h3_reads_are_dropped_without_changing
     language_model.layers.extend(copy.deepcopy(language_model.layers[-1]) for _ in range(4))  # a deeper stack
     text_encoder.config.text_config.num_hidden_layers = len(language_model.layers)
     ids = torch.tensor([[3, 5, 7, 9]])
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=torch.zeros_like(ids),
-                  use_cache=False, output_hidden_states=True)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=torch.zeros_like(ids),
+        use_cache=False,
+        output_hidden_states=True,
+    )
     with torch.no_grad():
         before = text_encoder.model(**kwargs).hidden_states[50]
         keep_decoder_layers(text_encoder, 51)

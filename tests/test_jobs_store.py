@@ -27,8 +27,15 @@ def url(request, tmp_path) -> str:
 
 
 def video(created_at: int = 0) -> dict:
-    return {"id": f"video_{uuid.uuid4().hex}", "object": "video", "status": "queued", "progress": 0,
-            "created_at": created_at, "completed_at": None, "error": None}
+    return {
+        "id": f"video_{uuid.uuid4().hex}",
+        "object": "video",
+        "status": "queued",
+        "progress": 0,
+        "created_at": created_at,
+        "completed_at": None,
+        "error": None,
+    }
 
 
 def replicas(url: str, policy: JobPolicy = POLICY, n: int = 2) -> tuple[Clock, list[JobStore]]:

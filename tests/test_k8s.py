@@ -89,8 +89,11 @@ def quantity(value) -> float:
 def dockerfile_base() -> re.Match:
     froms = [line for line in DOCKERFILE.read_text().splitlines() if re.match(r"\s*FROM\s", line, re.IGNORECASE)]
     assert len(froms) == 1, f"{DOCKERFILE}: expected one FROM line, found {froms}"
-    match = re.match(r"\s*FROM\s+(?:--platform=\S+\s+)?rayproject/ray:(?P<ray>\d+\.\d+\.\d+)-py3(?P<py>\d+)-(?P<flavor>\S+)",
-                     froms[0], re.IGNORECASE)
+    match = re.match(
+        r"\s*FROM\s+(?:--platform=\S+\s+)?rayproject/ray:(?P<ray>\d+\.\d+\.\d+)-py3(?P<py>\d+)-(?P<flavor>\S+)",
+        froms[0],
+        re.IGNORECASE,
+    )
     assert match, f"{DOCKERFILE}: FROM must be rayproject/ray:<version>-py3XX-<flavor>, got {froms[0]!r}"
     return match
 
@@ -121,8 +124,8 @@ def crd_validator():
     crd = yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 1 MB: use libyaml
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     formats = jsonschema.FormatChecker()
-    formats.checks("int32")(lambda v: not isinstance(v, int) or -2**31 <= v < 2**31)
-    formats.checks("int64")(lambda v: not isinstance(v, int) or -2**63 <= v < 2**63)
+    formats.checks("int32")(lambda v: not isinstance(v, int) or -(2**31) <= v < 2**31)
+    formats.checks("int64")(lambda v: not isinstance(v, int) or -(2**63) <= v < 2**63)
     schema = structural_to_jsonschema(version["schema"]["openAPIV3Schema"])
     jsonschema.Draft7Validator.check_schema(schema)
     return jsonschema.Draft7Validator(schema, format_checker=formats)
@@ -153,8 +156,11 @@ def structural_to_jsonschema(node):
             out[key] = structural_to_jsonschema(value)
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
-    if "properties" in node and "additionalProperties" not in node \
-            and not node.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -171,13 +177,20 @@ def test_rayservice_validates_against_kuberay_crd():
     assert not errors, "k8s/rayservice.yaml does not fit the RayService CRD:\n" + "\n".join(errors)
 
 
-@pytest.mark.parametrize("mutate, expected", [
-    (lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"].__setitem__("rayStartParam", {}), "rayStartParam"),
-    (lambda d: container(d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0])["resources"]["limits"]
-     .__setitem__("nvidia.com/gpu", "four"), "does not match"),
-    (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].__setitem__("maxReplicas", 2**31), "int32"),
-    (lambda d: d["spec"].__setitem__("serveConfigV2", {"applications": []}), "is not of type 'string'"),
-])
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda d: d["spec"]["rayClusterConfig"]["headGroupSpec"].__setitem__("rayStartParam", {}), "rayStartParam"),
+        (
+            lambda d: container(d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0])["resources"][
+                "limits"
+            ].__setitem__("nvidia.com/gpu", "four"),
+            "does not match",
+        ),
+        (lambda d: d["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].__setitem__("maxReplicas", 2**31), "int32"),
+        (lambda d: d["spec"].__setitem__("serveConfigV2", {"applications": []}), "is not of type 'string'"),
+    ],
+)
 def test_crd_validation_is_not_toothless(mutate, expected):
     doc = copy.deepcopy(rayservice())
     mutate(doc)
@@ -188,13 +201,15 @@ def test_crd_validation_is_not_toothless(mutate, expected):
 def test_serve_config_v2_is_the_gpu_serve_config():
     embedded = rayservice()["spec"]["serveConfigV2"]
     assert isinstance(embedded, str), "serveConfigV2 must be a YAML string"
-    assert yaml.safe_load(embedded) == serve_config(), \
+    assert yaml.safe_load(embedded) == serve_config(), (
         "k8s/rayservice.yaml's serveConfigV2 differs from deploy/serve_config.gpu.yaml: run python k8s/generate.py"
+    )
 
 
 def test_generate_check_passes():
-    result = subprocess.run([sys.executable, str(K8S / "generate.py"), "--check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(K8S / "generate.py"), "--check"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, f"python k8s/generate.py --check failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -202,8 +217,13 @@ def test_generate_check_reports_drift(tmp_path):
     stale = tmp_path / "rayservice.yaml"
     text = RAYSERVICE.read_text()
     stale.write_text(text.replace("serveConfigV2: |\n", "serveConfigV2: |\n    stale: true\n", 1))
-    result = subprocess.run([sys.executable, str(K8S / "generate.py"), "--check", "--target", str(stale)],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(K8S / "generate.py"), "--check", "--target", str(stale)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert re.search(r"^-\s+stale: true$", result.stdout, re.M), f"no diff shown:\n{result.stdout}"
     assert "stale: true" in stale.read_text(), "--check must not write"
@@ -217,8 +237,9 @@ def test_ray_versions_agree():
     assert pin, "pyproject.toml must pin ray[serve]==MAJOR.MINOR.*"
     installed = importlib.metadata.version("ray")
     minor = ".".join(image_ray.split(".")[:2])
-    assert minor == pin[1] == ".".join(installed.split(".")[:2]), \
+    assert minor == pin[1] == ".".join(installed.split(".")[:2]), (
         f"image Ray {image_ray}, pyproject pin {pin[1]}.*, installed Ray {installed}"
+    )
     python_minor = int(dockerfile_base()["py"])
     assert python_minor >= 10, "pyproject requires Python >= 3.10"
 
@@ -226,10 +247,10 @@ def test_ray_versions_agree():
 # -- 5. every metric name used exists -----------------------------------------------------
 def promql_metric_names(expr: str) -> set[str]:
     """Metric names in a PromQL expression (label names, label values and grouping lists removed)."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)                     # string literals
-    expr = re.sub(r"\{[^{}]*\}", "", expr)                              # label matchers
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    expr = re.sub(r"\{[^{}]*\}", "", expr)  # label matchers
     expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)", "", expr)
-    expr = re.sub(r"\blabel_values\(([^,()]*),[^()]*\)", r"\1", expr)   # Grafana: label_values(metric, label)
+    expr = re.sub(r"\blabel_values\(([^,()]*),[^()]*\)", r"\1", expr)  # Grafana: label_values(metric, label)
     return set(re.findall(r"(?<![\w$:])ray_[a-z0-9_]+", expr))
 
 
@@ -292,9 +313,11 @@ def test_metric_names_exist(source):
 
 
 def test_metric_extraction_ignores_labels():
-    expr = ('sum by (le, ray_io_cluster) (rate(ray_h3serve_request_latency_seconds_bucket'
-            '{ray_io_cluster=~"ray_x", route!="/v1/videos:job"}[5m])) '
-            'or on (namespace) label_values(ray_serve_application_status, ray_io_cluster)')
+    expr = (
+        "sum by (le, ray_io_cluster) (rate(ray_h3serve_request_latency_seconds_bucket"
+        '{ray_io_cluster=~"ray_x", route!="/v1/videos:job"}[5m])) '
+        "or on (namespace) label_values(ray_serve_application_status, ray_io_cluster)"
+    )
     assert promql_metric_names(expr) == {"ray_h3serve_request_latency_seconds_bucket", "ray_serve_application_status"}
 
 
@@ -302,7 +325,9 @@ def test_rules_and_dashboard_name_the_served_application():
     named = set()
     for expr in rule_exprs() + dashboard_exprs():
         named |= set(re.findall(r'application\s*=\s*"([^"]+)"', expr))
-    assert named == {h3_app()["name"]}, f"PromQL filters on application {named}, the serve config names {h3_app()['name']!r}"
+    assert named == {h3_app()["name"]}, (
+        f"PromQL filters on application {named}, the serve config names {h3_app()['name']!r}"
+    )
 
 
 # -- 6. GPU arithmetic --------------------------------------------------------------------
@@ -318,7 +343,11 @@ def serve_replica_bounds(name: str) -> tuple[int, int]:
 
 def test_worker_group_capacity_covers_serve_autoscaling():
     args = deploy_args()
-    sp, gpus_per_rank, cpus_per_rank = args.sp_degree, args.rank_resources.get("GPU", 0), args.rank_resources.get("CPU", 0)
+    sp, gpus_per_rank, cpus_per_rank = (
+        args.sp_degree,
+        args.rank_resources.get("GPU", 0),
+        args.rank_resources.get("CPU", 0),
+    )
     assert args.device == "cuda" and gpus_per_rank >= 1
     replica_gpus, replica_cpus = sp * gpus_per_rank, sp * cpus_per_rank  # one STRICT_PACK group: one pod
 
@@ -326,21 +355,28 @@ def test_worker_group_capacity_covers_serve_autoscaling():
     limits = container(group)["resources"]["limits"]
     pod_gpus = int(limits["nvidia.com/gpu"])
     pod_cpus = quantity(group["rayStartParams"].get("num-cpus", limits["cpu"]))
-    head_cpus = quantity(cluster()["headGroupSpec"]["rayStartParams"].get("num-cpus",
-                         container(cluster()["headGroupSpec"])["resources"]["limits"]["cpu"]))
+    head_cpus = quantity(
+        cluster()["headGroupSpec"]["rayStartParams"].get(
+            "num-cpus", container(cluster()["headGroupSpec"])["resources"]["limits"]["cpu"]
+        )
+    )
     assert cluster()["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0", "GPUs belong to the worker group"
 
     assert pod_gpus % replica_gpus == 0, f"{pod_gpus} GPUs per pod strand some: a replica takes {replica_gpus}"
     slots = min(pod_gpus // replica_gpus, int(pod_cpus // replica_cpus))
-    assert slots >= 1, f"a pod ({pod_gpus} GPU, {pod_cpus} CPU) cannot hold one replica ({replica_gpus} GPU, {replica_cpus} CPU)"
+    assert slots >= 1, (
+        f"a pod ({pod_gpus} GPU, {pod_cpus} CPU) cannot hold one replica ({replica_gpus} GPU, {replica_cpus} CPU)"
+    )
 
     serve_min, serve_max = serve_replica_bounds("H3Replica")
     pods_min, pods_max = group["minReplicas"], group["maxReplicas"]
     assert pods_min <= group.get("replicas", pods_min) <= pods_max
-    assert pods_min * slots >= serve_min, \
+    assert pods_min * slots >= serve_min, (
         f"minReplicas {pods_min} x {slots} slot(s) < Serve min_replicas {serve_min} ({replica_gpus} GPUs each)"
-    assert pods_max * slots >= serve_max, \
+    )
+    assert pods_max * slots >= serve_max, (
         f"maxReplicas {pods_max} x {slots} slot(s) < Serve max_replicas {serve_max} ({replica_gpus} GPUs each)"
+    )
     # Every app rebuild runs admission's probe, one rank's shape: at Serve's max a slot must be left for it.
     assert pods_max * slots - serve_max >= 1, "no headroom for the admission probe at max_replicas"
     # At the minimum the ingress replicas must fit next to the H3 replicas (the head runs none).
@@ -351,10 +387,14 @@ def test_worker_group_capacity_covers_serve_autoscaling():
 
 # -- 7. wiring between the manifests ------------------------------------------------------
 def test_metrics_ports_match_metrics_export_port():
-    for name, group in [("head", cluster()["headGroupSpec"]), *((g["groupName"], g) for g in cluster()["workerGroupSpecs"])]:
+    for name, group in [
+        ("head", cluster()["headGroupSpec"]),
+        *((g["groupName"], g) for g in cluster()["workerGroupSpecs"]),
+    ]:
         ports = {p["name"]: p["containerPort"] for p in container(group).get("ports", [])}
-        assert str(ports.get("metrics")) == group["rayStartParams"].get("metrics-export-port"), \
+        assert str(ports.get("metrics")) == group["rayStartParams"].get("metrics-export-port"), (
             f"{name}: container port `metrics` must be the metrics-export-port (the PodMonitors scrape it by name)"
+        )
 
 
 def test_podmonitors_select_the_ray_pods():
@@ -367,11 +407,14 @@ def test_podmonitors_select_the_ray_pods():
         node_type = labels["ray.io/node-type"]
         for group in groups[node_type]:
             ours = {k: v for k, v in labels.items() if not k.startswith("ray.io/")}  # KubeRay sets ray.io/*
-            assert ours.items() <= group["template"]["metadata"]["labels"].items(), \
+            assert ours.items() <= group["template"]["metadata"]["labels"].items(), (
                 f"{monitor['metadata']['name']} selects {ours}, which the {node_type} pods do not carry"
+            )
             ports = {p["name"] for p in container(group).get("ports", [])}
             for endpoint in monitor["spec"]["podMetricsEndpoints"]:
-                assert endpoint["port"] in ports, f"{monitor['metadata']['name']} scrapes missing port {endpoint['port']}"
+                assert endpoint["port"] in ports, (
+                    f"{monitor['metadata']['name']} scrapes missing port {endpoint['port']}"
+                )
     assert {m["spec"]["selector"]["matchLabels"]["ray.io/node-type"] for m in monitors} == {"head", "worker"}
 
 
@@ -380,13 +423,17 @@ def test_weights_come_read_only_from_the_pvc():
     assert pvc["kind"] == "PersistentVolumeClaim" and "ReadOnlyMany" in pvc["spec"]["accessModes"]
     spec = gpu_group()["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    mounts = [m for m in container(gpu_group())["volumeMounts"]
-              if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]]
+    mounts = [
+        m
+        for m in container(gpu_group())["volumeMounts"]
+        if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]
+    ]
     assert len(mounts) == 1 and mounts[0].get("readOnly") is True
     assert volumes[mounts[0]["name"]]["persistentVolumeClaim"].get("readOnly") is True
     checkpoint = deploy_args().checkpoint
-    assert checkpoint and checkpoint.startswith(mounts[0]["mountPath"].rstrip("/") + "/"), \
+    assert checkpoint and checkpoint.startswith(mounts[0]["mountPath"].rstrip("/") + "/"), (
         f"checkpoint {checkpoint} is not under the weights mount {mounts[0]['mountPath']}"
+    )
 
 
 def test_api_key_env_reaches_every_ray_container():
@@ -401,10 +448,16 @@ def test_api_key_env_reaches_every_ray_container():
 def test_the_video_job_store_is_mounted_where_ingress_replicas_run():
     store = deploy_args().jobs.store
     worker = container(cluster()["workerGroupSpecs"][0])
-    assert any(store == m["mountPath"] or store.startswith(m["mountPath"] + "/") for m in worker["volumeMounts"]
-               if not m.get("readOnly")), f"{store} is not a writable mount of the GPU worker pods"
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
-              for v in cluster()["workerGroupSpecs"][0]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert any(
+        store == m["mountPath"] or store.startswith(m["mountPath"] + "/")
+        for m in worker["volumeMounts"]
+        if not m.get("readOnly")
+    ), f"{store} is not a writable mount of the GPU worker pods"
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in cluster()["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     jobs_pvc = yaml.safe_load((REPO / "k8s" / "jobs-pvc.yaml").read_text())
     assert jobs_pvc["metadata"]["name"] in claims.values()
     assert jobs_pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every worker pod mounts it

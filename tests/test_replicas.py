@@ -7,8 +7,7 @@ import pytest
 import ray
 import torch
 
-from attention import Platform, Resolution, resolve
-from attention import AdmissionError
+from attention import AdmissionError, Platform, Resolution, resolve
 from pipelines.h3 import REQUIREMENTS, GenerationRequest
 from replicas import Engine, EngineLimits, EngineStopped, QueueFull, ReplicaSpec, WorkerGroup, WorkerGroupBroken
 from replicas.sequence_parallel import UlyssesGroup
@@ -19,8 +18,16 @@ RESOLUTION = resolve(REQUIREMENTS, "auto", Platform.cpu(), model="minimax-h3-tin
 
 
 def spec(sp: int, checkpoint, timeout: float = 10.0, resolution: Resolution = RESOLUTION) -> ReplicaSpec:
-    return ReplicaSpec(resolution=resolution, checkpoint=str(checkpoint), model_name="minimax-h3-tiny", num_heads=4,
-                       head_dim=32, sp_degree=sp, collective_timeout_s=timeout, worker_resources={"CPU": 0.25})
+    return ReplicaSpec(
+        resolution=resolution,
+        checkpoint=str(checkpoint),
+        model_name="minimax-h3-tiny",
+        num_heads=4,
+        head_dim=32,
+        sp_degree=sp,
+        collective_timeout_s=timeout,
+        worker_resources={"CPU": 0.25},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +52,7 @@ def request(prompt: str = "x", steps: int = 3, **kwargs) -> GenerationRequest:
 
 # --- Ulysses preconditions -------------------------------------------------------------
 
+
 def test_ulysses_preconditions_are_clear_errors():
     with pytest.raises(ValueError, match="num_heads % sp_degree"):
         UlyssesGroup(sp_degree=3, rank=0, num_heads=4)
@@ -54,6 +62,7 @@ def test_ulysses_preconditions_are_clear_errors():
 
 
 # --- SP: sp=W equals sp=1 --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("sp", [2, 4], ids=lambda w: f"sp={w}")
 def test_sequence_parallel_matches_single_rank(solo, tiny_checkpoint, sp):
@@ -76,6 +85,7 @@ def test_sequence_parallel_matches_single_rank(solo, tiny_checkpoint, sp):
 
 # --- the engine -----------------------------------------------------------------------
 
+
 async def _staggered(engine: Engine, requests):
     """Each next request joins while the first one is still running."""
     tickets = [engine.submit(requests[0])]
@@ -91,7 +101,7 @@ def test_engine_packs_staggered_requests_and_matches_each_alone(solo):
     alone = [solo.pipeline.generate(r) for r in requests]
     engine = Engine(solo, EngineLimits())
     results, tickets = asyncio.run(_staggered(engine, requests))
-    for r, got, want in zip(requests, results, alone):
+    for r, got, want in zip(requests, results, alone, strict=True):
         # fp32 GEMMs over different row counts round differently (~1e-6 in the latents), so a pixel
         # may land one step over a uint8 rounding boundary; nothing more may differ
         pixel_diff = abs(got.frames.astype(int) - want.frames.astype(int))
@@ -192,6 +202,7 @@ def test_a_failed_step_does_not_stall_the_requests_waiting_behind_it(solo, monke
 
 # --- fail closed at build ---------------------------------------------------------------
 
+
 def test_a_replica_refuses_an_incapable_backend_at_build(tiny_checkpoint):
     incapable = Resolution(**{**RESOLUTION.model_dump(), "backend": "sage_attn"})  # a spec the driver never makes
     with pytest.raises(AdmissionError, match="does not implement packed varlen attention") as error:
@@ -208,6 +219,7 @@ def test_a_placement_group_that_never_fits_is_removed(tiny_checkpoint):
 
 
 # --- faults ---------------------------------------------------------------------------
+
 
 def test_a_dead_worker_fails_health_and_in_flight_requests_then_a_fresh_group_serves(tiny_checkpoint):
     group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=5.0))

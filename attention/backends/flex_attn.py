@@ -9,6 +9,7 @@ so CPU auto selection never picks it (it is opt-in there).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import ClassVar
 
 import torch
@@ -24,7 +25,7 @@ MASK_CACHE_SIZE = 16  # pack layouts kept; a layout repeats for every step and l
 def _checked_bounds(bounds_list: list[int], rows: int, which: str) -> tuple[int, ...]:
     """Host bounds as a tuple, checked to start at 0, not decrease and end at ``rows``."""
     bounds = tuple(bounds_list)
-    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] != rows:
+    if bounds[0] != 0 or any(b < a for a, b in itertools.pairwise(bounds)) or bounds[-1] != rows:
         raise ValueError(
             f"{which} must start at 0, never decrease and end at the tensor's row count {rows} "
             f"(flex_attn has no rows outside a document); got {list(bounds)}"
@@ -34,7 +35,7 @@ def _checked_bounds(bounds_list: list[int], rows: int, which: str) -> tuple[int,
 
 def _document_ids(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[T] int32: the document each row belongs to (empty documents own no rows)."""
-    lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=device)
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=device)
     docs = torch.arange(len(lengths), dtype=torch.int32, device=device)
     return torch.repeat_interleave(docs, lengths, output_size=bounds[-1])
 
@@ -76,8 +77,9 @@ def document_block_mask(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], q_
 
     counts, indices = _ordered(overlap & ~full)
     full_counts, full_indices = _ordered(full)
-    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+    return BlockMask.from_kv_blocks(
+        counts, indices, full_counts, full_indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )
 
 
 @functools.cache
@@ -113,8 +115,9 @@ class FlexAttnImpl(AttentionImpl):
     ) -> torch.Tensor:
         check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k)
         bounds_q = _checked_bounds(self.host_bounds(cu_seqlens), q.shape[0], "cu_seqlens")
-        bounds_k = bounds_q if cu_seqlens_k is None else _checked_bounds(cu_seqlens_k.tolist(), k.shape[0],
-                                                                          "cu_seqlens_k")
+        bounds_k = (
+            bounds_q if cu_seqlens_k is None else _checked_bounds(cu_seqlens_k.tolist(), k.shape[0], "cu_seqlens_k")
+        )
         if q.shape[0] == 0 or k.shape[0] == 0:  # nothing to attend: zeros, as torch_sdpa gives
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         mask = document_block_mask(bounds_q, bounds_k, q.shape[0], k.shape[0], str(q.device))

@@ -30,22 +30,23 @@ class TorchVarlenImpl(AttentionImpl):
         from torch.nn.attention.varlen import varlen_attn
 
         check_varlen_inputs(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k)
-        kwargs = {}
+        kwargs: dict = {}
         # `scale` arrived after varlen_attn itself; without it only the default scale is possible.
         if "scale" in inspect.signature(varlen_attn).parameters:
             kwargs["scale"] = self.scale_for(q.shape[-1])
         elif self.softmax_scale is not None and self.softmax_scale != q.shape[-1] ** -0.5:
             raise ValueError("this torch's varlen_attn takes no scale; a custom softmax_scale cannot be honoured")
-        return varlen_attn(
+        out = varlen_attn(
             q,
             k,
             v,
             cu_seqlens,
             cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
             max_seqlen,
-            max_seqlen if cu_seqlens_k is None else max_seqlen_k,
+            max_seqlen_k if cu_seqlens_k is not None and max_seqlen_k is not None else max_seqlen,
             **kwargs,
         )
+        return out[0] if isinstance(out, tuple) else out  # (out, aux) when auxiliaries are requested
 
 
 class TorchVarlenBackend(AttentionBackend):

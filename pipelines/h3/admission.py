@@ -40,5 +40,12 @@ def validate_deployment(
         raise DeploymentConfigError(
             f"device={device!r} but the replica platform is {platform.device_type!r} [{platform.describe()}]"
         )
-    return resolve(REQUIREMENTS, attention_backend, platform, model=model, dtype=parse_dtype(dtype),
-                   head_dim=geometry.head_dim, ranking=ranking)
+    return resolve(
+        REQUIREMENTS,
+        attention_backend,
+        platform,
+        model=model,
+        dtype=parse_dtype(dtype),
+        head_dim=geometry.head_dim,
+        ranking=ranking,
+    )

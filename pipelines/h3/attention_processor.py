@@ -67,8 +67,13 @@ class H3VarlenAttnProcessor:
     def __init__(self, impl: AttentionImpl):
         self.impl = impl
 
-    def __call__(self, attn, hidden_states: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         documents = _current.get()
         if documents is None:
             raise RuntimeError("H3VarlenAttnProcessor runs only inside h3serve's packed forward (no documents set)")

@@ -23,8 +23,7 @@ def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple
 
 
 @torch.no_grad()
-def packed_forward(model, pack: Pack, sp: SequenceParallel | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def packed_forward(model, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Velocities of every video and audio row of ``pack``, in the order of its video/audio indices.
 
     With ``sp``, this rank computes rows ``[rank*T/W, (rank+1)*T/W)`` and rank 0 returns the result

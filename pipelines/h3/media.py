@@ -185,14 +185,24 @@ def _probe_mp4(data: bytes) -> MediaInfo:
             ctx = video.codec_context
             rate = video.average_rate or video.guessed_rate
             fps = float(rate) if rate else None
+            duration: float | None = None
             if video.duration is not None and video.time_base:
                 duration = float(video.duration * video.time_base)
             else:
                 duration = frames / fps if fps else None
             info = dict(
-                container="mp4", width=ctx.width, height=ctx.height, frames=frames, fps=fps,
-                duration_s=duration, video_codec=ctx.name, pixel_format=ctx.format.name if ctx.format else None,
-                audio_codec=None, audio_sample_rate=None, audio_channels=None, audio_duration_s=None,
+                container="mp4",
+                width=ctx.width,
+                height=ctx.height,
+                frames=frames,
+                fps=fps,
+                duration_s=duration,
+                video_codec=ctx.name,
+                pixel_format=ctx.format.name if ctx.format else None,
+                audio_codec=None,
+                audio_sample_rate=None,
+                audio_channels=None,
+                audio_duration_s=None,
             )
             if sound is not None:
                 rate_hz = sound.codec_context.sample_rate
@@ -203,8 +213,10 @@ def _probe_mp4(data: bytes) -> MediaInfo:
                 if sound.duration is not None and sound.time_base:
                     audio_s = min(audio_s, float(sound.duration * sound.time_base))
                 info.update(
-                    audio_codec=sound.codec_context.name, audio_sample_rate=rate_hz,
-                    audio_channels=sound.codec_context.channels, audio_duration_s=audio_s,
+                    audio_codec=sound.codec_context.name,
+                    audio_sample_rate=rate_hz,
+                    audio_channels=sound.codec_context.channels,
+                    audio_duration_s=audio_s,
                 )
     except av.FFmpegError as e:
         raise MediaError("data", f"neither PNG nor decodable MP4: {e}") from e

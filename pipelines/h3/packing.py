@@ -11,6 +11,7 @@ where sequence parallelism needs ``T % sp_degree == 0``; they form one trailing 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -68,13 +69,18 @@ class Pack:
         return self.total_rows - self.padding_rows
 
     def to(self, device: torch.device | str) -> Pack:
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
     def split(self, video_out: torch.Tensor, audio_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-document (video, audio) outputs from rows in the order of video_indices / audio_indices."""
-        return list(zip(video_out.split(self.video_counts), audio_out.split(self.audio_counts)))
+        return list(zip(video_out.split(self.video_counts), audio_out.split(self.audio_counts), strict=True))
 
 
 def pack_documents(documents: list[Document], partition: str = "transformer", row_multiple: int = 1) -> Pack:
@@ -89,18 +95,22 @@ def pack_documents(documents: list[Document], partition: str = "transformer", ro
     padding = -used % row_multiple
 
     # The pack's timesteps: every document's distinct values, merged; each row re-indexed into them.
-    timestep, inverse = torch.unique(torch.cat([d.timestep.float() for d in documents]), sorted=True,
-                                     return_inverse=True)
+    timestep, inverse = torch.unique(
+        torch.cat([d.timestep.float() for d in documents]), sorted=True, return_inverse=True
+    )
     remapped, start = [], 0
     for d in documents:
         remapped.append(inverse[start : start + d.timestep.numel()][d.timestep_indices])
         start += d.timestep.numel()
 
     def shifted(name: str) -> torch.Tensor:
-        return torch.cat([getattr(d, name) + off for d, off in zip(documents, offsets)])
+        return torch.cat([getattr(d, name) + off for d, off in zip(documents, offsets, strict=True)])
 
-    pad = dict(position_ids=torch.zeros(padding, 3, dtype=torch.float64),
-               token_tags=torch.zeros(padding, dtype=torch.long), timestep_indices=torch.zeros(padding, dtype=torch.long))
+    pad = dict(
+        position_ids=torch.zeros(padding, 3, dtype=torch.float64),
+        token_tags=torch.zeros(padding, dtype=torch.long),
+        timestep_indices=torch.zeros(padding, dtype=torch.long),
+    )
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()] + ([used + padding] if padding else [])
     text_lengths = [d.text_indices.numel() for d in documents]
     return Pack(
@@ -120,7 +130,7 @@ def pack_documents(documents: list[Document], partition: str = "transformer", ro
         timestep=timestep,
         timestep_indices=torch.cat(remapped + [pad["timestep_indices"]]),
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
-        max_seqlen=max(b - a for a, b in zip(bounds, bounds[1:])),
+        max_seqlen=max(b - a for a, b in itertools.pairwise(bounds)),
         text_cu_seqlens=torch.tensor([0, *torch.tensor(text_lengths).cumsum(0).tolist()], dtype=torch.int32),
         text_max_seqlen=max(text_lengths),
     )

@@ -21,6 +21,7 @@ from attention import (
     AdmissionError,
     AttentionRequirements,
     BackendUnavailable,
+    DeviceType,
     get_backend,
     parse_dtype,
     probe_platform,
@@ -31,7 +32,7 @@ from .attention_processor import SequenceParallel, install
 from .config import TransformerGeometry
 from .forward import packed_forward
 from .packing import Document, Pack, pack_documents
-from .request import GenerationRequest, ModelRules, RequestError
+from .request import GenerationRequest, ModelRules
 from .stages import H3Stages
 
 logger = logging.getLogger(__name__)
@@ -57,35 +58,48 @@ def check_capable(backend: str, model: str) -> None:
     attention = get_backend(backend)
     missing = attention.unsupported_requirements(REQUIREMENTS)
     if missing:
-        raise AdmissionError(f"Attention backend {attention.name!r} does not implement "
-                             f"{', '.join(AttentionRequirements.describe(m) for m in missing)}, which MiniMax-H3 "
-                             "requires; this replica refuses to build with it", backend=attention.name, model=model,
-                             missing=missing)
+        raise AdmissionError(
+            f"Attention backend {attention.name!r} does not implement "
+            f"{', '.join(AttentionRequirements.describe(m) for m in missing)}, which MiniMax-H3 "
+            "requires; this replica refuses to build with it",
+            backend=attention.name,
+            model=model,
+            missing=missing,
+        )
 
 
-def check_runs_here(backend: str, device: str, dtype: torch.dtype, head_dim: int, model: str) -> None:
+def check_runs_here(backend: str, device: DeviceType, dtype: torch.dtype, head_dim: int, model: str) -> None:
     """Fail closed unless this node can run the admitted backend; it is never swapped for another."""
     attention = get_backend(backend)
     here = probe_platform(device)
     available = attention.availability(here, dtype=dtype, head_dim=head_dim)
     if not available or here.device_type != device:
         reason = available.reason or f"the node has no {device} device"
-        raise BackendUnavailable(f"Attention backend {attention.name!r} cannot run on this node: {reason}",
-                                 backend=attention.name, model=model)
+        raise BackendUnavailable(
+            f"Attention backend {attention.name!r} cannot run on this node: {reason}",
+            backend=attention.name,
+            model=model,
+        )
 
 
 class H3Denoiser:
     """The transformer partition(s) of a checkpoint, attending only through the admitted backend."""
 
-    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device,
-                 directory: Path):
+    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device, directory: Path):
         self.transformers, self.backend, self.device, self.directory = transformers, backend, device, directory
         for model in transformers.values():
             install(model, get_backend(backend).make_impl())
 
     @classmethod
-    def load(cls, checkpoint: str | Path | None, backend: str, *, device: str = "cpu",
-             dtype: str | torch.dtype = "float32", expected: TransformerGeometry | None = None) -> H3Denoiser:
+    def load(
+        cls,
+        checkpoint: str | Path | None,
+        backend: str,
+        *,
+        device: DeviceType = "cpu",
+        dtype: str | torch.dtype = "float32",
+        expected: TransformerGeometry | None = None,
+    ) -> H3Denoiser:
         """Build with exactly ``backend`` (the driver's choice); never re-resolve.
 
         ``checkpoint`` None is the built-in tiny checkpoint. Raises AdmissionError for an incapable
@@ -98,8 +112,9 @@ class H3Denoiser:
         index = ckpt.CheckpointIndex(directory)
         geometry = TransformerGeometry.from_checkpoint(directory)
         if expected is not None and geometry != expected:
-            raise ckpt.CheckpointError(f"{directory}/transformer has {geometry}, but the deployment was admitted "
-                                       f"for {expected}")
+            raise ckpt.CheckpointError(
+                f"{directory}/transformer has {geometry}, but the deployment was admitted for {expected}"
+            )
         torch_dtype = parse_dtype(dtype)
         check_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
         models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}
@@ -133,8 +148,14 @@ class GeneratedMedia:
 class RequestState:
     """One request between diffusers' stages: its packed rows, layout, and its own two schedulers."""
 
-    def __init__(self, request: GenerationRequest, state: PipelineState, video: MiniMaxH3Scheduler,
-                 audio: MiniMaxH3Scheduler, device: torch.device):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        state: PipelineState,
+        video: MiniMaxH3Scheduler,
+        audio: MiniMaxH3Scheduler,
+        device: torch.device,
+    ):
         self.request, self.state = request, state
         self.partition = ckpt.PARTITIONS[request.task]
         self.video_rows: torch.Tensor = state.get("latents")  # [n_video, C*p] fp32, conditioning rows first
@@ -149,9 +170,14 @@ class RequestState:
         self.num_condition_audio = state.get("num_condition_audio_rows") or 0
         self.step_index = 0
         embeds = state.get("prompt_embeds")[0]  # [n_text, text_dim]
-        self.layout = dict(prompt_embeds=embeds, position_ids=state.get("position_ids"),
-                           token_tags=state.get("token_tags"), video_indices=state.get("video_indices"),
-                           audio_indices=state.get("audio_indices"), text_indices=state.get("text_indices"))
+        self.layout = dict(
+            prompt_embeds=embeds,
+            position_ids=state.get("position_ids"),
+            token_tags=state.get("token_tags"),
+            video_indices=state.get("video_indices"),
+            audio_indices=state.get("audio_indices"),
+            text_indices=state.get("text_indices"),
+        )
 
     @property
     def steps(self) -> int:
@@ -171,18 +197,28 @@ class RequestState:
 
     def document(self) -> Document:
         timestep, timestep_indices = self.plan[self.step_index]
-        return Document(video_rows=self.video_rows, audio_rows=self.audio_rows, timestep=timestep,
-                        timestep_indices=timestep_indices, **self.layout)
+        return Document(
+            video_rows=self.video_rows,
+            audio_rows=self.audio_rows,
+            timestep=timestep,
+            timestep_indices=timestep_indices,
+            **self.layout,
+        )
 
     def advance(self, video_velocity: torch.Tensor, audio_velocity: torch.Tensor) -> None:
         """One step of each schedule on the generated rows; conditioning rows are never written."""
         i, nv, na = self.step_index, self.num_condition_video, self.num_condition_audio
         t_video, t_audio = self.video_scheduler.timesteps[i], self.audio_scheduler.timesteps[i]
-        video_velocity, audio_velocity = video_velocity.to(self.video_rows.device), audio_velocity.to(self.audio_rows.device)
-        self.video_rows[nv:] = self.video_scheduler.step(video_velocity[nv:].float(), t_video, self.video_rows[nv:],
-                                                         return_dict=False)[0]
-        self.audio_rows[na:] = self.audio_scheduler.step(audio_velocity[na:].float(), t_audio, self.audio_rows[na:],
-                                                         return_dict=False)[0]
+        video_velocity, audio_velocity = (
+            video_velocity.to(self.video_rows.device),
+            audio_velocity.to(self.audio_rows.device),
+        )
+        self.video_rows[nv:] = self.video_scheduler.step(
+            video_velocity[nv:].float(), t_video, self.video_rows[nv:], return_dict=False
+        )[0]
+        self.audio_rows[na:] = self.audio_scheduler.step(
+            audio_velocity[na:].float(), t_audio, self.audio_rows[na:], return_dict=False
+        )[0]
         self.step_index += 1
 
 
@@ -198,18 +234,26 @@ class H3Pipeline:
 
     requirements = REQUIREMENTS
 
-    def __init__(self, denoiser: H3Denoiser, stages: H3Stages, schedulers: dict[str, MiniMaxH3Scheduler],
-                 tokenizer, name: str):
+    def __init__(
+        self, denoiser: H3Denoiser, stages: H3Stages, schedulers: dict[str, MiniMaxH3Scheduler], tokenizer, name: str
+    ):
         self.denoiser, self.stages, self.tokenizer, self.name = denoiser, stages, tokenizer, name
         self._schedulers = schedulers
         self.rules: ModelRules = stages.rules()
         self.row_multiple = 1  # a worker group sets its SP degree here: packs split evenly over its ranks
-        self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = denoiser.forward
+        self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = self._forward_alone
 
     @classmethod
-    def load(cls, checkpoint: str | Path | None, backend: str, *, device: str = "cpu",
-             dtype: str | torch.dtype = "float32", expected: TransformerGeometry | None = None,
-             name: str | None = None) -> H3Pipeline:
+    def load(
+        cls,
+        checkpoint: str | Path | None,
+        backend: str,
+        *,
+        device: DeviceType = "cpu",
+        dtype: str | torch.dtype = "float32",
+        expected: TransformerGeometry | None = None,
+        name: str | None = None,
+    ) -> H3Pipeline:
         """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``."""
         denoiser = H3Denoiser.load(checkpoint, backend, device=device, dtype=dtype, expected=expected)
         index = ckpt.CheckpointIndex(denoiser.directory)
@@ -242,8 +286,18 @@ class H3Pipeline:
     def prepare(self, request: GenerationRequest) -> RequestState:
         self.rules.check(request)
         state = self.stages.prepare(request, self.rules)
-        return RequestState(request, state, *(MiniMaxH3Scheduler.from_config(s.config)
-                                              for s in self._schedulers.values()), self.denoiser.device)
+        return RequestState(
+            request,
+            state,
+            MiniMaxH3Scheduler.from_config(self._schedulers["scheduler"].config),  # each request steps its own
+            MiniMaxH3Scheduler.from_config(self._schedulers["audio_scheduler"].config),
+            self.denoiser.device,
+        )
+
+    def _forward_alone(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.denoiser.forward(pack)  # one rank: it has every row
+        assert out is not None
+        return out
 
     @torch.no_grad()
     def decode(self, state: RequestState) -> GeneratedMedia:
@@ -256,12 +310,14 @@ class H3Pipeline:
         groups: dict[str, list[RequestState]] = {}
         for state in states:
             groups.setdefault(state.partition, []).append(state)
-        return [(group, pack_documents([s.document() for s in group], partition, self.row_multiple))
-                for partition, group in groups.items()]
+        return [
+            (group, pack_documents([s.document() for s in group], partition, self.row_multiple))
+            for partition, group in groups.items()
+        ]
 
     def apply(self, states: Sequence[RequestState], pack: Pack, out: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
         """Advance every state of ``pack`` by one step from its packed forward's velocities."""
-        for state, (video, audio) in zip(states, pack.split(*out)):
+        for state, (video, audio) in zip(states, pack.split(*out), strict=True):
             state.advance(video, audio)
         return StepStats(len(states), pack.total_rows, pack.padding_rows)
 
@@ -270,12 +326,12 @@ class H3Pipeline:
         """Advance every state by one step: one packed forward per partition in use."""
         return [self.apply(group, pack, self.forward(pack)) for group, pack in self.packs(states)]
 
-    def generate(self, request: GenerationRequest,
-                 progress: Callable[[int, int], None] | None = None) -> GeneratedMedia:
+    def generate(
+        self, request: GenerationRequest, progress: Callable[[int, int], None] | None = None
+    ) -> GeneratedMedia:
         state = self.prepare(request)
         while not state.done:
             self.step([state])
             if progress:
                 progress(*state.progress)
         return self.decode(state)
-

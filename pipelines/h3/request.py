@@ -112,20 +112,29 @@ class ModelRules(BaseModel):
             raise RequestError("seconds", f"seconds must be a positive number, got {seconds}")
         frames = self.aligned_frames(max(1, round(seconds * self.fps)))
         if not self.min_frames <= frames <= self.max_frames:
-            raise RequestError("seconds", f"seconds={seconds:g} is outside what the model generates: "
-                                          f"{self.min_frames / self.fps:g} to {self.max_frames / self.fps:g} s "
-                                          f"({self.min_frames} to {self.max_frames} frames at {self.fps} fps)")
+            raise RequestError(
+                "seconds",
+                f"seconds={seconds:g} is outside what the model generates: "
+                f"{self.min_frames / self.fps:g} to {self.max_frames / self.fps:g} s "
+                f"({self.min_frames} to {self.max_frames} frames at {self.fps} fps)",
+            )
         return frames
 
     def check_frames(self, num_frames: int) -> None:
         if self.aligned_frames(num_frames) != num_frames:
-            raise RequestError("num_frames", f"num_frames must be {self.frames_per_chunk}n+{self.latents_per_chunk} "
-                                             f"(the video VAE's grid), got {num_frames}; the nearest above is "
-                                             f"{self.aligned_frames(num_frames)}")
+            raise RequestError(
+                "num_frames",
+                f"num_frames must be {self.frames_per_chunk}n+{self.latents_per_chunk} "
+                f"(the video VAE's grid), got {num_frames}; the nearest above is "
+                f"{self.aligned_frames(num_frames)}",
+            )
         if not self.min_frames <= num_frames <= self.max_frames:
-            raise RequestError("num_frames", f"num_frames must be between {self.min_frames} and {self.max_frames} "
-                                             f"({self.min_seconds:g}-{self.max_seconds:g} s at {self.fps} fps), "
-                                             f"got {num_frames}")
+            raise RequestError(
+                "num_frames",
+                f"num_frames must be between {self.min_frames} and {self.max_frames} "
+                f"({self.min_seconds:g}-{self.max_seconds:g} s at {self.fps} fps), "
+                f"got {num_frames}",
+            )
 
     # -- canvas -----------------------------------------------------------------------------
     def max_canvas(self, width: int, height: int) -> tuple[int, int]:
@@ -144,33 +153,45 @@ class ModelRules(BaseModel):
             raise RequestError("size", f"width and height must be multiples of {m}, got {width}x{height}")
         ratio = width / height
         if not MINIMAX_H3_MIN_ASPECT_RATIO <= ratio <= MINIMAX_H3_MAX_ASPECT_RATIO:
-            raise RequestError("size", f"aspect ratio {width}:{height} is outside 1:{1 / MINIMAX_H3_MIN_ASPECT_RATIO:g}"
-                                       f" to {MINIMAX_H3_MAX_ASPECT_RATIO:g}:1")
+            raise RequestError(
+                "size",
+                f"aspect ratio {width}:{height} is outside 1:{1 / MINIMAX_H3_MIN_ASPECT_RATIO:g}"
+                f" to {MINIMAX_H3_MAX_ASPECT_RATIO:g}:1",
+            )
         max_w, max_h = self.max_canvas(width, height)
         if width > max_w or height > max_h:
-            raise RequestError("size", f"{width}x{height} is larger than the model's canvas at that aspect ratio, "
-                                       f"{max_w}x{max_h}")
+            raise RequestError(
+                "size", f"{width}x{height} is larger than the model's canvas at that aspect ratio, {max_w}x{max_h}"
+            )
 
     # -- a whole request -------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:
         """Raise RequestError for anything the model cannot generate as asked."""
         if (request.width is None) != (request.height is None):
             raise RequestError("size", "width and height go together: give both or neither")
-        if request.width is not None:
+        if request.width is not None and request.height is not None:
             self.check_canvas(request.width, request.height)
         if request.num_frames is not None:
             self.check_frames(request.num_frames)
         if request.task == "ref2va":
             if "transformer_ref" not in self.partitions:
-                raise RequestError("references", "this checkpoint has no transformer_ref/ partition, so it cannot "
-                                                 "condition on references (Ref2VA); it serves text and keyframes")
+                raise RequestError(
+                    "references",
+                    "this checkpoint has no transformer_ref/ partition, so it cannot "
+                    "condition on references (Ref2VA); it serves text and keyframes",
+                )
             if not self.video_references and any(r.kind == "video" for r in request.references):
-                raise RequestError("references", "video references need torchvision on the replica, which is not "
-                                                 "installed; image and audio references work")
+                raise RequestError(
+                    "references",
+                    "video references need torchvision on the replica, which is not "
+                    "installed; image and audio references work",
+                )
 
     def rows(self, request: GenerationRequest, text_tokens: int) -> int:
         """Rows the request's generated media and ``text_tokens`` of conditioning add to a pack."""
-        width, height = (request.width, request.height) if request.width else self.default_canvas
+        width, height = self.default_canvas
+        if request.width is not None and request.height is not None:
+            width, height = request.width, request.height
         num_frames = request.num_frames or self.min_frames
         ph, pw = self.patch_hw
         per_frame = (height // self.spatial_compression // ph) * (width // self.spatial_compression // pw)

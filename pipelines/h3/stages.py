@@ -45,11 +45,13 @@ def _blocks_before_loop() -> MiniMaxH3Blocks:
 
 
 def _blocks_after_loop() -> SequentialPipelineBlocks:
-    return SequentialPipelineBlocks.from_blocks_dict({
-        "after_denoise": MiniMaxH3AfterDenoiseStep(),
-        "video": MiniMaxH3VideoDecodeStep(),
-        "audio": MiniMaxH3AudioDecodeStep(),
-    })
+    return SequentialPipelineBlocks.from_blocks_dict(
+        {
+            "after_denoise": MiniMaxH3AfterDenoiseStep(),
+            "video": MiniMaxH3VideoDecodeStep(),
+            "audio": MiniMaxH3AudioDecodeStep(),
+        }
+    )
 
 
 def decode_image(data: bytes, field: str) -> Image.Image:
@@ -97,11 +99,17 @@ class H3Stages:
     def rules(self) -> ModelRules:
         pipe = self.before
         return ModelRules(
-            fps=pipe.fps, min_seconds=pipe.min_duration, max_seconds=pipe.max_duration,
-            frames_per_chunk=pipe.vae_frames_per_chunk, latents_per_chunk=pipe.vae_latents_per_chunk,
-            canvas_multiple=pipe.canvas_multiple, canvas_short_edge=pipe.config.canvas_short_edge,
-            canvas_max_pixels=pipe.config.canvas_max_pixels, spatial_compression=pipe.vae_spatial_compression_ratio,
-            patch_hw=tuple(pipe.patch_size[1:]), sample_rate=pipe.audio_sampling_rate,
+            fps=pipe.fps,
+            min_seconds=pipe.min_duration,
+            max_seconds=pipe.max_duration,
+            frames_per_chunk=pipe.vae_frames_per_chunk,
+            latents_per_chunk=pipe.vae_latents_per_chunk,
+            canvas_multiple=pipe.canvas_multiple,
+            canvas_short_edge=pipe.config.canvas_short_edge,
+            canvas_max_pixels=pipe.config.canvas_max_pixels,
+            spatial_compression=pipe.vae_spatial_compression_ratio,
+            patch_hw=tuple(pipe.patch_size[1:]),
+            sample_rate=pipe.audio_sampling_rate,
             audio_channels=pipe.audio_channels,
             partitions=self.partitions,
             video_references=self.vision_video,
@@ -109,9 +117,12 @@ class H3Stages:
 
     def prepare(self, request: GenerationRequest, rules: ModelRules) -> PipelineState:
         """Everything before the loop, by diffusers' blocks: packed rows, layout and schedules."""
-        inputs: dict[str, Any] = dict(prompt=request.prompt, num_inference_steps=request.num_inference_steps,
-                                      num_frames=request.num_frames or rules.min_frames,
-                                      generator=torch.Generator("cpu").manual_seed(request.seed))
+        inputs: dict[str, Any] = dict(
+            prompt=request.prompt,
+            num_inference_steps=request.num_inference_steps,
+            num_frames=request.num_frames or rules.min_frames,
+            generator=torch.Generator("cpu").manual_seed(request.seed),
+        )
         if request.width is not None:
             inputs.update(width=request.width, height=request.height)
         elif request.task == "ref2va":  # references never bind the canvas: the model's own 16:9
@@ -129,13 +140,21 @@ class H3Stages:
 
     def decode(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> PipelineState:
         """After the loop, by diffusers' blocks: latents, ``videos`` [1, F, 3, H, W] in [0, 1], ``audio`` [1, 2, S]."""
-        keys = ("num_condition_video_rows", "num_condition_audio_rows", "num_latent_frames", "latent_height",
-                "latent_width", "num_audio_latents")
-        return self.after(latents=video_rows, audio_latents=audio_rows, output_type="pt",
-                          **{k: state.get(k) for k in keys})
+        keys = (
+            "num_condition_video_rows",
+            "num_condition_audio_rows",
+            "num_latent_frames",
+            "latent_height",
+            "latent_width",
+            "num_audio_latents",
+        )
+        return self.after(
+            latents=video_rows, audio_latents=audio_rows, output_type="pt", **{k: state.get(k) for k in keys}
+        )
 
-    def finish(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor
-               ) -> tuple[np.ndarray, np.ndarray, int]:
+    def finish(
+        self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         """uint8 frames [F, H, W, 3], stereo audio [2, S] float32, and its sample rate."""
         out = self.decode(state, video_rows, audio_rows)
         video = out.get("videos")[0]  # [F, 3, H, W]
