@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,9 @@ import yaml
 
 from deploy.args import DeployArgs
 from deploy.cli import BUILDER, h3_apps, load_config
+from replicas.worker_group import free_port
 
 H3SERVE = str(Path(sys.executable).parent / "h3serve")  # the installed console script
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_checkpoint() -> str | None:

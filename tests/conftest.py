@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -25,11 +26,26 @@ def tiny_pipeline(tiny_checkpoint):
     return H3Pipeline.load(tiny_checkpoint, "torch_sdpa")
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    address: str  # the GCS address `h3serve serve --address` and `serve run --address` join
+    metrics_port: int  # Ray's metrics export port, scraped for h3serve's counters
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster for one test module (2 CPUs, as on CI)."""
+    """The one local Ray cluster of a test module: 2 CPUs as on CI, a logical GPU so GPU-shaped actors
+    can be placed (and then fail closed on this CPU node), the dashboard for the state API, and a
+    metrics export port that reports every second."""
     import ray
+    from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+    from tests.harness import free_port, start_cluster
+
+    metrics_port = free_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_metrics_report_interval_ms", "1000")  # counters reach the export port sooner
+        address = start_cluster(metrics_port, logical_gpus=1)
+    yield Cluster(address, metrics_port)
+    serve.shutdown()
     ray.shutdown()

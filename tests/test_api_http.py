@@ -5,8 +5,9 @@ import subprocess
 import time
 
 import pytest
-from ray import serve
-from serving import (
+
+from deploy.api import PUBLIC_ROUTES
+from tests.harness import (
     SCHEMATHESIS,
     ServeProcess,
     client,
@@ -14,13 +15,10 @@ from serving import (
     error_of,
     free_port,
     requests_counted,
-    start_cluster,
     wait_for,
     wait_video,
     write_config,
 )
-
-from deploy.api import PUBLIC_ROUTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 KEY = "h3-test-key"
@@ -49,24 +47,16 @@ def two_apps(store) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    metrics_port = free_port()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_metrics_report_interval_ms", "1000")  # counters reach the export port sooner
-        address = start_cluster(metrics_port)
+def server(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
     port = free_port()
-    process = ServeProcess(write_config(tmp, two_apps(tmp / "videos"), port), address, port)
+    process = ServeProcess(write_config(tmp, two_apps(tmp / "videos"), port), ray_cluster.address, port)
     try:
         process.wait_serving(apps=2)
-        process.metrics_port = metrics_port
+        process.metrics_port = ray_cluster.metrics_port
         yield process
     finally:
         process.stop()
-        serve.shutdown()
-        import ray
-
-        ray.shutdown()
 
 
 def multipart(boundary: str, body: bytes) -> dict:

@@ -9,14 +9,15 @@ import pytest
 import ray
 from ray import serve
 from ray.util.state import list_actors
-from serving import (
+
+from tests.harness import (
     H3SERVE,
     REPO,
-    SERVE,
     ServeProcess,
     client,
     default_config,
     free_port,
+    serve_run_until_failed,
     start_cluster,
     wait_for,
     wait_video,
@@ -107,19 +108,7 @@ def test_plain_serve_reaches_deploy_failed_when_the_clusters_token_is_unset(serv
     ingress refuses in its constructor, and the application reaches DEPLOY_FAILED with the message."""
     server.stop()
     config = keyed_config(tmp_path, "H3_TEST_UNSET_KEY")
-    subprocess.run(
-        [*SERVE, "run", str(config), "--non-blocking", "--address", server.address],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-
-    def failed():
-        app = serve.status().applications.get("h3serve")
-        return app if app is not None and app.status == "DEPLOY_FAILED" else None
-
-    app = wait_for(failed, timeout=180, what="DEPLOY_FAILED")
+    app = serve_run_until_failed(config, server.address)
     messages = app.message + "".join(d.message for d in app.deployments.values())
     assert "'H3_TEST_UNSET_KEY' but that environment variable is empty or unset" in messages
     serve.shutdown()

@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from serving import h3serve
 
 from pipelines.h3.media import probe_media
+from tests.harness import h3serve
 
 pytestmark = pytest.mark.slow  # every test starts the h3serve command, which imports torch and diffusers
 

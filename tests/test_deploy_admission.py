@@ -2,25 +2,25 @@
 
 import copy
 import json
-import subprocess
 
 import pytest
 import ray
 from ray import serve
 from ray.util.state import list_actors
-from serving import REPO, SERVE, default_config, free_port, h3serve, scrape, start_cluster, wait_for, write_config
+
+from tests.harness import (
+    REPO,
+    default_config,
+    free_port,
+    h3serve,
+    scrape,
+    serve_run_until_failed,
+    wait_for,
+    write_config,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 MESSAGE = "Attention backend 'sage_attn' does not implement packed varlen attention"
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    metrics_port = free_port()
-    address = start_cluster(metrics_port, logical_gpus=1)
-    yield address, metrics_port
-    serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture()
@@ -59,30 +59,18 @@ def test_admit_passes_both_shipped_configs():
     assert "'flash_attn' explicitly selected" in given.stdout
 
 
-def test_serve_preflight_exits_before_starting_anything(cluster, sage_config):
-    address, _ = cluster
+def test_serve_preflight_exits_before_starting_anything(ray_cluster, sage_config):
+    address = ray_cluster.address
     result = h3serve("serve", str(sage_config), "--address", address)
     assert result.returncode == 2
     assert MESSAGE in result.stderr
     assert not h3_replica_actors(address)
 
 
-def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(cluster, sage_config):
-    address, metrics_port = cluster
+def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(ray_cluster, sage_config):
+    address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
     # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
-    subprocess.run(
-        [*SERVE, "run", str(sage_config), "--non-blocking", "--address", address],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-
-    def failed():
-        app = serve.status().applications.get("h3serve")
-        return app if app is not None and app.status == "DEPLOY_FAILED" else None
-
-    app = wait_for(failed, timeout=120, what="DEPLOY_FAILED")
+    app = serve_run_until_failed(sage_config, address, timeout=120)
     assert MESSAGE in app.message
     assert not h3_replica_actors(address), "an H3 replica was created for a refused backend"
 
@@ -97,10 +85,10 @@ def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_
     serve.delete("h3serve")
 
 
-def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(cluster, tmp_path):
+def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster, tmp_path):
     """The driver was told (assumed_platform) that replicas have flash_attn on CUDA; this node has
     neither. The replica must refuse to build, count it, and never fall back to another backend."""
-    address, metrics_port = cluster
+    address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
     config = copy.deepcopy(default_config())
     platform = json.loads((REPO / "deploy" / "platforms" / "h100-flash-attn.json").read_text())
     config["applications"][0]["args"].update(
@@ -159,9 +147,9 @@ def replica_app(spec, name: str):
     return serve.deployment(H3Replica, **options).bind(spec, EngineLimits()), name
 
 
-def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(cluster):
+def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(ray_cluster):
     """Fail closed at every layer: a spec the driver would never make is refused by the replica itself."""
-    _, metrics_port = cluster
+    metrics_port = ray_cluster.metrics_port
     app, name = replica_app(spec_for("sage_attn"), "incapable-replica")
     with pytest.raises(RuntimeError, match=f"Deploying application {name} failed"):
         serve.run(app, name=name, route_prefix=None)
@@ -178,8 +166,8 @@ def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(cluster):
     serve.delete(name)
 
 
-def test_a_stopped_replica_releases_its_sp_workers(cluster):
-    address, _ = cluster
+def test_a_stopped_replica_releases_its_sp_workers(ray_cluster):
+    address = ray_cluster.address
     app, name = replica_app(spec_for("torch_sdpa", sp_degree=2), "sp-teardown")
     handle = serve.run(app, name=name, route_prefix=None)
     assert handle.diagnostics.remote().result()["sp_degree"] == 2

@@ -3,14 +3,12 @@
 import copy
 
 import pytest
-import ray
 from diffusers.modular_pipelines import MiniMaxH3Blocks
-from ray import serve
-from serving import ServeProcess, client, default_config, free_port, start_cluster, wait_for, write_config
 
 from pipelines.h3 import preset
 from pipelines.h3.checkpoint import tiny_components
 from pipelines.h3.media import probe_media
+from tests.harness import ServeProcess, client, default_config, free_port, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
@@ -26,19 +24,16 @@ def library_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(library_checkpoint, tmp_path_factory):
+def server(ray_cluster, library_checkpoint, tmp_path_factory):
     config = copy.deepcopy(default_config())
     config["applications"][0]["args"]["checkpoint"] = str(library_checkpoint)
     port = free_port()
-    address = start_cluster()
-    process = ServeProcess(write_config(tmp_path_factory.mktemp("config"), config, port), address, port)
+    process = ServeProcess(write_config(tmp_path_factory.mktemp("config"), config, port), ray_cluster.address, port)
     try:
         process.wait_serving()
         yield process
     finally:
         process.stop()
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_a_library_saved_checkpoint_serves_a_clip_through_h3serve_serve(server):

@@ -12,22 +12,20 @@ import av
 import numpy as np
 import openai
 import pytest
-import ray
 from PIL import Image
 from ray import serve
-from serving import (
+
+from pipelines.h3.media import probe_media
+from tests.harness import (
     ServeProcess,
     client,
     default_config,
     error_of,
     free_port,
-    start_cluster,
     wait_for,
     wait_video,
     write_config,
 )
-
-from pipelines.h3.media import probe_media
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 MODEL = "minimax-h3-tiny"
@@ -35,20 +33,17 @@ SHORTEST = 124  # frames: 17 * 7 + 5, the first 17n+5 count of at least 5 s at 2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    address = start_cluster()
+def server(ray_cluster, tmp_path_factory):
     port = free_port()
     tmp = tmp_path_factory.mktemp("default")
     config = default_config()  # the embedded default, but for a free port and a fresh job store
     config["applications"][0]["args"]["jobs"] = {"store": str(tmp / "videos")}
-    process = ServeProcess(write_config(tmp, config, port), address, port)
+    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
     try:
         process.wait_serving()
         yield process
     finally:
         process.stop()
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture()

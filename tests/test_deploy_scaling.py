@@ -7,7 +7,8 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from serving import ServeProcess, client, default_config, free_port, start_cluster, wait_for, write_config
+
+from tests.harness import ServeProcess, client, default_config, free_port, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 KEY = "test-secret"
@@ -58,17 +59,15 @@ def multi_app_config() -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    address = start_cluster()
+def server(ray_cluster, tmp_path_factory):
     port = free_port()
-    process = ServeProcess(write_config(tmp_path_factory.mktemp("multi"), multi_app_config(), port), address, port)
+    config = write_config(tmp_path_factory.mktemp("multi"), multi_app_config(), port)
+    process = ServeProcess(config, ray_cluster.address, port)
     try:
         process.wait_serving(apps=3)
         yield process
     finally:
         process.stop()
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_admission_ran_once_per_app_in_the_driver_and_never_in_a_replica(server):

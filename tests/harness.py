@@ -3,7 +3,6 @@
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,13 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from replicas.worker_group import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 H3SERVE = [str(BIN / "h3serve")]  # the installed console script, as users run it
 SERVE = [str(BIN / "serve")]
 SCHEMATHESIS = [str(BIN / "schemathesis")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
@@ -156,3 +151,22 @@ def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "cond
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not met within {timeout}s")
+
+
+def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", timeout: float = 180):
+    """Plain `serve run CONFIG` (no h3serve pre-flight) on the cluster; the app's status once DEPLOY_FAILED."""
+    from ray import serve
+
+    subprocess.run(
+        [*SERVE, "run", str(config), "--non-blocking", "--address", address],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+    def failed():
+        status = serve.status().applications.get(app)
+        return status if status is not None and status.status == "DEPLOY_FAILED" else None
+
+    return wait_for(failed, timeout=timeout, what="DEPLOY_FAILED")
