@@ -179,5 +179,5 @@ class DeployArgs(BaseModel):
             dtype=self.dtype,
             sp_degree=self.sp_degree,
             collective_timeout_s=self.collective_timeout_s,
-            worker_resources=dict(self.rank_resources),
+            rank_resources=dict(self.rank_resources),
         )

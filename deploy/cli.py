@@ -1,10 +1,10 @@
 """The ``h3serve`` command: serve, admit, generate, weights, probe.
 
-    h3serve serve [CONFIG]            admission pre-flight, then run the config like `serve run`
-    h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
-    h3serve generate PROMPT -o OUT    one image (.png) or video (.mp4), locally, no Ray
-    h3serve weights                   create the built-in tiny weights (deterministic, cached)
-    h3serve probe                     this node's platform as JSON (for `admit --platform`)
+h3serve serve [CONFIG]            admission pre-flight, then run the config like `serve run`
+h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
+h3serve generate PROMPT -o OUT    one image (.png) or video (.mp4), locally, no Ray
+h3serve weights                   create the built-in tiny weights (deterministic, cached)
+h3serve probe                     this node's platform as JSON (for `admit --platform`)
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ def load_config(path: str | None) -> dict:
 
 def h3_apps(config: dict) -> list[tuple[str, dict]]:
     """(name, args) of every application in the config that this builder runs."""
-    return [(app.get("name", "default"), app.get("args") or {})
-            for app in config.get("applications", []) if app.get("import_path") == BUILDER]
+    return [
+        (app.get("name", "default"), app.get("args") or {})
+        for app in config.get("applications", [])
+        if app.get("import_path") == BUILDER
+    ]
 
 
 def fail(code: int, message: str):
@@ -58,21 +61,30 @@ def parse_args(app_name: str, raw: dict):
 
 # -- admit --------------------------------------------------------------------------------
 def cmd_admit(ns: argparse.Namespace) -> None:
-    from attention import Platform, probe_platform
     from prometheus_client import CollectorRegistry, Counter, push_to_gateway, write_to_textfile
 
-    from .admission import ADMISSION_ERRORS, decide, outcome_tags
+    from attention import Platform, probe_platform
+
+    from .admission import ADMISSION_ERRORS, admit
     from .metrics import ADMISSION_DECISIONS, ADMISSION_FAILURES
 
     apps = h3_apps(load_config(ns.config))
     if not apps:
         fail(EXIT_REFUSED, f"{ns.config} has no application with import_path {BUILDER}")
     registry = CollectorRegistry()
-    decisions = Counter(ADMISSION_DECISIONS.name, ADMISSION_DECISIONS.description,
-                        ADMISSION_DECISIONS.tag_keys, registry=registry)
-    failures = Counter(ADMISSION_FAILURES.name, ADMISSION_FAILURES.description,
-                       ADMISSION_FAILURES.tag_keys, registry=registry)
+    decisions = Counter(
+        ADMISSION_DECISIONS.name, ADMISSION_DECISIONS.description, ADMISSION_DECISIONS.tag_keys, registry=registry
+    )
+    failures = Counter(
+        ADMISSION_FAILURES.name, ADMISSION_FAILURES.description, ADMISSION_FAILURES.tag_keys, registry=registry
+    )
     refused = []
+
+    def count(tags: dict[str, str]) -> None:  # the same series the cluster's recorder exports, without Ray
+        decisions.labels(**tags).inc()
+        if tags["outcome"] == "rejected":
+            failures.labels(**{k: v for k, v in tags.items() if k != "outcome"}).inc()
+
     for name, raw in apps:
         args = parse_args(name, raw)
         if ns.platform:
@@ -81,18 +93,17 @@ def cmd_admit(ns: argparse.Namespace) -> None:
         else:
             platform = probe_platform(args.device)
             if platform.device_type != args.device:
-                fail(EXIT_REFUSED, f"application {name!r} targets {args.device}, and this machine has no "
-                                   f"{args.device}; pass --platform with the replicas' platform (h3serve probe there)")
+                fail(
+                    EXIT_REFUSED,
+                    f"application {name!r} targets {args.device}, and this machine has no "
+                    f"{args.device}; pass --platform with the replicas' platform (h3serve probe there)",
+                )
         try:
-            resolution = decide(args, platform)
+            resolution = admit(args, "preflight", platform, record=count)
         except ADMISSION_ERRORS as e:
-            tags = outcome_tags(args, "preflight", error=e)
             refused.append(f"application {name!r}: {e}")
-            failures.labels(**{k: v for k, v in tags.items() if k != "outcome"}).inc()
         else:
-            tags = outcome_tags(args, "preflight", resolution)
             print(f"h3serve: application {name!r} admitted: {resolution.describe()}")
-        decisions.labels(**tags).inc()
     if ns.textfile:
         write_to_textfile(ns.textfile, registry)
     if ns.pushgateway:
@@ -122,7 +133,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                 resolve_api_key(args.api_key_env)
             except RuntimeError as e:
                 fail(EXIT_REFUSED, f"application {name!r}: {e}")
-    ray.init(address=ns.address, namespace="serve")
+    # without --address, always a cluster of its own: never one that `ray start` or RAY_ADDRESS left around
+    ray.init(address=ns.address or "local", namespace="serve")
     for name, args in apps:  # fail before anything is started
         try:
             admit(args, stage="preflight")
@@ -154,17 +166,24 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                 if app is None:
                     continue
                 if app.status == "DEPLOY_FAILED":
-                    details = [app.message] + [f"{d}: {info.message}" for d, info in app.deployments.items()
-                                               if info.status == "DEPLOY_FAILED"]
-                    print(f"h3serve: application {name!r} failed to deploy:\n" + "\n".join(filter(None, details)),
-                          file=sys.stderr, flush=True)
+                    details = [app.message] + [
+                        f"{d}: {info.message}" for d, info in app.deployments.items() if info.status == "DEPLOY_FAILED"
+                    ]
+                    print(
+                        f"h3serve: application {name!r} failed to deploy:\n" + "\n".join(filter(None, details)),
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     serve.shutdown()
                     raise SystemExit(EXIT_FAILED)
                 if app.status == "RUNNING" and name not in announced:
                     announced.add(name)
                     route = next(a.route_prefix for a in schema.applications if a.name == name) or "/"
-                    print(f"h3serve: {name} is serving at http://{'localhost' if host == '0.0.0.0' else host}:{port}"
-                          f"{route}", flush=True)
+                    print(
+                        f"h3serve: {name} is serving at http://{'localhost' if host == '0.0.0.0' else host}:{port}"
+                        f"{route}",
+                        flush=True,
+                    )
             time.sleep(1)
     except KeyboardInterrupt:
         stop()
@@ -179,6 +198,10 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from pipelines.h3 import REQUIREMENTS, CheckpointError, GenerationRequest, H3Pipeline, TransformerGeometry
     from pipelines.h3.checkpoint import resolve_checkpoint
 
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
     out = Path(ns.output)
     if out.suffix.lower() not in (".png", ".mp4"):
         fail(EXIT_REFUSED, f"--output must end in .mp4 (a clip with sound) or .png (its middle frame), got {out}")
@@ -192,15 +215,24 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     try:
         directory = resolve_checkpoint(ns.checkpoint)
         geometry = TransformerGeometry.from_checkpoint(directory)
-        backend = resolve(REQUIREMENTS, ns.backend, probe_platform(ns.device), model=str(directory),
-                          head_dim=geometry.head_dim).backend
-        pipeline = H3Pipeline.load(directory, backend, device=ns.device,
-                                   dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
+        backend = resolve(
+            REQUIREMENTS, ns.backend, probe_platform(ns.device), model=str(directory), head_dim=geometry.head_dim
+        ).backend
+        pipeline = H3Pipeline.load(
+            directory, backend, device=ns.device, dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32")
+        )
         frames = pipeline.rules.frames_for_seconds(ns.seconds) if ns.seconds else None
         first, last = (Path(p).read_bytes() if p else None for p in (ns.first_frame, ns.last_frame))
-        request = GenerationRequest(prompt=ns.prompt, width=size[0] if size else None,
-                                    height=size[1] if size else None, num_frames=frames,
-                                    num_inference_steps=ns.steps, seed=ns.seed, first_frame=first, last_frame=last)
+        request = GenerationRequest(
+            prompt=ns.prompt,
+            width=size[0] if size else None,
+            height=size[1] if size else None,
+            num_frames=frames,
+            num_inference_steps=ns.steps,
+            seed=ns.seed,
+            first_frame=first,
+            last_frame=last,
+        )
         pipeline.validate(request)
     except (AttentionSelectionError, CheckpointError, ValueError, ValidationError, OSError) as e:
         fail(EXIT_REFUSED, str(e))  # RequestError is a ValueError: it names the field
@@ -227,7 +259,9 @@ def cmd_probe(ns: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="h3serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="h3serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="admission pre-flight, then run a serve config")
@@ -245,8 +279,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("generate", help="generate one clip locally, without Ray")
     p.add_argument("prompt")
-    p.add_argument("-o", "--output", default="h3.mp4", help="*.mp4 for the clip with its stereo sound, *.png for "
-                   "its middle frame")
+    p.add_argument(
+        "-o", "--output", default="h3.mp4", help="*.mp4 for the clip with its stereo sound, *.png for its middle frame"
+    )
     p.add_argument("--size", help="WIDTHxHEIGHT (default: the model's own canvas, or the first frame's aspect)")
     p.add_argument("--seconds", type=float, help="clip length (default: the shortest the model makes)")
     p.add_argument("--steps", type=int, default=50, help="num_inference_steps, the sigma grid's points")
@@ -254,6 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--first-frame", help="an image the clip starts from (FL2VA)")
     p.add_argument("--last-frame", help="an image the clip ends on (FL2VA)")
     p.add_argument("--checkpoint", help="checkpoint directory in the released layout (default: the built-in tiny)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the tiny model's ops are "
+        "too small to gain from more, and a busy core stalls every parallel region); 0: torch's choice",
+    )
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))

@@ -27,5 +27,5 @@ class ReplicaSpec(BaseModel):
     sp_degree: int = Field(default=1, ge=1)
     # a collective that waits longer than this on a peer fails instead of hanging
     collective_timeout_s: float = Field(default=60.0, gt=0)
-    # resources of each SP worker when the group has to reserve its own placement group
-    worker_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    # each SP rank's resources (DeployArgs.rank_resources); workers use them when reserving their own group
+    rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})

@@ -167,7 +167,7 @@ class WorkerGroup:
                     f"the replica has {len(pg.bundle_specs)}"
                 )
             return pg, None, 1
-        pg = placement_group([dict(spec.worker_resources)] * (spec.sp_degree - 1), strategy="PACK")
+        pg = placement_group([dict(spec.rank_resources)] * (spec.sp_degree - 1), strategy="PACK")
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except BaseException:

@@ -134,7 +134,7 @@ def spec_for(backend: str, sp_degree: int = 1):
         num_heads=4,
         head_dim=32,
         sp_degree=sp_degree,
-        worker_resources={"CPU": 0.25},
+        rank_resources={"CPU": 0.25},
     )
 
 

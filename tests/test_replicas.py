@@ -26,7 +26,7 @@ def spec(sp: int, checkpoint, timeout: float = 10.0, resolution: Resolution = RE
         head_dim=32,
         sp_degree=sp,
         collective_timeout_s=timeout,
-        worker_resources={"CPU": 0.25},
+        rank_resources={"CPU": 0.25},
     )
 
 
@@ -211,7 +211,7 @@ def test_a_replica_refuses_an_incapable_backend_at_build(tiny_checkpoint):
 
 
 def test_a_placement_group_that_never_fits_is_removed(tiny_checkpoint):
-    impossible = spec(2, tiny_checkpoint).model_copy(update={"worker_resources": {"CPU": 64.0}})
+    impossible = spec(2, tiny_checkpoint).model_copy(update={"rank_resources": {"CPU": 64.0}})
     with pytest.raises(ray.exceptions.GetTimeoutError):
         WorkerGroup.create(impossible, placement_timeout_s=2.0)
     states = [g["state"] for g in ray.util.placement_group_table().values()]

@@ -14,6 +14,7 @@ mis-shaped keys) is refused with the first keys and the folder named; nothing is
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -86,8 +87,9 @@ class CheckpointIndex:
         declared = tuple(self.raw[name][:2])
         accepted = {(library, class_name)} | ({(library, "Qwen2TokenizerFast")} if name == "tokenizer" else set())
         if declared not in accepted:
-            raise CheckpointError(f"{INDEX_FILE} declares {name} as {declared[0]}.{declared[1]}; "
-                                  f"h3serve serves {library}.{class_name}")
+            raise CheckpointError(
+                f"{INDEX_FILE} declares {name} as {declared[0]}.{declared[1]}; h3serve serves {library}.{class_name}"
+            )
         folder = self.directory / name
         if not folder.is_dir():
             raise CheckpointError(f"{folder} is missing (the index declares {name!r})")
@@ -178,8 +180,10 @@ class ImageOnlyQwen3VLProcessor:
 
     @property
     def video_processor(self):
-        raise VisionUnavailable("video references need Qwen3-VL's video processor, which needs torchvision; "
-                                "it is not installed on this replica")
+        raise VisionUnavailable(
+            "video references need Qwen3-VL's video processor, which needs torchvision; "
+            "it is not installed on this replica"
+        )
 
     def create_mm_token_type_ids(self, input_ids: list[list[int]]) -> list[list[int]]:
         """Qwen-internal token types, as ``ProcessorMixin`` defines them: 0 text, 1 image, 2 video."""
@@ -200,8 +204,10 @@ def load_processor(index: CheckpointIndex):
     if is_torchvision_available():
         return Qwen3VLProcessor.from_pretrained(folder, local_files_only=True)
     logger.warning("torchvision is not installed: %s serves text and keyframes, not video references", folder)
-    return ImageOnlyQwen3VLProcessor(AutoTokenizer.from_pretrained(folder, local_files_only=True),
-                                     AutoImageProcessor.from_pretrained(folder, local_files_only=True))
+    return ImageOnlyQwen3VLProcessor(
+        AutoTokenizer.from_pretrained(folder, local_files_only=True),
+        AutoImageProcessor.from_pretrained(folder, local_files_only=True),
+    )
 
 
 # ----------------------------------------------------------------------------- the tiny checkpoint
@@ -212,8 +218,15 @@ TOKENIZER_CORPUS = (
     "yellow magenta cyan white black orange purple low hum high beep silence silent quiet shape lighthouse "
     "dusk waves beach fox robot dancing sea sky night day city street forest river mountain"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 
 def tiny_tokenizer():
@@ -224,12 +237,17 @@ def tiny_tokenizer():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     words = TOKENIZER_CORPUS.split()
     bpe.train_from_iterator([" ".join(words)] + [f" {w}" for w in words] * 4, trainer)
-    return Qwen2TokenizerFast(tokenizer_object=bpe, bos_token=None, eos_token="<|endoftext|>",
-                              pad_token="<|endoftext|>", unk_token=None)
+    return Qwen2TokenizerFast(
+        tokenizer_object=bpe, bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token=None
+    )
 
 
 def tiny_processor(tokenizer):
@@ -248,26 +266,40 @@ def tiny_processor(tokenizer):
     processor.tokenizer = tokenizer
     processor.image_processor = Qwen2VLImageProcessorPil(**spec)
     processor.video_processor = Qwen3VLVideoProcessor(
-        patch_size=spec["patch_size"], merge_size=spec["merge_size"], temporal_patch_size=spec["temporal_patch_size"])
+        patch_size=spec["patch_size"], merge_size=spec["merge_size"], temporal_patch_size=spec["temporal_patch_size"]
+    )
     processor.chat_template = None
     return processor
 
 
 def tiny_components(seed: int = 0, with_ref: bool = False) -> dict[str, Any]:
     """Every component of the tiny preset, built by its library class with seeded random weights."""
-    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
-                           MiniMaxH3Transformer3DModel)
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3Scheduler,
+        MiniMaxH3Transformer3DModel,
+    )
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     spec = preset("tiny")
     tokenizer = tiny_tokenizer()
-    token_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    token_ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
     text = spec.components["text_encoder"]
-    text_config = Qwen3VLConfig(text_config={**text["text_config"], "vocab_size": len(tokenizer)},
-                                vision_config=text["vision_config"],
-                                tie_word_embeddings=text["tie_word_embeddings"], **token_ids)
+    text_config = Qwen3VLConfig(
+        text_config={**text["text_config"], "vocab_size": len(tokenizer)},
+        vision_config=text["vision_config"],
+        tie_word_embeddings=text["tie_word_embeddings"],
+        **token_ids,
+    )
     torch.manual_seed(seed)
     with _library_deprecations_silenced():
         components = dict(
@@ -285,8 +317,12 @@ def tiny_components(seed: int = 0, with_ref: bool = False) -> dict[str, Any]:
     return components
 
 
-def save_checkpoint(components: dict[str, Any], directory: str | Path, pipeline_config: dict[str, Any],
-                    repo_id: str = "h3serve/minimax-h3-tiny") -> Path:
+def save_checkpoint(
+    components: dict[str, Any],
+    directory: str | Path,
+    pipeline_config: dict[str, Any],
+    repo_id: str = "h3serve/minimax-h3-tiny",
+) -> Path:
     """Write components in the released layout with diffusers' ``ModularPipeline.save_pretrained``.
 
     The index records ``repo_id`` as every component's source, the shape of the released index;
@@ -301,7 +337,7 @@ def save_checkpoint(components: dict[str, Any], directory: str | Path, pipeline_
     pipe.save_pretrained(str(directory), overwrite_modular_index=True)
     index_path = directory / INDEX_FILE
     index = json.loads(index_path.read_text())
-    for name, entry in index.items():  # save_pretrained records this machine's absolute path
+    for entry in index.values():  # save_pretrained records this machine's absolute path
         if isinstance(entry, list) and entry[0] is not None:
             entry[2]["pretrained_model_name_or_path"] = repo_id
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -322,7 +358,9 @@ def random_tiny_checkpoint(seed: int = 0) -> Path:
     import shutil
     import tempfile
 
-    target = cache_dir() / f"minimax-h3-tiny-random-{seed}"
+    # the preset's values are in the name: a changed tiny preset never loads an old cached architecture
+    digest = hashlib.sha256(repr(preset("tiny")).encode()).hexdigest()[:10]
+    target = cache_dir() / f"minimax-h3-tiny-random-{seed}-{digest}"
     if (target / INDEX_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

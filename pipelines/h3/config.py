@@ -9,6 +9,7 @@ released one. ``tiny`` also carries the configs of every other component, which 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -33,12 +34,15 @@ class H3Preset:
         """The whole transformer config: the class's defaults (the released values), then this preset's."""
         from diffusers import MiniMaxH3Transformer3DModel
 
-        defaults = {name: p.default for name, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__)
-                    .parameters.items() if p.default is not inspect.Parameter.empty}
+        defaults = {
+            name: p.default
+            for name, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
         return {**defaults, **self.transformer}
 
     def geometry(self) -> TransformerGeometry:
-        return TransformerGeometry.of(self.transformer_config())
+        return _geometry(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +69,10 @@ class TransformerGeometry:
             raise ValueError(f"sp_degree must be >= 1, got {sp_degree}")
         if self.num_heads % sp_degree:
             allowed = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise ValueError(f"sp_degree={sp_degree} must divide the transformer's {self.num_heads} attention heads; "
-                             f"allowed: {allowed}")
+            raise ValueError(
+                f"sp_degree={sp_degree} must divide the transformer's {self.num_heads} attention heads; "
+                f"allowed: {allowed}"
+            )
 
 
 PRESETS: dict[str, H3Preset] = {
@@ -129,8 +135,12 @@ PRESETS: dict[str, H3Preset] = {
                     num_key_value_heads=1,
                     head_dim=16,
                     max_position_embeddings=4096,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-                                     "mrope_interleaved": True},
+                    rope_parameters={
+                        "rope_type": "default",
+                        "rope_theta": 10000.0,
+                        "mrope_section": [4, 2, 2],
+                        "mrope_interleaved": True,
+                    },
                 ),
                 vision_config=dict(
                     depth=1,
@@ -146,8 +156,9 @@ PRESETS: dict[str, H3Preset] = {
                 ),
                 tie_word_embeddings=True,
             ),
-            processor=dict(patch_size=16, merge_size=2, temporal_patch_size=2,
-                           min_pixels=32 * 32, max_pixels=256 * 256),
+            processor=dict(
+                patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=256 * 256
+            ),
             scheduler=dict(shift=12.0),
             audio_scheduler=dict(shift=3.0),
         ),
@@ -155,6 +166,13 @@ PRESETS: dict[str, H3Preset] = {
         pipeline_config=dict(canvas_short_edge=64, canvas_max_pixels=128 * 64, reference_image_short_edge=64),
     ),
 }
+
+
+@functools.cache
+def _geometry(model_name: str) -> TransformerGeometry:
+    """A preset's heads, read once (inspecting diffusers' signature is the slow part of admission)."""
+    (spec,) = [p for p in PRESETS.values() if p.name == model_name]
+    return TransformerGeometry.of(spec.transformer_config())
 
 
 def preset(name: str) -> H3Preset:
