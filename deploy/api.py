@@ -18,14 +18,14 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -114,14 +114,24 @@ def resolve_api_key(env: str | None) -> str | None:
 
 
 # -- request bodies ----------------------------------------------------------------------------
+def limits_of(info: ValidationInfo) -> RequestLimits:
+    """The deployment's limits, which every body is validated under (``context={"limits": ...}``)."""
+    if not isinstance(info.context, dict) or "limits" not in info.context:
+        raise TypeError("request bodies are validated under the deployment's limits: context={'limits': ...}")
+    return info.context["limits"]
+
+
 class Body(BaseModel):
+    """Fields every generation request shares, checked against the deployment's ``RequestLimits``."""
+
     model_config = ConfigDict(extra="ignore")  # OpenAI fields h3serve does not use (quality, style, user...)
 
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = Field(default=None, description="WIDTHxHEIGHT; default: the model's own canvas")
     seed: int = Field(default=0, ge=0, lt=2**63)
-    num_inference_steps: int | None = Field(default=None, ge=2)
+    # None is replaced by the deployment's default_steps
+    num_inference_steps: int | None = Field(default=None, ge=2, validate_default=True)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -134,13 +144,61 @@ class Body(BaseModel):
             raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
         return prompt
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: str, info: ValidationInfo) -> str:
+        if not prompt.strip():
+            raise ValueError("must not be blank")
+        limit = limits_of(info).max_prompt_chars
+        if len(prompt) > limit:
+            raise ValueError(f"is {len(prompt)} characters; the limit is {limit}")
+        return prompt
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, size: str | None, info: ValidationInfo) -> str | None:
+        if size is not None:
+            width, height = parse_size(size)
+            limit = limits_of(info).max_pixels
+            if not 0 < width * height <= limit:
+                raise ValueError(f"size {width}x{height} is {width * height} pixels; this server allows 1..{limit}")
+        return size
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps(cls, steps: int | None, info: ValidationInfo) -> int:
+        limits = limits_of(info)
+        steps = limits.default_steps if steps is None else steps
+        if steps > limits.max_steps:
+            raise ValueError(f"num_inference_steps={steps} exceeds this server's limit of {limits.max_steps}")
+        return steps
+
+    def generation(self) -> dict[str, Any]:
+        """The fields of a ``GenerationRequest`` this body sets."""
+        width, height = parse_size(self.size) if self.size else (None, None)
+        return dict(
+            prompt=self.prompt,
+            width=width,
+            height=height,
+            seed=self.seed,
+            num_inference_steps=self.num_inference_steps,
+        )
+
 
 AnyBody = TypeVar("AnyBody", bound="Body")
 
 
 class ImagesBody(Body):
     n: int = Field(default=1, ge=1)
-    response_format: str = "b64_json"
+    response_format: Literal["b64_json"] = "b64_json"
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, n: int, info: ValidationInfo) -> int:
+        limit = limits_of(info).max_n
+        if n > limit:
+            raise ValueError(f"n={n} exceeds the limit of {limit}")
+        return n
 
 
 class VideosBody(Body):
@@ -149,6 +207,14 @@ class VideosBody(Body):
     input_reference: bytes | None = None  # the first frame (FL2VA)
     last_reference: bytes | None = None  # the last frame (FL2VA)
     references: list[Reference] = Field(default_factory=list)  # ordered references (Ref2VA)
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds(cls, seconds: float | None, info: ValidationInfo) -> float | None:
+        limit = limits_of(info).max_seconds
+        if seconds is not None and seconds > limit:
+            raise ValueError(f"seconds={seconds:g} exceeds this server's limit of {limit:g}")
+        return seconds
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -168,16 +234,12 @@ def parse_json_object(raw: bytes) -> dict:
     return fields
 
 
-def parse_size(size: str | None, limits: RequestLimits) -> tuple[int, int] | None:
-    if size is None:
-        return None
+def parse_size(size: str) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' as integers (at most 5 digits each: no int of thousands of digits is ever built)."""
     width, sep, height = size.strip().partition("x")
     if not (sep and width.isdigit() and height.isdigit() and len(width) <= 5 and len(height) <= 5):
-        raise APIError(400, f"size must look like 'WIDTHxHEIGHT' (e.g. '1280x768'), got {size[:40]!r}", "size")
-    w, h = int(width), int(height)
-    if not 0 < w * h <= limits.max_pixels:
-        raise APIError(400, f"size {w}x{h} is {w * h} pixels; this server allows 1..{limits.max_pixels}", "size")
-    return w, h
+        raise ValueError(f"must look like 'WIDTHxHEIGHT' (e.g. '1280x768'), got {size[:40]!r}")
+    return int(width), int(height)
 
 
 def decode_upload(value: Any, field: str) -> bytes:
@@ -402,7 +464,7 @@ class H3Ingress:
         if "references" in fields and uploads:
             fields["references"] = parse_references(fields["references"])
         try:
-            return model.model_validate(fields)
+            return model.model_validate(fields, context={"limits": self.limits})
         except ValidationError as e:
             raise invalid(e) from None
 
@@ -449,40 +511,13 @@ class H3Ingress:
         if model not in (None, "", self.model_name):
             raise APIError(404, f"model {model!r} is not served here; available: {self.model_name}", "model")
 
-    def _steps(self, steps: int | None, field: str = "num_inference_steps") -> int:
-        steps = self.limits.default_steps if steps is None else steps
-        if steps > self.limits.max_steps:
-            raise APIError(400, f"{field}={steps} exceeds this server's limit of {self.limits.max_steps}", field)
-        return steps
-
-    def _common(self, body: Body) -> dict[str, Any]:
-        self._check_model(body.model)
-        if len(body.prompt) > self.limits.max_prompt_chars:
-            raise APIError(
-                400, f"prompt is {len(body.prompt)} characters; the limit is {self.limits.max_prompt_chars}", "prompt"
-            )
-        if not body.prompt.strip():
-            raise APIError(400, "prompt must not be blank", "prompt")
-        size = parse_size(body.size, self.limits)
-        width, height = size if size else (None, None)
-        return dict(
-            prompt=body.prompt,
-            width=width,
-            height=height,
-            seed=body.seed,
-            num_inference_steps=self._steps(body.num_inference_steps),
-        )
-
     # -- images: a still of the shortest clip ----------------------------------------------------
     @app.post("/v1/images/generations")
     async def images(self, request: Request):
         async def run():
             body = await self._parse(request, ImagesBody)
-            if body.response_format != "b64_json":
-                raise APIError(400, "response_format must be 'b64_json'", "response_format")
-            if body.n > self.limits.max_n:
-                raise APIError(400, f"n={body.n} exceeds the limit of {self.limits.max_n}", "n")
-            base = self._common(body)
+            self._check_model(body.model)
+            base = body.generation()
             # n images are n clips: the engine packs them into the same forwards
             calls = [
                 self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
@@ -509,14 +544,9 @@ class H3Ingress:
             rules = await self.rules()
             if body.fps is not None and body.fps != rules.fps:
                 raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
-            generation = self._common(body)
+            self._check_model(body.model)
+            generation = body.generation()
             if body.seconds is not None:
-                if body.seconds > self.limits.max_seconds:
-                    raise APIError(
-                        400,
-                        f"seconds={body.seconds:g} exceeds this server's limit of {self.limits.max_seconds:g}",
-                        "seconds",
-                    )
                 generation["num_frames"] = rules.frames_for_seconds(body.seconds)
             request_ = GenerationRequest(
                 **generation,

@@ -1,0 +1,57 @@
+"""The request bodies carry the deployment's limits in their validators: no server, no Ray."""
+
+import pytest
+from pydantic import ValidationError
+
+from deploy.api import ImagesBody, VideosBody, invalid
+from deploy.args import RequestLimits
+
+LIMITS = RequestLimits(max_pixels=128 * 64, max_seconds=6, max_n=2, max_steps=10, default_steps=8, max_prompt_chars=20)
+
+
+def validate(model, fields):
+    return model.model_validate(fields, context={"limits": LIMITS})
+
+
+def refusal(model, fields):
+    with pytest.raises(ValidationError) as info:
+        validate(model, fields)
+    error = invalid(info.value)
+    assert error.status == 400
+    return error.param, error.message
+
+
+def test_a_body_within_the_limits_becomes_a_generation_with_the_default_steps():
+    body = validate(VideosBody, {"prompt": "a red circle", "size": "128x64", "seed": 3, "seconds": 5.5})
+    assert body.generation() == dict(prompt="a red circle", width=128, height=64, seed=3, num_inference_steps=8)
+    assert body.seconds == 5.5
+    assert validate(ImagesBody, {"prompt": "x", "num_inference_steps": 10}).generation()["num_inference_steps"] == 10
+
+
+@pytest.mark.parametrize(
+    "model,fields,param,words",
+    [
+        (VideosBody, {"prompt": "x" * 21}, "prompt", "is 21 characters; the limit is 20"),
+        (VideosBody, {"prompt": " \n "}, "prompt", "must not be blank"),
+        (VideosBody, {"prompt": "\ud800"}, "prompt", "lone surrogate"),
+        (VideosBody, {"prompt": "x", "size": "256x64"}, "size", "16384 pixels; this server allows 1..8192"),
+        (VideosBody, {"prompt": "x", "size": "9" * 5000}, "size", "WIDTHxHEIGHT"),
+        (VideosBody, {"prompt": "x", "num_inference_steps": 11}, "num_inference_steps", "limit of 10"),
+        (VideosBody, {"prompt": "x", "seconds": 7}, "seconds", "seconds=7 exceeds this server's limit of 6"),
+        (ImagesBody, {"prompt": "x", "n": 3}, "n", "n=3 exceeds the limit of 2"),
+        (ImagesBody, {"prompt": "x", "response_format": "url"}, "response_format", "'b64_json'"),
+    ],
+)
+def test_a_body_over_a_limit_is_a_400_naming_the_field(model, fields, param, words):
+    got_param, message = refusal(model, fields)
+    assert got_param == param
+    assert words in message
+
+
+def test_limits_come_from_the_deployment_not_from_defaults():
+    # validated without the deployment's limits is a programming error, never a silent default
+    with pytest.raises(TypeError, match="deployment's limits"):
+        VideosBody.model_validate({"prompt": "x"})
+    looser = RequestLimits(max_steps=100, default_steps=50)
+    body = VideosBody.model_validate({"prompt": "x", "num_inference_steps": 99}, context={"limits": looser})
+    assert body.num_inference_steps == 99
