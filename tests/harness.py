@@ -153,10 +153,18 @@ def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "cond
     raise TimeoutError(f"{what} not met within {timeout}s")
 
 
+def serve_status():
+    """``serve.status()``, never through a dead controller's handle: this process caches the controller it
+    first reached, and a test that shut Serve down (in any process) leaves that handle pointing nowhere."""
+    from ray import serve
+    from ray.serve import context
+
+    context._check_cached_client_alive()  # drops a dead controller's handle, so serve reconnects by name
+    return serve.status()
+
+
 def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", timeout: float = 180):
     """Plain `serve run CONFIG` (no h3serve pre-flight) on the cluster; the app's status once DEPLOY_FAILED."""
-    from ray import serve
-
     subprocess.run(
         [*SERVE, "run", str(config), "--non-blocking", "--address", address],
         cwd=REPO,
@@ -166,7 +174,7 @@ def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", tim
     )
 
     def failed():
-        status = serve.status().applications.get(app)
+        status = serve_status().applications.get(app)
         return status if status is not None and status.status == "DEPLOY_FAILED" else None
 
     return wait_for(failed, timeout=timeout, what="DEPLOY_FAILED")

@@ -7,13 +7,11 @@ import importlib
 import importlib.metadata
 import itertools
 import json
-import logging
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -168,14 +166,6 @@ def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(capsys):
     assert [r["way"] for r in result["rows"]] == ["CLI: h3serve generate", "in-process phases (1 thread)"]
     assert all(r["frames"] == 124 and r["size"] == "128x64" and r["audio_channels"] == 2 for r in result["rows"])
     assert "target: a default video request in under 60 s" in out
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One cluster for the SP and serving smokes, in the namespace `h3serve serve` deploys into."""
-    ray.init(num_cpus=2, namespace="serve", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.ray

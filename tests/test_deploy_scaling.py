@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.harness import ServeProcess, client, default_config, free_port, wait_for, write_config
+from tests.harness import ServeProcess, client, default_config, free_port, serve_status, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 KEY = "test-secret"
@@ -118,7 +118,7 @@ def test_overload_gets_503s_with_retry_after_not_hangs_or_500s(server):
 
 def test_load_scales_the_h3_deployment_from_one_to_two_replicas(server):
     def running() -> int:
-        deployment = serve.status().applications["elastic"].deployments["H3Replica"]
+        deployment = serve_status().applications["elastic"].deployments["H3Replica"]
         return deployment.replica_states.get("RUNNING", 0)
 
     assert running() == 1
