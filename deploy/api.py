@@ -1,14 +1,16 @@
 """The OpenAI-style HTTP API (FastAPI under @serve.ingress).
 
-Every route goes through ``H3Ingress._call``: bearer auth, the body size limit, error mapping to
-OpenAI's error shape, and request metrics, in one place. Request bodies are parsed here (not by
-FastAPI's body binding) so that every malformed body gets a 4xx that says what is wrong;
-``deploy.openapi`` documents them. Only ``PUBLIC_ROUTES`` answer without the bearer token.
+Every route is a method under ``@route``, which runs it through ``H3Ingress._call``: bearer auth,
+error mapping to OpenAI's error shape (``deploy.errors``), and request metrics, in one place. Request
+bodies are parsed here (not by FastAPI's body binding) so that every malformed body gets a 4xx that says
+what is wrong; the deployment's limits are checked by the body models' validators, and ``deploy.openapi``
+documents them. Video jobs run in ``deploy.video_jobs``. Only ``PUBLIC_ROUTES`` answer without the token.
 """
 
 import asyncio
 import base64
 import binascii
+import functools
 import json
 import logging
 import os
@@ -16,7 +18,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -24,79 +25,28 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from ray import serve
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipelines.h3 import GenerationRequest, ModelRules, Reference, RequestError, VisionUnavailable
-from replicas import EngineStopped, QueueFull
+from pipelines.h3 import GenerationRequest, ModelRules, Reference
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
-from .jobs import JobGone, JobPolicy, JobRunner, JobStore, LeaseLost, epoch_seconds
+from .errors import RETRY_AFTER_S, APIError, http_error, invalid
+from .jobs import JobPolicy, JobStore, epoch_seconds
 from .media_store import MediaStore
 from .metrics import RequestMetrics
 from .openapi import document
+from .video_jobs import VideoJobs
 
 logger = logging.getLogger(__name__)
-RETRY_AFTER_S = "2"
-OVERLOADED = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailableError, RayActorError)
-# fields of the model's errors -> the API parameter a client set
-API_PARAM = {
-    "width": "size",
-    "height": "size",
-    "num_frames": "seconds",
-    "first_frame": "input_reference",
-    "last_frame": "last_reference",
-}
 # Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
 DISTILLED = ("guidance_scale", "negative_prompt")
 # A liveness probe answers without the token; everything else needs it, the API docs included (they
 # list this deployment's limits). Unknown routes answer 404 either way: there is nothing behind them.
 PUBLIC_ROUTES = ("/health",)
-PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat covers the rest
-
-
-class APIError(Exception):
-    """An error the client can act on, in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """The replica's own exception inside Ray's wrapper (whose str() is a remote traceback)."""
-    return getattr(error, "cause", None) or error
-
-
-def http_error(error: BaseException, what: str) -> APIError:
-    """503 for overload, 400 for a request the model refused, 500 (logged) for anything else."""
-    cause = root_cause(error)
-    if isinstance(error, OVERLOADED) or isinstance(cause, OVERLOADED):
-        return APIError(503, f"overloaded: {cause}", headers={"Retry-After": RETRY_AFTER_S})
-    if isinstance(cause, RequestError):
-        return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
-    if isinstance(cause, VisionUnavailable):
-        return APIError(400, str(cause), "references")
-    logger.error("%s failed", what, exc_info=error)
-    return APIError(500, "internal error; see the server log")
-
-
-def invalid(error: ValidationError) -> APIError:
-    """A 400 naming the first invalid field."""
-    first = error.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or None
-    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-    return APIError(400, f"{field}: {message}" if field else message, field)
 
 
 def resolve_api_key(env: str | None) -> str | None:
@@ -360,6 +310,23 @@ def list_query(request: Request) -> tuple[int, str | None, str]:
     return int(limit), query.get("after"), order
 
 
+def openapi_url(request: Request) -> str:
+    return request.scope.get("root_path", "") + "/openapi.json"  # under the application's route prefix
+
+
+def route(name: str):
+    """A route method run by ``H3Ingress._call`` (auth, error mapping, timing, counting), counted as ``name``."""
+
+    def wrap(handler: Callable[..., Awaitable[Any]]):
+        @functools.wraps(handler)  # Serve and FastAPI read the handler's name and parameters through this
+        async def endpoint(self, request: Request, **params):
+            return await self._call(name, request, lambda: handler(self, request, **params))
+
+        return endpoint
+
+    return wrap
+
+
 @serve.deployment(name="H3Ingress")
 @serve.ingress(app)
 class H3Ingress:
@@ -375,42 +342,19 @@ class H3Ingress:
             lease_s=args.jobs.lease_s,
             max_jobs=self.limits.max_video_jobs,
         )
-        self.jobs = JobStore(store, policy)
-        self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")  # store calls block
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.runners: dict[str, JobRunner] = {}
+        self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
         self._rules: ModelRules | None = None
         self._openapi: dict | None = None
-        self._sweeper: asyncio.Task | None = None
-
-    async def _io(self, fn: Callable, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self.io, lambda: fn(*args, **kwargs))
-
-    def _start_sweeper(self) -> None:
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds from the start: the sweeper runs without waiting for traffic."""
-        self._start_sweeper()
-
-    async def _sweep_forever(self) -> None:
-        """TTL, byte cap and lost runners without waiting for a reader; every replica sweeps, harmlessly."""
-        while True:
-            await self._sweep_once()
-            await asyncio.sleep(self.jobs.policy.lease_s / 2)
-
-    async def _sweep_once(self) -> None:
-        try:
-            await self._io(self.jobs.sweep)
-        except Exception:
-            logger.exception("sweeping the video job store failed; the next sweep retries")
+        self.videos.start_sweeper()
 
     # -- plumbing ------------------------------------------------------------------------
     async def _call(self, route: str, request: Request, handler: Callable[[], Awaitable[Any]]):
         """Auth, then ``handler``; errors become OpenAI-shaped answers; every answer is timed and counted."""
         started, status = time.perf_counter(), 200
-        self._start_sweeper()
+        self.videos.start_sweeper()
         try:
             self._authorize(route, request)
             result = await handler()
@@ -513,275 +457,170 @@ class H3Ingress:
 
     # -- images: a still of the shortest clip ----------------------------------------------------
     @app.post("/v1/images/generations")
+    @route("/v1/images/generations")
     async def images(self, request: Request):
-        async def run():
-            body = await self._parse(request, ImagesBody)
-            self._check_model(body.model)
-            base = body.generation()
-            # n images are n clips: the engine packs them into the same forwards
-            calls = [
-                self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
-                for i in range(body.n)
-            ]
-            try:
-                pngs = await asyncio.gather(*calls)
-            except BaseException:
-                for call in calls:
-                    call.cancel()
-                raise
-            return {
-                "created": epoch_seconds(),
-                "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
-            }
-
-        return await self._call("/v1/images/generations", request, run)
+        body = await self._parse(request, ImagesBody)
+        self._check_model(body.model)
+        base = body.generation()
+        # n images are n clips: the engine packs them into the same forwards
+        calls = [
+            self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
+            for i in range(body.n)
+        ]
+        try:
+            pngs = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
+        return {
+            "created": epoch_seconds(),
+            "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
+        }
 
     # -- videos --------------------------------------------------------------------------------
     @app.post("/v1/videos")
+    @route("/v1/videos")
     async def create_video(self, request: Request):
-        async def run():
-            body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
-            rules = await self.rules()
-            if body.fps is not None and body.fps != rules.fps:
-                raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
-            self._check_model(body.model)
-            generation = body.generation()
-            if body.seconds is not None:
-                generation["num_frames"] = rules.frames_for_seconds(body.seconds)
-            request_ = GenerationRequest(
-                **generation,
-                first_frame=body.input_reference,
-                last_frame=body.last_reference,
-                references=tuple(body.references),
+        body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
+        rules = await self.rules()
+        if body.fps is not None and body.fps != rules.fps:
+            raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
+        self._check_model(body.model)
+        generation = body.generation()
+        if body.seconds is not None:
+            generation["num_frames"] = rules.frames_for_seconds(body.seconds)
+        generation_request = GenerationRequest(
+            **generation,
+            first_frame=body.input_reference,
+            last_frame=body.last_reference,
+            references=tuple(body.references),
+        )
+        await self.replica.validate.remote(generation_request)  # refuse now, not in a failed job later
+        num_frames = generation_request.num_frames or rules.min_frames
+        width, height = generation_request.width, generation_request.height
+        if not width:
+            width, height = rules.default_canvas
+        video = {
+            "id": f"video_{uuid.uuid4().hex}",
+            "object": "video",
+            "model": self.model_name,
+            "status": "queued",
+            "progress": 0,
+            "created_at": epoch_seconds(),
+            "completed_at": None,
+            "expires_at": None,
+            "seconds": f"{num_frames / rules.fps:g}",
+            "size": f"{width}x{height}",
+            "prompt": body.prompt,
+            "error": None,
+        }
+        if not await self.videos.submit(video, generation_request):
+            raise APIError(
+                503,
+                f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
+                headers={"Retry-After": RETRY_AFTER_S},
             )
-            await self.replica.validate.remote(request_)  # refuse now, not in a failed job later
-            num_frames = request_.num_frames or rules.min_frames
-            width, height = (request_.width, request_.height) if request_.width else rules.default_canvas
-            video = {
-                "id": f"video_{uuid.uuid4().hex}",
-                "object": "video",
-                "model": self.model_name,
-                "status": "queued",
-                "progress": 0,
-                "created_at": epoch_seconds(),
-                "completed_at": None,
-                "expires_at": None,
-                "seconds": f"{num_frames / rules.fps:g}",
-                "size": f"{width}x{height}",
-                "prompt": body.prompt,
-                "error": None,
-            }
-            runner = await self._io(self.jobs.create, video)
-            if runner is None:
-                raise APIError(
-                    503,
-                    f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
-                    headers={"Retry-After": RETRY_AFTER_S},
-                )
-            self.runners[runner.job_id] = runner
-            self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(self._run_job(runner, request_))
-            return video
-
-        return await self._call("/v1/videos", request, run)
-
-    async def _run_job(self, runner: JobRunner, request: GenerationRequest) -> None:
-        """Stream the replica's progress into the job's record; the MP4 into the store."""
-        started, code, written = time.perf_counter(), 500, 0.0
-        stream = self.replica.options(stream=True).generate_video.remote(request)
-        job = asyncio.current_task()
-        assert job is not None  # a route's task
-        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, job))
-        try:
-            async for event in stream:
-                if "mp4" in event:
-                    await self._io(runner.complete, event["mp4"])
-                    code = 200
-                    break
-                done, total = event["progress"]
-                if time.monotonic() - written >= PROGRESS_EVERY_S:
-                    written = time.monotonic()
-                    await self._write(runner, status="in_progress", progress=int(100 * done / max(total, 1)))
-            if code != 200:
-                raise RuntimeError("the replica's stream ended without a video")
-            asyncio.get_running_loop().create_task(self._sweep_once())  # the byte cap, now
-        except (JobGone, LeaseLost) as e:
-            code = 499  # deleted, or this runner lost its lease: stop generating
-            logger.info("video job %s stopped: %r", runner.job_id, e)
-            stream.cancel()
-        except asyncio.CancelledError:
-            code = 499
-            stream.cancel()
-            if runner.stopping == "shutdown":
-                await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
-            raise
-        except Exception as e:
-            error = http_error(e, f"video job {runner.job_id}")
-            code = error.status
-            await self._fail(runner, str(code), error.message)
-        finally:
-            heartbeat.cancel()
-            self.tasks.pop(runner.job_id, None)
-            self.runners.pop(runner.job_id, None)
-            self.metrics.observe("/v1/videos:job", code, time.perf_counter() - started)
-
-    async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
-        """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""
-        while True:
-            await asyncio.sleep(runner.record["lease_s"] / 4)
-            try:
-                await self._io(runner.update)
-            except (JobGone, LeaseLost) as e:
-                logger.info("video job %s stopped: %r", runner.job_id, e)
-                runner.stopping = "deleted" if isinstance(e, JobGone) else "lease lost"
-                job.cancel()
-                return
-            except Exception:
-                logger.exception("heartbeat of video job %s failed; retrying", runner.job_id)
-
-    async def _write(self, runner: JobRunner, **fields) -> None:
-        """A progress write; a store hiccup is logged and left to the next write (the lease allows for it)."""
-        try:
-            await self._io(runner.update, **fields)
-        except (JobGone, LeaseLost):
-            raise
-        except Exception:
-            logger.exception("writing video job %s failed", runner.job_id)
-
-    async def _fail(self, runner: JobRunner, code: str, message: str) -> None:
-        try:
-            await self._io(runner.fail, code, message)
-        except (JobGone, LeaseLost):
-            pass
-        except Exception:  # the lease will fail it for readers
-            logger.exception("recording the failure of video job %s failed", runner.job_id)
+        return video
 
     async def _job(self, video_id: str) -> dict:
-        video = await self._io(self.jobs.get, video_id)
+        video = await self.videos.get(video_id)
         if video is None:
             raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
         return video
 
     @app.get("/v1/videos")
+    @route("/v1/videos:list")
     async def list_videos(self, request: Request):
-        async def run():
-            limit, after, order = list_query(request)
-            videos = await self._io(self.jobs.list)
-            if order == "asc":
-                videos.reverse()
-            if after is not None:
-                ids = [v["id"] for v in videos]
-                if after not in ids:
-                    raise APIError(400, f"after: no video job {after[:80]!r}", "after")
-                videos = videos[ids.index(after) + 1 :]
-            page = videos[:limit]
-            return {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(videos) > limit,
-            }
-
-        return await self._call("/v1/videos:list", request, run)
+        limit, after, order = list_query(request)
+        videos = await self.videos.list()
+        if order == "asc":
+            videos.reverse()
+        if after is not None:
+            ids = [v["id"] for v in videos]
+            if after not in ids:
+                raise APIError(400, f"after: no video job {after[:80]!r}", "after")
+            videos = videos[ids.index(after) + 1 :]
+        page = videos[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(videos) > limit,
+        }
 
     @app.get("/v1/videos/{video_id}")
-    async def get_video(self, video_id: str, request: Request):
-        return await self._call("/v1/videos/{id}", request, lambda: self._job(video_id))
+    @route("/v1/videos/{id}")
+    async def get_video(self, request: Request, video_id: str):
+        return await self._job(video_id)
 
     @app.get("/v1/videos/{video_id}/content")
-    async def video_content(self, video_id: str, request: Request):
-        async def run():
-            video = await self._job(video_id)
-            if video["status"] != "completed":
-                raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
-            content = await self._io(self.jobs.content, video_id)
-            if content is None:  # removed (TTL, byte cap, DELETE) since the record was read
-                raise APIError(404, f"video {video_id} has expired", "video_id")
-            return Response(content, media_type="video/mp4")
-
-        return await self._call("/v1/videos/{id}/content", request, run)
+    @route("/v1/videos/{id}/content")
+    async def video_content(self, request: Request, video_id: str):
+        video = await self._job(video_id)
+        if video["status"] != "completed":
+            raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
+        content = await self.videos.content(video_id)
+        if content is None:  # removed (TTL, byte cap, DELETE) since the record was read
+            raise APIError(404, f"video {video_id} has expired", "video_id")
+        return Response(content, media_type="video/mp4")
 
     @app.delete("/v1/videos/{video_id}")
-    async def delete_video(self, video_id: str, request: Request):
-        async def run():
-            if not await self._io(self.jobs.delete, video_id):
-                raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
-            task, runner = self.tasks.get(video_id), self.runners.get(video_id)
-            if task is not None and runner is not None:  # running here; elsewhere its runner sees the tombstone
-                runner.stopping = "deleted"
-                task.cancel()
-            return {"id": video_id, "object": "video.deleted", "deleted": True}
-
-        return await self._call("/v1/videos/{id}:delete", request, run)
+    @route("/v1/videos/{id}:delete")
+    async def delete_video(self, request: Request, video_id: str):
+        if not await self.videos.delete(video_id):
+            raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     # -- models, health, docs --------------------------------------------------------------------
     @app.get("/v1/models")
+    @route("/v1/models")
     async def models(self, request: Request):
-        async def run():
-            return {
-                "object": "list",
-                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}],
-            }
-
-        return await self._call("/v1/models", request, run)
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}],
+        }
 
     @app.get("/health")
+    @route("/health")
     async def health(self, request: Request):
-        async def run():
-            try:
-                info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
-            except Exception as e:
-                return JSONResponse({"status": "unavailable", "error": str(e).splitlines()[0]}, status_code=503)
-            return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
-
-        return await self._call("/health", request, run)
+        try:
+            info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "error": str(e).splitlines()[0]}, status_code=503)
+        return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
 
     @app.get("/openapi.json")
+    @route("/openapi.json")
     async def openapi(self, request: Request):
-        async def run():
-            if self._openapi is None:
-                root = request.scope.get("root_path", "")  # the application's route prefix
-                base = get_openapi(
-                    title=app.title,
-                    version=app.version,
-                    description=app.description,
-                    routes=app.routes,
-                    servers=[{"url": root}] if root else None,
-                )
-                bodies: dict[str, type[BaseModel]] = {
-                    "POST /v1/images/generations": ImagesBody,
-                    "POST /v1/videos": VideosBody,
-                }
-                self._openapi = document(base, bodies, self.limits, await self.rules())
-            return self._openapi
-
-        return await self._call("/openapi.json", request, run)
+        if self._openapi is None:
+            root = request.scope.get("root_path", "")  # the application's route prefix
+            base = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+                servers=[{"url": root}] if root else None,
+            )
+            bodies: dict[str, type[BaseModel]] = {
+                "POST /v1/images/generations": ImagesBody,
+                "POST /v1/videos": VideosBody,
+            }
+            self._openapi = document(base, bodies, self.limits, await self.rules())
+        return self._openapi
 
     @app.get("/docs")
+    @route("/docs")
     async def docs(self, request: Request):
-        return await self._call("/docs", request, self._html(get_swagger_ui_html, request))
+        return get_swagger_ui_html(openapi_url=openapi_url(request), title="h3serve API")
 
     @app.get("/redoc")
+    @route("/redoc")
     async def redoc(self, request: Request):
-        return await self._call("/redoc", request, self._html(get_redoc_html, request))
-
-    @staticmethod
-    def _html(render, request: Request) -> Callable[[], Awaitable[HTMLResponse]]:
-        async def run():
-            return render(openapi_url=request.scope.get("root_path", "") + "/openapi.json", title="h3serve API")
-
-        return run
+        return get_redoc_html(openapi_url=openapi_url(request), title="h3serve API")
 
     async def __del__(self):
         """Serve stops this replica: fail its running jobs now rather than after their lease."""
-        if not hasattr(self, "io"):  # the constructor refused
-            return
-        for video_id, task in list(self.tasks.items()):
-            runner = self.runners.get(video_id)
-            if runner is not None:
-                runner.stopping = "shutdown"
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        self.io.shutdown(wait=False)
+        if hasattr(self, "videos"):  # else the constructor refused
+            await self.videos.close()

@@ -3,8 +3,9 @@
 import pytest
 from pydantic import ValidationError
 
-from deploy.api import ImagesBody, VideosBody, invalid
+from deploy.api import ImagesBody, VideosBody
 from deploy.args import RequestLimits
+from deploy.errors import invalid
 
 LIMITS = RequestLimits(max_pixels=128 * 64, max_seconds=6, max_n=2, max_steps=10, default_steps=8, max_prompt_chars=20)
 
