@@ -140,14 +140,7 @@ class JobStore:
 
     def list(self) -> list[dict]:
         """Every live job's video object, newest first."""
-        names = set(self.store.names())
-        videos = []
-        for name in names:
-            job_id = name.removesuffix(".json")
-            if name.endswith(".json") and f"{job_id}.deleted" not in names:
-                record = self._read(job_id, listed=True)
-                if record is not None:
-                    videos.append(self._expire(record)["video"])
+        videos = [r["video"] for r in self._live_records(self.store.names()).values()]
         return sorted(videos, key=lambda v: (v["created_at"], v["id"]), reverse=True)
 
     # -- bounds ------------------------------------------------------------------------------
@@ -160,16 +153,26 @@ class JobStore:
                     records[name.removesuffix(".json")] = self._expire(record)
         return records
 
+    def _live_records(self, names: builtins.list[str]) -> dict[str, dict]:
+        """The records of jobs not deleted (no tombstone beside them)."""
+        present = set(names)
+        return self._records([n for n in names if f"{n.removesuffix('.json')}.deleted" not in present])
+
+    @staticmethod
+    def _oldest_finished(records: dict[str, dict]) -> builtins.list[tuple[float, str]]:
+        """(completed_at, id) of the finished jobs, oldest first: the order every bound removes them in."""
+        return sorted(
+            (r["video"]["completed_at"] or 0, job_id)
+            for job_id, r in records.items()
+            if r["video"]["status"] in FINISHED
+        )
+
     def _make_room(self) -> bool:
         names = self.store.names()
         if sum(n.endswith(".json") for n in names) < self.policy.max_jobs:
             return True
         records = self._records(names)
-        finished = sorted(
-            (r["video"]["completed_at"] or 0, job_id)
-            for job_id, r in records.items()
-            if r["video"]["status"] in FINISHED
-        )
+        finished = self._oldest_finished(records)
         excess = len(records) - self.policy.max_jobs + 1
         for _, job_id in finished[:excess]:
             self._remove(job_id)
@@ -195,12 +198,8 @@ class JobStore:
                 raw = self.store.get(name)
                 if raw is not None and now - json.loads(raw)["deleted_at"] > self.policy.lease_s:
                     self._remove(name.removesuffix(".deleted"))
-        records = self._records([n for n in names if f"{n.removesuffix('.json')}.deleted" not in present])
-        finished = sorted(
-            (r["video"]["completed_at"] or 0, job_id)
-            for job_id, r in records.items()
-            if r["video"]["status"] in FINISHED
-        )
+        records = self._live_records(names)
+        finished = self._oldest_finished(records)
         total = sum(r["bytes"] for r in records.values())
         for completed_at, job_id in finished:
             expired = now - completed_at > self.policy.ttl_s
