@@ -36,9 +36,6 @@ class Platform(BaseModel):
             f"{self.device_type}{sm} ({self.device_name}; torch {self.torch_version}; kernels: {libs}; {self.source})"
         )
 
-    def cache_key(self) -> str:
-        return self.model_dump_json()
-
     @classmethod
     def cpu(cls, **kwargs) -> Platform:
         return cls(device_type="cpu", **kwargs)

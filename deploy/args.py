@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attention import Platform, Resolution
-from pipelines.h3 import TransformerGeometry, preset
+from pipelines.h3 import TransformerGeometry, default_dtype, preset
 from replicas import EngineLimits, ReplicaSpec
 
 
@@ -105,7 +105,7 @@ class DeployArgs(BaseModel):
     )
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the replicas run")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default_factory=lambda fields: "bfloat16" if fields["device"] == "cuda" else "float32",
+        default_factory=lambda fields: default_dtype(fields["device"]),
         description="transformer and text encoder dtype (the VAEs and boundary layers stay float32); "
         "default: float32 on cpu, bfloat16 on cuda",
     )

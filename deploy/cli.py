@@ -195,7 +195,14 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from attention import AttentionSelectionError, probe_platform, resolve
-    from pipelines.h3 import REQUIREMENTS, CheckpointError, GenerationRequest, H3Pipeline, TransformerGeometry
+    from pipelines.h3 import (
+        REQUIREMENTS,
+        CheckpointError,
+        GenerationRequest,
+        H3Pipeline,
+        TransformerGeometry,
+        default_dtype,
+    )
     from pipelines.h3.checkpoint import resolve_checkpoint
 
     if ns.threads:
@@ -218,9 +225,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         backend = resolve(
             REQUIREMENTS, ns.backend, probe_platform(ns.device), model=str(directory), head_dim=geometry.head_dim
         ).backend
-        pipeline = H3Pipeline.load(
-            directory, backend, device=ns.device, dtype=ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32")
-        )
+        pipeline = H3Pipeline.load(directory, backend, device=ns.device, dtype=ns.dtype or default_dtype(ns.device))
         frames = pipeline.rules.frames_for_seconds(ns.seconds) if ns.seconds else None
         first, last = (Path(p).read_bytes() if p else None for p in (ns.first_frame, ns.last_frame))
         request = GenerationRequest(

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pipelines.h3 import ModelRules
 
 from .args import RequestLimits
+from .jobs import JOB_ID
 
 ERROR = {
     "type": "object",
@@ -51,7 +52,7 @@ VIDEO = {
         "error": {"type": ["object", "null"]},
     },
 }
-VIDEO_ID = {"type": "string", "pattern": "^video_[0-9a-f]{32}$", "description": "as returned by POST /v1/videos"}
+VIDEO_ID = {"type": "string", "pattern": f"^{JOB_ID.pattern}$", "description": "as returned by POST /v1/videos"}
 UPLOAD_JSON = {"type": "string", "description": "an image as base64 or a data: URL"}
 UPLOAD_FORM = {"type": "string", "format": "binary", "description": "an image file"}
 REFERENCE_JSON = {

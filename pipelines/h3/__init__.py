@@ -2,7 +2,7 @@
 
 from .admission import DeploymentConfigError, validate_deployment
 from .checkpoint import CheckpointError, VisionUnavailable
-from .config import PRESETS, H3Preset, TransformerGeometry, preset
+from .config import PRESETS, H3Preset, TransformerGeometry, default_dtype, preset
 from .pipeline import REQUIREMENTS, GeneratedMedia, H3Denoiser, H3Pipeline, RequestState, StepStats
 from .request import GenerationRequest, ModelRules, Reference, RequestError
 
@@ -23,6 +23,7 @@ __all__ = [
     "StepStats",
     "TransformerGeometry",
     "VisionUnavailable",
+    "default_dtype",
     "preset",
     "validate_deployment",
 ]

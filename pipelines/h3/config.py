@@ -13,7 +13,7 @@ import functools
 import inspect
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # The tiny text encoder must be deeper than the layer H3 reads (`hidden_states[50]`); its width is tiny.
 TINY_TEXT_LAYERS = 51
@@ -173,6 +173,11 @@ def _geometry(model_name: str) -> TransformerGeometry:
     """A preset's heads, read once (inspecting diffusers' signature is the slow part of admission)."""
     (spec,) = [p for p in PRESETS.values() if p.name == model_name]
     return TransformerGeometry.of(spec.transformer_config())
+
+
+def default_dtype(device: str) -> Literal["bfloat16", "float32"]:
+    """The transformer's and text encoder's dtype when none is given: bf16 on GPUs, as released; fp32 on CPUs."""
+    return "bfloat16" if device == "cuda" else "float32"
 
 
 def preset(name: str) -> H3Preset:
