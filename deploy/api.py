@@ -18,7 +18,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -32,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
+from pipelines.h3.checkpoint import cache_dir
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
 from .errors import RETRY_AFTER_S, APIError, http_error, invalid
@@ -294,7 +294,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 
 def store_url(config: JobStoreArgs, app_name: str) -> str:
     """This application's part of the configured store (default: a directory under the h3serve cache)."""
-    base = config.store or str(Path(os.environ.get("H3SERVE_CACHE", Path.home() / ".cache" / "h3serve")) / "videos")
+    base = config.store or str(cache_dir() / "videos")
     return f"{base.rstrip('/')}/{app_name}"
 
 
