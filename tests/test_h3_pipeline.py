@@ -1,6 +1,7 @@
 """The whole MiniMax-H3 pipeline from a checkpoint directory, against diffusers' own modular pipeline."""
 
 import copy
+import functools
 import io
 import json
 import shutil
@@ -326,37 +327,15 @@ def test_the_backend_is_built_exactly_as_admitted(tiny_checkpoint):
 
 
 def test_validate_deployment_on_cpu_and_for_the_released_geometry():
-    tiny = preset("tiny").geometry()
-    resolution = validate_deployment(
-        model="minimax-h3-tiny",
-        geometry=tiny,
-        attention_backend="auto",
-        platform=Platform.cpu(),
-        device="cpu",
-        dtype="float32",
-    )
+    on_cpu = functools.partial(validate_deployment, platform=Platform.cpu(), device="cpu", dtype="float32")
+    resolution = on_cpu(model="minimax-h3-tiny", geometry=preset("tiny").geometry(), attention_backend="auto")
     assert resolution.backend == "torch_sdpa" and resolution.head_dim == 32
     full = preset("full").geometry()
     assert (full.num_heads, full.head_dim) == (56, 128)  # the released transformer, from diffusers' defaults
     with pytest.raises(DeploymentConfigError, match=r"sp_degree=3 must divide the transformer's 56 attention heads"):
-        validate_deployment(
-            model="minimax-h3",
-            geometry=full,
-            attention_backend="auto",
-            platform=Platform.cpu(),
-            device="cpu",
-            dtype="float32",
-            sp_degree=3,
-        )
+        on_cpu(model="minimax-h3", geometry=full, attention_backend="auto", sp_degree=3)
     with pytest.raises(UnknownBackendError):
-        validate_deployment(
-            model="minimax-h3",
-            geometry=full,
-            attention_backend="nope",
-            platform=Platform.cpu(),
-            device="cpu",
-            dtype="float32",
-        )
+        on_cpu(model="minimax-h3", geometry=full, attention_backend="nope")
 
 
 def test_text_encoder_layers_after_the_one_h3_reads_are_dropped_without_changing_it():
