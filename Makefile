@@ -43,19 +43,3 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
-
-.PHONY: demo-checkpoint readme-images eval
-
-# The shipped demo checkpoint: the tiny preset trained on procedural scenes (pipelines/h3/demo/README.md).
-DEMO_CHECKPOINT ?= pipelines/h3/demo/minimax-h3-tiny
-
-demo-checkpoint: setup
-	rm -rf $(DEMO_CHECKPOINT).new
-	$(BIN)/python -m pipelines.h3.demo.train --out $(DEMO_CHECKPOINT).new --seed 0
-	rm -rf $(DEMO_CHECKPOINT) && mv $(DEMO_CHECKPOINT).new $(DEMO_CHECKPOINT)
-
-readme-images: setup
-	$(BIN)/python -m pipelines.h3.demo.readme_images --out docs/images
-
-eval: setup
-	$(BIN)/h3serve eval --check

@@ -164,3 +164,33 @@ def test_probe_rejects_garbage(data):
 def test_probe_rejects_truncated_mp4(clip):
     with pytest.raises(MediaError, match="^data:"):
         probe_media(clip[: len(clip) // 3])
+
+
+def _png_of_size(width: int, height: int) -> bytes:
+    """A blank 1-bit PNG: a few KB on the wire, width x height pixels once decoded."""
+    buf = io.BytesIO()
+    Image.new("1", (width, height)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "width, height, expect",
+    [(5000, 5000, "5000x5000 pixels; images may have at most"), (20000, 20000, "too large to decode")],
+    ids=["over-h3serve-bound", "pil-decompression-bomb"],
+)
+def test_an_oversized_keyframe_is_refused_by_field_before_decoding(width, height, expect):
+    from pipelines.h3.request import RequestError
+    from pipelines.h3.stages import decode_image
+
+    data = _png_of_size(width, height)
+    assert len(data) < 200_000  # small on the wire: only the declared size gives it away
+    with pytest.raises(RequestError, match=expect) as refused:
+        decode_image(data, "first_frame")
+    assert refused.value.field == "first_frame"
+
+
+def test_a_keyframe_within_the_bound_decodes_to_rgb():
+    from pipelines.h3.stages import decode_image
+
+    image = decode_image(_png_of_size(640, 360), "last_frame")
+    assert image.mode == "RGB" and image.size == (640, 360)

@@ -22,12 +22,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# Loading is from local folders only; never let a library reach for the hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from .config import TINY_VOCAB_SIZE, preset  # noqa: E402
+from .config import TINY_VOCAB_SIZE, preset
 
 logger = logging.getLogger(__name__)
 

@@ -54,10 +54,22 @@ def _blocks_after_loop() -> SequentialPipelineBlocks:
     )
 
 
+# Keyframes and image references are resized to a canvas of at most ~1M pixels; a larger upload is refused
+# before it is decoded (a few KB of PNG can declare billions of pixels: a decompression bomb).
+MAX_UPLOAD_PIXELS = 4096 * 4096
+
+
 def decode_image(data: bytes, field: str) -> Image.Image:
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            width, height = image.size
+            if width * height > MAX_UPLOAD_PIXELS:
+                raise RequestError(
+                    field, f"{field} is {width}x{height} pixels; images may have at most {MAX_UPLOAD_PIXELS} pixels"
+                )
             return image.convert("RGB")
+    except Image.DecompressionBombError as e:  # PIL's own bound, for formats whose size is known only later
+        raise RequestError(field, f"{field} is too large to decode: {e}") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise RequestError(field, f"{field} is not a decodable image: {e}") from None
 
