@@ -201,10 +201,12 @@ def keyframe_png(width: int, height: int, seed: int = 0) -> bytes:
 
 
 class StepLog:
-    """EngineObserver: every packed forward's stats."""
+    """EngineObserver: every packed forward's stats, every stage time, every failure."""
 
     def __init__(self):
         self.steps = []
+        self.stages: dict[str, list[float]] = {}
+        self.failures: list[tuple[str, str]] = []  # (step | request, reason)
 
     def on_step(self, stats, seconds: float) -> None:
         self.steps.append(
@@ -213,6 +215,15 @@ class StepLog:
 
     def on_queue(self, waiting: int, active: int) -> None:
         pass
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        self.stages.setdefault(stage, []).append(seconds)
+
+    def on_failed_step(self, reason: str) -> None:
+        self.failures.append(("step", reason))
+
+    def on_failed_request(self, reason: str) -> None:
+        self.failures.append(("request", reason))
 
 
 class _CountOps(TorchDispatchMode):

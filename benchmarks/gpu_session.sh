@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~6 minutes, at most ~9 (each
-# step has a hard timeout: 60 + 150 + 300 s).
+# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~6.5 minutes, at most ~10 (each
+# step has a hard timeout: 90 + 60 + 150 + 300 s). The first step is a smoke of the serving path on the device
+# (benchmarks/gpu_smoke.py, issue 22); when it fails, the session stops there, loudly, with exit 1.
 #
 # The lent machine has Python 3.12 with torch 2.11 (CUDA, Triton), transformers, accelerate, huggingface_hub,
 # safetensors, tokenizers, pillow, numpy and pyyaml, but no diffusers, no pydantic, no Ray and no network.
@@ -19,8 +20,9 @@
 #
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-deps"], timeout_s=570)
 #
-# and copy what comes back (files_at/<machine>-<date>/: env.txt, gpu_tests.log, gpu_kernels.{log,json},
-# attention_ranking.json, gpu_pipeline.{log,json}; 7 files, the device tool returns at most 8) to
+# and copy what comes back (files_at/<machine>-<date>/: gpu_smoke.log, env.txt, gpu_tests.log,
+# gpu_kernels.{log,json}, attention_ranking.json, gpu_pipeline.{log,json}; 8 files, the most the device tool
+# returns) to
 # benchmarks/results/<machine>-<date>/. On any other CUDA node with the project installed, run it as is:
 # without $OUT it writes straight into benchmarks/results/<machine>-<date>/.
 #
@@ -44,7 +46,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 H3SERVE_CACHE=${H3SERVE_CACHE:-/tmp/h3serve-cache}
 
-$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline" \
+$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline, benchmarks.gpu_smoke" \
     || { echo "gpu_session: the benchmarks do not import here (see above); nothing measured"; exit 2; }
 if [ -n "$DRY" ]; then
     DEST="${OUT:-$(mktemp -d)}/cpu-dry-run"
@@ -55,6 +57,15 @@ else
 fi
 mkdir -p "$DEST"
 echo "gpu_session: writing to $DEST"
+
+# 0. first, in a minute: h3serve's serving path ON the device (generate end to end on the tiny checkpoint, packs
+# with a padding document, one released-size packed step of two requests built on the device). A tensor made on
+# the wrong device fails every step of a replica, so nothing else is worth measuring until this passes.
+timeout 90 $PY -m benchmarks.gpu_smoke $DRY 2>&1 | tee "$DEST/gpu_smoke.log"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    echo "gpu_session: FAILED: the serving path does not run on $DEVICE (benchmarks/gpu_smoke.py; see $DEST/gpu_smoke.log)"
+    exit 1
+fi
 
 {   # 1. the machine, the libraries, h3serve's view of the platform
     [ -z "$DRY" ] && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv

@@ -99,8 +99,13 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def clip_document(config: dict, clip: Clip, progress: float = 0.5, seed: int = 0) -> Document:
-    """One T2VA request at denoising ``progress`` (0 = pure noise), as diffusers' blocks lay it out."""
+def clip_document(
+    config: dict, clip: Clip, progress: float = 0.5, seed: int = 0, device: str | torch.device = "cpu"
+) -> Document:
+    """One T2VA request at denoising ``progress`` (0 = pure noise), as diffusers' blocks lay it out.
+
+    On ``device``, as diffusers' layout step leaves it (on the execution device); built on the host.
+    """
     latent_frames = video_latent_num_frames(clip.num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK)
     audio_latents = audio_latent_num_frames(clip.num_frames)
     text_tags = torch.full((clip.text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
@@ -131,7 +136,7 @@ def clip_document(config: dict, clip: Clip, progress: float = 0.5, seed: int = 0
     )
     g = torch.Generator().manual_seed(seed)
     pt, ph, pw = config["patch_size"]
-    return Document(
+    document = Document(
         prompt_embeds=torch.randn(clip.text_tokens, config["text_dim"], generator=g),  # [n_text, text_dim]
         video_rows=torch.randn(video_idx.numel(), config["in_channels"] * pt * ph * pw, generator=g),  # [n_v, C*p]
         audio_rows=torch.randn(audio_idx.numel(), config["audio_in_channels"], generator=g),  # [n_a, C_a]
@@ -142,6 +147,9 @@ def clip_document(config: dict, clip: Clip, progress: float = 0.5, seed: int = 0
         text_indices=text_idx,
         timestep=timestep.float(),
         timestep_indices=timestep_indices,
+    )
+    return dataclasses.replace(
+        document, **{f.name: getattr(document, f.name).to(device) for f in dataclasses.fields(document)}
     )
 
 

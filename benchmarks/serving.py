@@ -84,7 +84,7 @@ def run(smoke: bool = False) -> dict:
             out["mp4"] = out["media"].mp4()
 
         def via_handle():
-            out["handle_png"] = handle.generate_image.remote(request).result()
+            out["handle_png"] = handle.generate_image.remote(request, "bench-handle").result()
 
         def via_http_image():
             response = http.post("/v1/images/generations", json=body).raise_for_status()

@@ -7,11 +7,17 @@ here, rank 1 a Ray actor, torch.distributed over gloo on loopback; padded only t
 packed forward of each runs; the video and audio velocities must be allclose (1e-5). Each rank runs
 one torch thread (a Ray actor with 1 CPU gets OMP_NUM_THREADS=1), so sp=2 uses 2 cores for what
 sp=1 does on one; sp=1 with both cores (2 threads) is shown too.
+
+Bytes rank 0 gathers per packed forward, from the shapes: before issue 22 every rank sent its rows of the
+final hidden state ([T/W, hidden] fp32); now each rank applies norm_out and the output heads to its own
+rows and sends [T/W, max(C_video, C_audio)] fp32. Shown for each tiny pack and for the released size
+(two T2VA requests at 1344x768, 124 and 141 frames: ~81k rows).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 import ray
@@ -22,7 +28,26 @@ from replicas import WorkerGroup
 
 from . import packing
 from .common import machine, main_for, median, say, table, time_ms, tiny_spec
+from .h3_shapes import Clip, clip_rows, human_bytes, transformer_config
 from .packing_report import one_pack
+
+RELEASED_PACK = (Clip(1344, 768, 124), Clip(1344, 768, 141))  # two T2VA requests at the released canvas
+
+
+def gathered_bytes(config: dict, rows: int) -> dict:
+    """Bytes rank 0 gathers in one packed forward of ``rows`` rows (all ranks' rows, fp32 as the heads run)."""
+    c_video = config["in_channels"] * math.prod(config["patch_size"])  # proj_out: hidden -> C * pt * ph * pw
+    c_audio = config["audio_in_channels"]  # audio_proj_out: hidden -> C_audio
+    before = rows * config["hidden_size"] * 4  # the hidden state after norm_out
+    after = rows * max(c_video, c_audio) * 4  # video rows through proj_out, audio rows through audio_proj_out
+    return {
+        "rows": rows,
+        "columns_before": config["hidden_size"],
+        "columns_after": max(c_video, c_audio),
+        "bytes_before": before,
+        "bytes_after": after,
+        "reduction": before / after,
+    }
 
 
 def batches(smoke: bool) -> dict[str, list[GenerationRequest]]:
@@ -72,6 +97,7 @@ def run(smoke: bool = False) -> dict:
             ms = {k: median(v[1:]) for k, v in times.items()}
             rows.append(
                 {
+                    "gather": gathered_bytes(transformer_config("tiny"), pack2.total_rows),
                     "batch": name,
                     "docs": len(pack1.lengths),
                     "rows": pack1.total_rows,
@@ -135,8 +161,36 @@ def run(smoke: bool = False) -> dict:
         "  per attention (q, k, v to heads, output back to rows) in 4 blocks + 1 gather over gloo on loopback, a\n"
         "  ray.put of the pack and an actor call; every rank also refines all prompts (text is not sharded)."
     )
+    full = transformer_config("full")
+    released = gathered_bytes(full, sum(clip_rows(full, c) for c in RELEASED_PACK))
+    gathers = [(r["batch"] + " (tiny)", r["gather"]) for r in rows] + [(" + ".join(map(str, RELEASED_PACK)), released)]
+    say()
+    table(
+        ["pack", "rows", "before: columns", "before: bytes", "after: columns", "after: bytes", "less"],
+        [
+            [
+                name,
+                g["rows"],
+                g["columns_before"],
+                human_bytes(g["bytes_before"]),
+                g["columns_after"],
+                human_bytes(g["bytes_after"]),
+                f"{g['reduction']:.0f}x",
+            ]
+            for name, g in gathers
+        ],
+        title="bytes rank 0 gathers per packed forward (fp32): the hidden state (before) vs the heads' outputs (after)",
+    )
     say(f"\noutputs allclose (1e-5) sp=2 vs sp=1: {'YES' if ok else 'NO'}")
-    return {"benchmark": "sp", "smoke": smoke, "machine": machine(), "reps": reps, "rows": rows, "ok": bool(ok)}
+    return {
+        "benchmark": "sp",
+        "smoke": smoke,
+        "machine": machine(),
+        "reps": reps,
+        "rows": rows,
+        "released_gather": released,
+        "ok": bool(ok),
+    }
 
 
 main = main_for(__doc__, run)

@@ -1,15 +1,21 @@
 """The OpenAI-style HTTP API (FastAPI under @serve.ingress).
 
-Every route is a method under ``@route``, which runs it through ``H3Ingress._call``: bearer auth,
-error mapping to OpenAI's error shape (``deploy.errors``), and request metrics, in one place. Request
-bodies are parsed here (not by FastAPI's body binding) so that every malformed body gets a 4xx that says
-what is wrong; the deployment's limits are checked by the body models' validators, and ``deploy.openapi``
-documents them. Video jobs run in ``deploy.video_jobs``. Only ``PUBLIC_ROUTES`` answer without the token.
+Every route is a method under ``@route``, which runs it through ``H3Ingress._call``: the request id,
+bearer auth, error mapping to OpenAI's error shape (``deploy.errors``), and request
+metrics, in one place. Request bodies are parsed here (not by FastAPI's body binding) so that every
+malformed body gets a 4xx that says what is wrong; the deployment's limits are checked by the body
+models' validators, and ``deploy.openapi`` documents them. Video jobs run in ``deploy.video_jobs``. Only
+``PUBLIC_ROUTES`` answer without the token.
+
+Backpressure: an ingress replica holds at most ``DeployArgs.generation_slots`` generation requests (what
+the H3 replicas can queue and run together; more get 503 here) plus ``ingress.headroom`` other requests,
+so job polls and /health never wait behind generations; ``ingress_options`` gives Serve those numbers.
 """
 
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import json
 import logging
@@ -22,11 +28,11 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,11 +40,12 @@ from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.checkpoint import cache_dir
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
-from .errors import RETRY_AFTER_S, APIError, http_error, invalid
+from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
 from .jobs import JobPolicy, JobStore, epoch_seconds
 from .media_store import MediaStore
 from .metrics import RequestMetrics
-from .openapi import document
+from .openapi import REQUEST_ID, document, redoc_page, swagger_page
+from .replica import DRAIN_MARGIN_S, log_through_serve
 from .video_jobs import VideoJobs
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,7 @@ DISTILLED = ("guidance_scale", "negative_prompt")
 # A liveness probe answers without the token; everything else needs it, the API docs included (they
 # list this deployment's limits). Unknown routes answer 404 either way: there is nothing behind them.
 PUBLIC_ROUTES = ("/health",)
+MAX_SEED = 2**63 - 1  # GenerationRequest's seed is a signed 64-bit integer
 
 
 def resolve_api_key(env: str | None) -> str | None:
@@ -79,9 +87,11 @@ class Body(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = Field(default=None, description="WIDTHxHEIGHT; default: the model's own canvas")
-    seed: int = Field(default=0, ge=0, lt=2**63)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     # None is replaced by the deployment's default_steps
     num_inference_steps: int | None = Field(default=None, ge=2, validate_default=True)
+    # the request's deadline, seconds from arrival; None: the engine's default_deadline_s
+    timeout_s: float | None = Field(default=None, gt=0)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -123,6 +133,14 @@ class Body(BaseModel):
             raise ValueError(f"num_inference_steps={steps} exceeds this server's limit of {limits.max_steps}")
         return steps
 
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, timeout_s: float | None, info: ValidationInfo) -> float | None:
+        limit = limits_of(info).max_timeout_s
+        if timeout_s is not None and not timeout_s <= limit:  # `not <=`: NaN too
+            raise ValueError(f"timeout_s={timeout_s:g} exceeds this server's limit of {limit:g} seconds")
+        return timeout_s
+
     def generation(self) -> dict[str, Any]:
         """The fields of a ``GenerationRequest`` this body sets."""
         width, height = parse_size(self.size) if self.size else (None, None)
@@ -149,6 +167,17 @@ class ImagesBody(Body):
         if n > limit:
             raise ValueError(f"n={n} exceeds the limit of {limit}")
         return n
+
+    @model_validator(mode="after")
+    def _seeds(self) -> "ImagesBody":
+        """Image i uses seed + i, so the last one must still be a valid seed."""
+        if self.seed + self.n - 1 > MAX_SEED:
+            raise FieldError(
+                "seed",
+                f"must be at most {MAX_SEED - self.n + 1} with n={self.n}: image i uses seed + i, "
+                f"and seeds range from 0 to 2**63 - 1 ({MAX_SEED})",
+            )
+        return self
 
 
 class VideosBody(Body):
@@ -310,8 +339,32 @@ def list_query(request: Request) -> tuple[int, str | None, str]:
     return int(limit), query.get("after"), order
 
 
-def openapi_url(request: Request) -> str:
-    return request.scope.get("root_path", "") + "/openapi.json"  # under the application's route prefix
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-Id (Serve's proxy makes one, a uuid4, when the client sent none), or a 400."""
+    given = request.headers.get("x-request-id")
+    if given is None:  # not through Serve's proxy
+        return uuid.uuid4().hex
+    if not REQUEST_ID.fullmatch(given):
+        raise APIError(400, "X-Request-Id must be 1 to 64 characters of A-Z a-z 0-9 . _ : -", "X-Request-Id")
+    return given
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip(" ") if scheme.lower() == "bearer" else None
+
+
+def ingress_options(args: DeployArgs) -> dict[str, Any]:
+    """H3Ingress's Serve options: room for every generation the H3 replicas can hold plus ``headroom`` other
+    requests; ``headroom`` more wait at each proxy, and beyond that the proxy answers 503 with Retry-After.
+    A stopping ingress gives its open image requests as long as a draining H3 replica gives their generation."""
+    return dict(
+        max_ongoing_requests=args.generation_slots + args.ingress.headroom,
+        max_queued_requests=args.ingress.headroom,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=float(RETRY_AFTER_S)),
+        graceful_shutdown_timeout_s=args.engine.drain_timeout_s + DRAIN_MARGIN_S,
+    )
 
 
 def route(name: str):
@@ -331,6 +384,7 @@ def route(name: str):
 @serve.ingress(app)
 class H3Ingress:
     def __init__(self, replica: DeploymentHandle, args: DeployArgs):
+        log_through_serve()  # the ingress's own lines (request ids, job hand-backs) into Serve's replica log
         self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
         self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
         self.metrics = request_metrics()
@@ -343,6 +397,7 @@ class H3Ingress:
             max_jobs=self.limits.max_video_jobs,
         )
         self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
+        self.generation_slots, self.generations = args.generation_slots, 0
         self._rules: ModelRules | None = None
         self._openapi: dict | None = None
 
@@ -352,16 +407,20 @@ class H3Ingress:
 
     # -- plumbing ------------------------------------------------------------------------
     async def _call(self, route: str, request: Request, handler: Callable[[], Awaitable[Any]]):
-        """Auth, then ``handler``; errors become OpenAI-shaped answers; every answer is timed and counted."""
-        started, status = time.perf_counter(), 200
+        """Request id, auth, then ``handler``; errors become OpenAI-shaped answers (their causes logged under the
+        request id); every answer is timed and counted. Serve's access log names each request by the same id:
+        its proxy takes the client's X-Request-Id, or makes one, and returns it in the answer's header."""
+        started, status, request_id = time.perf_counter(), 200, "-"
+        request.state.arrived = time.monotonic()  # timeout_s counts from here
         self.videos.start_sweeper()
         try:
+            request_id = request.state.request_id = request_id_of(request)
             self._authorize(route, request)
             result = await handler()
             status = getattr(result, "status_code", 200)
             return result
         except Exception as e:
-            error = e if isinstance(e, APIError) else http_error(e, route)
+            error = e if isinstance(e, APIError) else http_error(e, f"request {request_id} ({route})")
             status = error.status
             return error.response()
         finally:
@@ -370,8 +429,8 @@ class H3Ingress:
     def _authorize(self, route: str, request: Request) -> None:
         if self.api_key is None or route in PUBLIC_ROUTES:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None or not secrets.compare_digest(token.encode(), self.api_key.encode()):
             raise APIError(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     async def _body(self, request: Request) -> bytes:
@@ -451,6 +510,31 @@ class H3Ingress:
             self._rules = await self.replica.rules.remote()
         return self._rules
 
+    @contextlib.contextmanager
+    def _generation(self, request: Request):
+        """Count a valid generation request while it is open (an image: to its PNG; a video: until queued);
+        at ``generation_slots`` a further one is refused, so the headroom stays free for polls and /health."""
+        if self.generations >= self.generation_slots:
+            logger.warning(
+                "request %s: 503, this ingress holds %d generations", request.state.request_id, self.generations
+            )
+            raise APIError(503, QUEUE_FULL_MESSAGE, headers={"Retry-After": RETRY_AFTER_S})
+        self.generations += 1
+        try:
+            yield
+        finally:
+            self.generations -= 1
+
+    @staticmethod
+    def _deadline_s(request: Request, timeout_s: float | None) -> float | None:
+        """What is left of the request's ``timeout_s`` (which counts from its arrival) for the replica."""
+        if timeout_s is None:
+            return None
+        left = timeout_s - (time.monotonic() - request.state.arrived)
+        if left <= 0:
+            raise APIError(504, DEADLINE_MESSAGE, "timeout_s", kind="timeout")
+        return left
+
     def _check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):
             raise APIError(404, f"model {model!r} is not served here; available: {self.model_name}", "model")
@@ -462,17 +546,21 @@ class H3Ingress:
         body = await self._parse(request, ImagesBody)
         self._check_model(body.model)
         base = body.generation()
-        # n images are n clips: the engine packs them into the same forwards
-        calls = [
-            self.replica.generate_image.remote(GenerationRequest(**{**base, "seed": body.seed + i}))
-            for i in range(body.n)
-        ]
-        try:
-            pngs = await asyncio.gather(*calls)
-        except BaseException:
-            for call in calls:
-                call.cancel()
-            raise
+        request_id, deadline_s = request.state.request_id, self._deadline_s(request, body.timeout_s)
+        with self._generation(request):
+            # n images are n clips: the engine packs them into the same forwards
+            calls = [
+                self.replica.generate_image.remote(
+                    GenerationRequest(**{**base, "seed": body.seed + i}), f"{request_id}-{i}", deadline_s
+                )
+                for i in range(body.n)
+            ]
+            try:
+                pngs = await asyncio.gather(*calls)
+            except BaseException:
+                for call in calls:
+                    call.cancel()
+                raise
         return {
             "created": epoch_seconds(),
             "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
@@ -515,7 +603,11 @@ class H3Ingress:
             "prompt": body.prompt,
             "error": None,
         }
-        if not await self.videos.submit(video, generation_request):
+        deadline_s = self._deadline_s(request, body.timeout_s)
+        with self._generation(request):
+            # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
+            accepted = await self.videos.submit(video, generation_request, request.state.request_id, deadline_s)
+        if not accepted:
             raise APIError(
                 503,
                 f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
@@ -587,13 +679,29 @@ class H3Ingress:
     async def health(self, request: Request):
         try:
             info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
-        except Exception as e:
-            return JSONResponse({"status": "unavailable", "error": str(e).splitlines()[0]}, status_code=503)
+        except Exception as e:  # what went wrong is for the log: this route answers without a token
+            logger.warning("request %s: /health: no H3 replica answered: %r", request.state.request_id, e)
+            body = {"status": "unavailable", "error": "no model replica answered"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
         return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
 
     @app.get("/openapi.json")
     @route("/openapi.json")
     async def openapi(self, request: Request):
+        return await self._document(request)
+
+    # The pages hold the document itself: a browser fetching /openapi.json would not send the token
+    @app.get("/docs")
+    @route("/docs")
+    async def docs(self, request: Request):
+        return HTMLResponse(swagger_page(await self._document(request), title="h3serve API"))
+
+    @app.get("/redoc")
+    @route("/redoc")
+    async def redoc(self, request: Request):
+        return HTMLResponse(redoc_page(await self._document(request), title="h3serve API"))
+
+    async def _document(self, request: Request) -> dict:
         if self._openapi is None:
             root = request.scope.get("root_path", "")  # the application's route prefix
             base = get_openapi(
@@ -607,18 +715,9 @@ class H3Ingress:
                 "POST /v1/images/generations": ImagesBody,
                 "POST /v1/videos": VideosBody,
             }
-            self._openapi = document(base, bodies, self.limits, await self.rules())
+            public = PUBLIC_ROUTES if self.api_key is not None else None
+            self._openapi = document(base, bodies, self.limits, await self.rules(), public_routes=public)
         return self._openapi
-
-    @app.get("/docs")
-    @route("/docs")
-    async def docs(self, request: Request):
-        return get_swagger_ui_html(openapi_url=openapi_url(request), title="h3serve API")
-
-    @app.get("/redoc")
-    @route("/redoc")
-    async def redoc(self, request: Request):
-        return get_redoc_html(openapi_url=openapi_url(request), title="h3serve API")
 
     async def __del__(self):
         """Serve stops this replica: fail its running jobs now rather than after their lease."""

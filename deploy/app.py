@@ -11,7 +11,7 @@ from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
 from .admission import ADMISSION_ERRORS, admit
-from .api import H3Ingress
+from .api import H3Ingress, ingress_options
 from .args import DeployArgs
 from .replica import H3Replica
 
@@ -31,4 +31,6 @@ def build_app(args: DeployArgs) -> Application:
         raise DeploymentRefused(f"h3serve refused the deployment: {type(e).__name__}: {e}") from e
     replica = serve.deployment(H3Replica, **H3Replica.deployment_options(args))
     replica = replica.bind(args.replica_spec(resolution), args.engine)
-    return H3Ingress.bind(replica, args)  # type: ignore[attr-defined]  # a Serve deployment
+    # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations
+    ingress = H3Ingress.options(**ingress_options(args))  # type: ignore[attr-defined]  # a Serve deployment
+    return ingress.bind(replica, args)

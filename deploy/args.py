@@ -35,12 +35,41 @@ class RequestLimits(BaseModel):
         description="video job records kept; at the limit the oldest "
         "finished ones are dropped first, and with none finished a new job gets HTTP 503",
     )
+    max_timeout_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="largest timeout_s a request may give (its deadline, in seconds from arrival); "
+        "a request without one gets engine.default_deadline_s",
+    )
 
     @model_validator(mode="after")
     def _steps(self) -> RequestLimits:
         if self.default_steps > self.max_steps:
             raise ValueError(f"default_steps={self.default_steps} exceeds max_steps={self.max_steps}")
         return self
+
+
+class IngressArgs(BaseModel):
+    """How much one H3Ingress replica holds at once. Its Serve options are derived from these and the
+    engine's bounds (``DeployArgs.generation_slots``; docs/CONFIG.md#backpressure)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    h3_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="the most H3Replica replicas this application runs: num_replicas, or "
+        "autoscaling_config.max_replicas, of H3Replica under the serve config's deployments: (the builder cannot "
+        "read that section, so it is repeated here; `h3serve admit` and `h3serve serve` refuse a config where the "
+        "two disagree). With the engine's bounds it sets how many generations an ingress replica holds",
+    )
+    headroom: int = Field(
+        default=32,
+        ge=1,
+        description="requests an H3Ingress replica takes beyond the generations it holds: job polls, "
+        "listings, downloads, /health, POSTs being parsed. It is also the queue in front of each ingress "
+        "replica at each proxy (Serve's max_queued_requests); past it the proxy answers HTTP 503 with Retry-After",
+    )
 
 
 class JobStoreArgs(BaseModel):
@@ -137,6 +166,9 @@ class DeployArgs(BaseModel):
     )
     engine: EngineLimits = Field(default_factory=EngineLimits, description="the step engine's bounds per replica")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="what one HTTP request may ask for")
+    ingress: IngressArgs = Field(
+        default_factory=IngressArgs, description="how much one H3Ingress replica holds at once (backpressure)"
+    )
     jobs: JobStoreArgs = Field(default_factory=JobStoreArgs, description="where video jobs and their MP4s are kept")
     served_model_name: str = Field(
         default_factory=lambda fields: preset(fields["model"]).name,
@@ -158,6 +190,39 @@ class DeployArgs(BaseModel):
                 "MiniMax-H3 layout (only tiny has a built-in checkpoint)"
             )
         return self
+
+    @property
+    def generation_slots(self) -> int:
+        """The most generation requests the H3 replicas hold at once, queued or running: more get HTTP 503."""
+        return self.ingress.h3_replicas * (self.engine.max_queue + self.engine.max_active)
+
+    def check_deployments(self, deployments: list[dict[str, Any]]) -> None:
+        """Refuse a serve config whose H3Replica entry under ``deployments:`` runs more or fewer replicas than
+        ``ingress.h3_replicas`` says (the builder sizes the ingress from the latter; it cannot read the former),
+        or whose H3Ingress entry replaces the ingress's derived concurrency."""
+        ingress = next((d for d in deployments if d.get("name") == "H3Ingress"), {})
+        overridden = sorted({"max_ongoing_requests", "max_queued_requests"} & set(ingress))
+        if overridden:
+            raise ValueError(
+                f"H3Ingress sets {', '.join(overridden)} under deployments:, which replaces what the builder "
+                "derives from the engine's bounds and args.ingress.h3_replicas; set args.ingress.headroom instead"
+            )
+        entry = next((d for d in deployments if d.get("name") == "H3Replica"), {})
+        autoscaling = entry.get("autoscaling_config") or {}
+        declared, where = entry.get("num_replicas", 1), "num_replicas"
+        if autoscaling or declared == "auto":
+            declared, where = autoscaling.get("max_replicas"), "autoscaling_config.max_replicas"
+            if declared is None:  # Serve's default depends on how autoscaling was switched on
+                raise ValueError(
+                    "H3Replica autoscales without an explicit autoscaling_config.max_replicas: give it, and "
+                    "the same number as args.ingress.h3_replicas"
+                )
+        if declared != self.ingress.h3_replicas:
+            raise ValueError(
+                f"H3Replica runs up to {declared} replicas ({where} under deployments:) but "
+                f"args.ingress.h3_replicas is {self.ingress.h3_replicas}: set them equal (the ingress's "
+                "concurrency and queue are sized from h3_replicas)"
+            )
 
     @property
     def geometry(self) -> TransformerGeometry:

@@ -36,11 +36,16 @@ def load_config(path: str | None) -> dict:
 
 def h3_apps(config: dict) -> list[tuple[str, dict]]:
     """(name, args) of every application in the config that this builder runs."""
-    return [
-        (app.get("name", "default"), app.get("args") or {})
-        for app in config.get("applications", [])
-        if app.get("import_path") == BUILDER
-    ]
+    return [(app.get("name", "default"), app.get("args") or {}) for app in builder_apps(config)]
+
+
+def builder_apps(config: dict) -> list[dict]:
+    return [app for app in config.get("applications", []) if app.get("import_path") == BUILDER]
+
+
+def app_deployments(config: dict) -> dict[str, list[dict]]:
+    """Each application's ``deployments:`` overrides, which the builder never sees (Serve applies them after it)."""
+    return {app.get("name", "default"): app.get("deployments") or [] for app in builder_apps(config)}
 
 
 def fail(code: int, message: str):
@@ -48,15 +53,21 @@ def fail(code: int, message: str):
     raise SystemExit(code)
 
 
-def parse_args(app_name: str, raw: dict):
+def parse_args(app_name: str, raw: dict, deployments: list[dict]):
+    """The typed args, checked against the application's deployment overrides; exits 2 on either failing."""
     from pydantic import ValidationError
 
     from .args import DeployArgs
 
     try:
-        return DeployArgs.model_validate(raw)
+        args = DeployArgs.model_validate(raw)
     except ValidationError as e:
         fail(EXIT_REFUSED, f"invalid args for application {app_name!r}:\n{e}")
+    try:
+        args.check_deployments(deployments)
+    except ValueError as e:
+        fail(EXIT_REFUSED, f"application {app_name!r}: {e}")
+    return args
 
 
 # -- admit --------------------------------------------------------------------------------
@@ -68,7 +79,8 @@ def cmd_admit(ns: argparse.Namespace) -> None:
     from .admission import ADMISSION_ERRORS, admit
     from .metrics import ADMISSION_DECISIONS, ADMISSION_FAILURES
 
-    apps = h3_apps(load_config(ns.config))
+    config = load_config(ns.config)
+    apps, deployments = h3_apps(config), app_deployments(config)
     if not apps:
         fail(EXIT_REFUSED, f"{ns.config} has no application with import_path {BUILDER}")
     registry = CollectorRegistry()
@@ -86,7 +98,7 @@ def cmd_admit(ns: argparse.Namespace) -> None:
             failures.labels(**{k: v for k, v in tags.items() if k != "outcome"}).inc()
 
     for name, raw in apps:
-        args = parse_args(name, raw)
+        args = parse_args(name, raw, deployments[name])
         if ns.platform:
             text = Path(ns.platform).read_text() if Path(ns.platform).is_file() else ns.platform
             platform = Platform.model_validate_json(text)
@@ -124,7 +136,8 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
     raw = load_config(ns.config)
     schema = ServeDeploySchema.model_validate(raw)
-    apps = [(name, parse_args(name, args)) for name, args in h3_apps(raw)]
+    deployments = app_deployments(raw)
+    apps = [(name, parse_args(name, args, deployments[name])) for name, args in h3_apps(raw)]
     if ns.address is None:  # a local cluster: the ingress reads this process's environment
         from .api import resolve_api_key
 

@@ -12,6 +12,30 @@ from pydantic.fields import FieldInfo
 
 from .args import DeployArgs
 
+BACKPRESSURE = """\
+## Backpressure
+
+Every queue in front of the engine is bounded, so overload answers HTTP 503 with `Retry-After`, never an
+unbounded wait. The builder sizes the ingress from the engine's bounds (`deploy.api.ingress_options`):
+
+- **generation slots** = `ingress.h3_replicas` x (`engine.max_queue` + `engine.max_active`): the most
+  generation requests the H3 replicas hold at once, queued or running. A further one gets 503 from a
+  replica's engine (its queue is full), or from the ingress itself once that ingress replica already holds
+  this many valid generation requests (an image request counts until it is answered, a video request until
+  its job is queued).
+- H3Ingress `max_ongoing_requests` = generation slots + `ingress.headroom`: whatever the generations hold,
+  `headroom` requests more (job polls, listings, downloads, `/health`) are served at once.
+- H3Ingress `max_queued_requests` = `ingress.headroom`: requests waiting at each Serve proxy for an ingress
+  replica; past it the proxy answers 503 with `Retry-After: 2` (a plain-text body, Serve's own).
+
+Each H3Ingress replica gets the full count, since Serve may route every generation to one of them.
+`ingress.h3_replicas` must equal the H3Replica's `num_replicas` (or `autoscaling_config.max_replicas`)
+under `deployments:` (the builder cannot read that section): `h3serve admit` and `h3serve serve` refuse a
+config where they differ, or where H3Ingress sets `max_ongoing_requests` or `max_queued_requests` there
+(which would replace the derived values). A 503 from the API carries a generic message; what caused it
+is in the log under the request's `X-Request-Id`.
+"""
+
 
 def _type(field: FieldInfo) -> str:
     text = str(field.annotation).replace("typing.", "")
@@ -56,6 +80,7 @@ def reference() -> str:
         "| --- | --- | --- | --- |",
         *_rows(DeployArgs),
         "",
+        BACKPRESSURE,
     ]
     return "\n".join(lines)
 

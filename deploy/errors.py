@@ -1,4 +1,8 @@
-"""Errors a client can act on, in OpenAI's error shape, and the mapping of everything else onto them."""
+"""Errors a client can act on, in OpenAI's error shape, and the mapping of everything else onto them.
+
+A 5xx body never carries an internal exception's text (a worker's traceback, a Ray actor's name): the
+client gets a generic message and the request id, the log gets the text under the same request id.
+"""
 
 import logging
 
@@ -8,11 +12,17 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from pipelines.h3 import RequestError, VisionUnavailable
-from replicas import EngineStopped, QueueFull
+from replicas import DeadlineExceeded, EngineStopped, QueueFull
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "2"
-OVERLOADED = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailableError, RayActorError)
+# every queue on the way is full: the engine's, or Serve's in front of a replica
+QUEUE_FULL = (QueueFull, BackPressureError)
+# no replica can take the request now: stopped, draining (EngineDraining), stalled (EngineStalled), dead, starting
+UNAVAILABLE = (EngineStopped, DeploymentUnavailableError, RayActorError)
+QUEUE_FULL_MESSAGE = "the queue is full; retry later"
+UNAVAILABLE_MESSAGE = "the model is unavailable right now; retry later"
+DEADLINE_MESSAGE = "the request did not finish within its deadline (timeout_s)"
 # fields of the model's errors -> the API parameter a client set
 API_PARAM = {
     "width": "size",
@@ -24,16 +34,32 @@ API_PARAM = {
 
 
 class APIError(Exception):
-    """An error the client can act on, in OpenAI's error shape."""
+    """An error the client can act on, in OpenAI's error shape. ``kind`` is OpenAI's ``error.type``
+    (default: invalid_request_error below 500, server_error from 500)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict | None = None,
+        kind: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
+
+
+class FieldError(ValueError):
+    """A model validator's error that belongs to one field (pydantic would report it for the whole body)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -42,10 +68,20 @@ def root_cause(error: BaseException) -> BaseException:
 
 
 def http_error(error: BaseException, what: str) -> APIError:
-    """503 for overload, 400 for a request the model refused, 500 (logged) for anything else."""
+    """503 + Retry-After for overload and unavailable replicas, 504 for a passed deadline, 400 for a request the
+    model refused, 500 for anything else. ``what`` (the route or job and its request id) heads the log line
+    that holds the internal text the client does not see."""
     cause = root_cause(error)
-    if isinstance(error, OVERLOADED) or isinstance(cause, OVERLOADED):
-        return APIError(503, f"overloaded: {cause}", headers={"Retry-After": RETRY_AFTER_S})
+    retry = {"Retry-After": RETRY_AFTER_S}
+    if isinstance(error, QUEUE_FULL) or isinstance(cause, QUEUE_FULL):
+        logger.warning("%s: 503, queue full: %s", what, cause)
+        return APIError(503, QUEUE_FULL_MESSAGE, headers=retry)
+    if isinstance(error, UNAVAILABLE) or isinstance(cause, UNAVAILABLE):
+        logger.warning("%s: 503, no replica can take it: %s: %s", what, type(cause).__name__, cause)
+        return APIError(503, UNAVAILABLE_MESSAGE, headers=retry)
+    if isinstance(cause, DeadlineExceeded):
+        logger.info("%s: 504, %s", what, cause)
+        return APIError(504, DEADLINE_MESSAGE, "timeout_s", kind="timeout")
     if isinstance(cause, RequestError):
         return APIError(400, str(cause), API_PARAM.get(cause.field, cause.field))
     if isinstance(cause, VisionUnavailable):
@@ -57,6 +93,6 @@ def http_error(error: BaseException, what: str) -> APIError:
 def invalid(error: ValidationError) -> APIError:
     """A 400 naming the first invalid field."""
     first = error.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or None
+    field = ".".join(str(p) for p in first["loc"]) or getattr(first.get("ctx", {}).get("error"), "field", None)
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
     return APIError(400, f"{field}: {message}" if field else message, field)

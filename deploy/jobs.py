@@ -36,6 +36,29 @@ class JobPolicy:
     max_jobs: int  # records kept; at the limit the oldest finished go, else creating one is refused
 
 
+def is_record(record) -> bool:
+    """Whether parsed JSON has the shape this module writes (a stray or hand-edited file may not)."""
+    if not isinstance(record, dict) or not isinstance(record.get("video"), dict):
+        return False
+    video = record["video"]
+    return (
+        isinstance(record.get("updated_at"), (int, float))
+        and isinstance(record.get("lease_s"), (int, float))
+        and isinstance(record.get("bytes"), int)
+        and isinstance(video.get("id"), str)
+        and video.get("status") in ("queued", "in_progress", *FINISHED)
+        and isinstance(video.get("created_at"), (int, float))
+    )
+
+
+def job_id_of(name: str, suffix: str) -> str | None:
+    """The job id of a store name like ``video_<32 hex>.json``; None for anything else in the store."""
+    if not name.endswith(suffix):
+        return None
+    job_id = name.removesuffix(suffix)
+    return job_id if JOB_ID.fullmatch(job_id) else None
+
+
 class JobGone(Exception):
     """The job was deleted: its runner stops generating."""
 
@@ -53,7 +76,14 @@ class JobStore:
         self.store, self.policy, self.clock = store, policy, clock
         self._finished: dict[str, dict] = {}  # finished records never change: read each once
         self._orphans: set[str] = set()  # MP4s without a record at the last sweep
+        self._skipped: set[str] = set()  # files that are not job records, logged once each
         self._sweeping = threading.Lock()
+
+    def _skip(self, name: str, why: str) -> None:
+        """A file in the store that is not one of our records is left alone; say so once, not on every listing."""
+        if name not in self._skipped:
+            self._skipped.add(name)
+            logger.error("%s in the video job store %s %s; skipping it (remove it by hand)", name, self.store.url, why)
 
     # -- records ------------------------------------------------------------------------------
     def _read(self, job_id: str, listed: bool = False) -> dict | None:
@@ -66,7 +96,10 @@ class JobStore:
         try:
             record = json.loads(raw)
         except ValueError:  # writes are atomic: only a hand-edited file gets here
-            logger.error("video job record %s.json in %s is not JSON; ignoring it", job_id, self.store.url)
+            self._skip(f"{job_id}.json", "is not JSON")
+            return None
+        if not is_record(record):
+            self._skip(f"{job_id}.json", "is JSON but not a video job record")
             return None
         if record["video"]["status"] in FINISHED:
             self._finished[job_id] = record
@@ -102,11 +135,22 @@ class JobStore:
         self._finished[video["id"]] = record
         return record
 
-    def create(self, video: dict) -> JobRunner | None:
-        """Store a new job and return its runner; None when max_jobs unfinished jobs exist (answer 503)."""
+    def create(self, video: dict, request_id: str | None = None) -> JobRunner | None:
+        """Store a new job and return its runner; None when max_jobs unfinished jobs exist (answer 503).
+
+        ``request_id`` (the HTTP request's X-Request-Id, in every log line about the job) is kept in the
+        record beside the video object, with ``submissions``: how often it was sent to a replica (a draining
+        replica hands back a job it never started, and the runner submits it again)."""
         if not self._make_room():
             return None
-        record = {"video": dict(video), "updated_at": self.clock(), "lease_s": self.policy.lease_s, "bytes": 0}
+        record = {
+            "video": dict(video),
+            "updated_at": self.clock(),
+            "lease_s": self.policy.lease_s,
+            "bytes": 0,
+            "request_id": request_id,
+            "submissions": 1,
+        }
         runner = JobRunner(self, record)
         self._write(record)
         return runner
@@ -147,10 +191,15 @@ class JobStore:
     def _records(self, names: builtins.list[str]) -> dict[str, dict]:
         records = {}
         for name in names:
-            if name.endswith(".json"):
-                record = self._read(name.removesuffix(".json"), listed=True)
-                if record is not None:
-                    records[name.removesuffix(".json")] = self._expire(record)
+            if not name.endswith(".json"):
+                continue
+            job_id = job_id_of(name, ".json")
+            if job_id is None:
+                self._skip(name, "is not named like a video job record (video_<32 hex digits>.json)")
+                continue
+            record = self._read(job_id, listed=True)
+            if record is not None:
+                records[job_id] = self._expire(record)
         return records
 
     def _live_records(self, names: builtins.list[str]) -> dict[str, dict]:
@@ -169,7 +218,7 @@ class JobStore:
 
     def _make_room(self) -> bool:
         names = self.store.names()
-        if sum(n.endswith(".json") for n in names) < self.policy.max_jobs:
+        if sum(job_id_of(n, ".json") is not None for n in names) < self.policy.max_jobs:
             return True
         records = self._records(names)
         finished = self._oldest_finished(records)
@@ -194,10 +243,12 @@ class JobStore:
             if f"{job_id}.json" not in present:
                 del self._finished[job_id]
         for name in names:  # a deleted job's runner can no longer write once its lease has passed
-            if name.endswith(".deleted"):
+            deleted_id = job_id_of(name, ".deleted")
+            if deleted_id is not None:
                 raw = self.store.get(name)
-                if raw is not None and now - json.loads(raw)["deleted_at"] > self.policy.lease_s:
-                    self._remove(name.removesuffix(".deleted"))
+                deleted_at = None if raw is None else self._deleted_at(name, raw)
+                if deleted_at is not None and now - deleted_at > self.policy.lease_s:
+                    self._remove(deleted_id)
         records = self._live_records(names)
         finished = self._oldest_finished(records)
         total = sum(r["bytes"] for r in records.values())
@@ -210,11 +261,20 @@ class JobStore:
             self._remove(job_id)
         # an MP4 without a record: a runner died between the two writes, or a delete half-done. Its
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
-        orphans = {n.removesuffix(".mp4") for n in names if n.endswith(".mp4") and f"{n[:-4]}.json" not in present}
+        mp4s = {mp4_id for n in names if (mp4_id := job_id_of(n, ".mp4")) is not None}
+        orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:
             self.store.delete(f"{job_id}.mp4")
         self._orphans = orphans - self._orphans
         self.store.remove_stale_temporaries(self.policy.lease_s)
+
+    def _deleted_at(self, name: str, raw: bytes) -> float | None:
+        """When a tombstone was written; None (skipped, and logged) for a file this store did not write."""
+        try:
+            return float(json.loads(raw)["deleted_at"])
+        except (ValueError, TypeError, KeyError):
+            self._skip(name, "is not a tombstone this store wrote")
+            return None
 
 
 class JobRunner:
@@ -243,6 +303,12 @@ class JobRunner:
             self.record = {**self.record, "updated_at": self.jobs.clock(), "video": {**self.record["video"], **fields}}
             self.jobs._write(self.record)
             self.last_write = started
+
+    def resubmitted(self) -> None:
+        """A replica handed the job back unstarted (it drains): count the next submission in the record."""
+        with self._lock:
+            self.record = {**self.record, "submissions": self.record.get("submissions", 1) + 1}
+        self.update()
 
     def complete(self, mp4: bytes) -> None:
         """The MP4 first, then the record that says it is there."""

@@ -13,12 +13,20 @@ import logging
 import ray
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from replicas import FAILURE_REASONS
+from replicas import STAGES as ENGINE_STAGES
+
 logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
 STEP_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 ROW_BUCKETS = [64, 256, 1024, 4096, 16384, 65536, 262144]
 FRACTION_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
+# one request's stages: a tiny step takes milliseconds, a released-size clip waits and runs for many minutes
+STAGE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600]
+# the stage tag's values: what the engine observes (replicas.STAGES) and the replica's own MP4/PNG encoding
+STAGES = (*ENGINE_STAGES, "encode")
+FAILED_STEP_REASONS = ("pack", "worker_group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,28 @@ ROWS_PER_STEP = MetricDef(
 PADDING_FRACTION = MetricDef(
     "h3serve_padding_fraction", "histogram", "Padding rows / all rows of a packed forward.", (), tuple(FRACTION_BUCKETS)
 )
+STAGE_SECONDS = MetricDef(
+    "h3serve_stage_seconds",
+    "histogram",
+    "Seconds one request spent in a stage: queue_wait (submitted to joining the pack), prepare (diffusers' "
+    "blocks before the loop), first_step (submitted to its first completed step), step (one packed forward), "
+    "decode (VAEs), encode (MP4/PNG), end_to_end (submitted to decoded).",
+    ("stage",),
+    tuple(STAGE_BUCKETS),
+)
+FAILED_STEPS = MetricDef(
+    "h3serve_failed_steps",
+    "counter",
+    "Packed forwards that failed: reason pack (the pack's data; its requests are retried in smaller packs) or "
+    "worker_group (a rank died or a collective timed out; the replica is replaced).",
+    ("reason",),
+)
+FAILED_REQUESTS = MetricDef(
+    "h3serve_failed_requests",
+    "counter",
+    "Requests the engine failed, by reason: " + ", ".join(FAILURE_REASONS) + ".",
+    ("reason",),
+)
 
 ALL_METRICS = (
     ADMISSION_DECISIONS,
@@ -87,6 +117,9 @@ ALL_METRICS = (
     STEP_SECONDS,
     ROWS_PER_STEP,
     PADDING_FRACTION,
+    STAGE_SECONDS,
+    FAILED_STEPS,
+    FAILED_REQUESTS,
 )
 
 
@@ -133,12 +166,24 @@ def admission_recorder():
 
 
 # -- replicas: the engine's observer ---------------------------------------------------------
+def checked(value: str, allowed: tuple[str, ...], tag: str) -> str:
+    """A tag value from its closed set: an unknown one is a bug, never a new (unbounded) series."""
+    if value not in allowed:
+        raise ValueError(f"{tag} {value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
 class EngineMetrics:
-    """replicas.EngineObserver, recording to Prometheus through Ray."""
+    """replicas.EngineObserver, recording to Prometheus through Ray (the replica reports stage "encode" too)."""
 
     def __init__(self):
         self.queue, self.step = make(QUEUE_DEPTH), make(STEP_SECONDS)
         self.rows, self.padding = make(ROWS_PER_STEP), make(PADDING_FRACTION)
+        self.stage, self.failed_steps, self.failed_requests = (
+            make(STAGE_SECONDS),
+            make(FAILED_STEPS),
+            make(FAILED_REQUESTS),
+        )
 
     def on_step(self, stats, seconds: float) -> None:
         self.step.observe(seconds)
@@ -148,6 +193,15 @@ class EngineMetrics:
     def on_queue(self, waiting: int, active: int) -> None:
         self.queue.set(waiting, tags={"state": "waiting"})
         self.queue.set(active, tags={"state": "active"})
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        self.stage.observe(seconds, tags={"stage": checked(stage, STAGES, "stage")})
+
+    def on_failed_step(self, reason: str) -> None:
+        self.failed_steps.inc(1, tags={"reason": checked(reason, FAILED_STEP_REASONS, "failed step reason")})
+
+    def on_failed_request(self, reason: str) -> None:
+        self.failed_requests.inc(1, tags={"reason": checked(reason, FAILURE_REASONS, "failed request reason")})
 
 
 class RequestMetrics:

@@ -4,11 +4,16 @@ The routes take a raw ``Request`` (so that every malformed body gets an explicit
 cannot describe; this fills in what they accept, with this deployment's limits and the model's rules,
 so clients and schema fuzzers see the real API. Every field of the validating models must be
 described here (``properties`` raises KeyError otherwise), so the two cannot drift apart.
+
+``swagger_page`` and ``redoc_page`` embed the document in the page rather than pointing the browser at
+/openapi.json, which it would fetch without the bearer token.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -18,6 +23,20 @@ from pipelines.h3 import ModelRules
 from .args import RequestLimits
 from .jobs import JOB_ID
 
+# an X-Request-Id a client may send (Serve's proxy makes a uuid4 when it sends none)
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+REQUEST_ID_HEADER = {
+    "name": "X-Request-Id",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "pattern": f"^{REQUEST_ID.pattern}$"},
+    "description": "names this request in the server's logs and in a video job's record; echoed in the "
+    "answer's X-Request-Id header (one is made when none is sent)",
+}
+BEARER = {"type": "http", "scheme": "bearer"}
+SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
+SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
+REDOC_JS = "https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"
 ERROR = {
     "type": "object",
     "required": ["error"],
@@ -94,6 +113,14 @@ def field_docs(limits: RequestLimits, rules: ModelRules | None, form: bool) -> d
         "fps": {"type": "integer", "description": "the model's own frame rate, or omitted"}
         if rules is None
         else {"enum": [rules.fps], "description": "the model's own frame rate, or omitted"},
+        "timeout_s": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": limits.max_timeout_s,
+            "description": "the request's deadline in seconds from its arrival: past it the request leaves the "
+            "engine and gets HTTP 504 (error type 'timeout'; a video job fails with code 'timeout'). Default: the "
+            "deployment's engine.default_deadline_s (none unless configured)",
+        },
         "input_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the first frame (FL2VA)"},
         "last_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the last frame (FL2VA)"},
         "references": {
@@ -112,10 +139,21 @@ def properties(model: type[BaseModel], docs: dict[str, dict]) -> dict:
     }
 
 
-def document(base: dict, bodies: dict[str, type[BaseModel]], limits: RequestLimits, rules: ModelRules | None) -> dict:
-    """``base`` (FastAPI's document) with request bodies, query parameters and error responses filled in."""
+def document(
+    base: dict,
+    bodies: dict[str, type[BaseModel]],
+    limits: RequestLimits,
+    rules: ModelRules | None,
+    public_routes: tuple[str, ...] | None = None,
+) -> dict:
+    """``base`` (FastAPI's document) with request bodies, query parameters and error responses filled in.
+    ``public_routes``: with a bearer token configured, the routes that answer without it (every other
+    operation declares the bearer scheme, so Swagger's Authorize button sends the token)."""
     doc = copy.deepcopy(base)
-    doc.setdefault("components", {}).setdefault("schemas", {}).update(Error=ERROR, Video=VIDEO)
+    components = doc.setdefault("components", {})
+    components.setdefault("schemas", {}).update(Error=ERROR, Video=VIDEO)
+    if public_routes is not None:
+        components["securitySchemes"] = {"bearer": BEARER}
     error = {
         "description": "an error in OpenAI's shape",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
@@ -125,6 +163,9 @@ def document(base: dict, bodies: dict[str, type[BaseModel]], limits: RequestLimi
         for method, operation in methods.items():
             operation["responses"].pop("422", None)  # FastAPI's validation shape; h3serve answers 400
             operation["responses"]["default"] = error
+            operation.setdefault("parameters", []).append(REQUEST_ID_HEADER)
+            if public_routes is not None and path not in public_routes:
+                operation["security"] = [{"bearer": []}]
             for parameter in operation.get("parameters", []):
                 if parameter["name"] == "video_id":
                     parameter["schema"] = VIDEO_ID
@@ -145,5 +186,62 @@ def document(base: dict, bodies: dict[str, type[BaseModel]], limits: RequestLimi
             {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
             {"name": "after", "in": "query", "schema": VIDEO_ID},
             {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+            REQUEST_ID_HEADER,
         ]
     return doc
+
+
+def html_json(value: Any) -> str:
+    """JSON that is safe inside a <script> element (no "</script>", no HTML entities)."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def swagger_page(doc: dict, title: str) -> str:
+    """Swagger UI with ``doc`` inline (its ``spec`` option): nothing to fetch, so nothing without the token."""
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<link type="text/css" rel="stylesheet" href="{SWAGGER_CSS}">
+<title>{title}</title>
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{SWAGGER_JS}"></script>
+<script id="openapi-document" type="application/json">{html_json(doc)}</script>
+<script>
+const spec = JSON.parse(document.getElementById("openapi-document").textContent);
+SwaggerUIBundle({{
+  spec: spec,
+  dom_id: "#swagger-ui",
+  layout: "BaseLayout",
+  deepLinking: true,
+  persistAuthorization: true,
+  presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset],
+}});
+</script>
+</body>
+</html>
+"""
+
+
+def redoc_page(doc: dict, title: str) -> str:
+    """Redoc with ``doc`` inline (``Redoc.init`` with an object rather than a spec-url)."""
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8"/>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>body {{ margin: 0; padding: 0; }}</style>
+</head>
+<body>
+<div id="redoc"></div>
+<script src="{REDOC_JS}"></script>
+<script id="openapi-document" type="application/json">{html_json(doc)}</script>
+<script>
+Redoc.init(JSON.parse(document.getElementById("openapi-document").textContent), {{}}, document.getElementById("redoc"));
+</script>
+</body>
+</html>
+"""

@@ -1,23 +1,103 @@
-"""H3Replica: the Serve deployment around one SP worker group and its step engine."""
+"""H3Replica: the Serve deployment around one SP worker group and its step engine.
+
+Start: the worker group is built (failing closed), then one warm-up forward (``engine.warmup``) runs before
+``__init__`` returns, so kernel setup and compilation never land on the first user: Serve reports a replica
+ready only after its constructor. Serving: ``generate_image`` / ``generate_video`` submit to the engine with the
+ingress's request id (in every log line about the request) and deadline; ``check_health`` is the engine's
+(its loop, the SP workers, and the step watchdog).
+
+Drain. Ray Serve 2.60 stops a replica (scale-down, a rolling update, shutdown) like this
+(``DeploymentReplica.stop`` in the controller, ``ReplicaActor.perform_graceful_shutdown`` here):
+
+1. the controller marks the replica STOPPING and broadcasts the running set without it: handles route no new
+   requests here (a router that has not heard yet still may);
+2. ``perform_graceful_shutdown`` waits, re-checking every ``graceful_shutdown_wait_loop_s``, until no request is
+   ongoing (a stream is ongoing until it ends); it has no timeout of its own;
+3. it then refuses new handle requests, stops its servers and calls the user's ``__del__``;
+4. ``graceful_shutdown_timeout_s`` after step 1 the controller kills the actor, whether or not 2 and 3 finished.
+
+Nothing tells user code that step 1 happened, and ``__del__`` runs only once every request has ended. Left to
+that, a queued video would wait behind the active ones and then be killed with them. So the replica watches
+its own state (``DrainWatch``: the controller's view of this deployment, every ``DRAIN_POLL_S``) and on
+STOPPING drains its engine: new submits raise ``EngineDraining``, never-started requests fail at once with
+``EngineDraining`` (the ingress answers an image 503 + Retry-After and re-submits a video job elsewhere),
+active ones finish within ``engine.drain_timeout_s`` and after it fail. Serve's own wait (step 2) then ends as
+soon as the last stream does. ``graceful_shutdown_timeout_s`` is ``drain_timeout_s + DRAIN_MARGIN_S`` so that
+step 4 never cuts a drain that keeps to its budget.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import ray
 from ray import serve
 
 from attention import selector_calls
-from pipelines.h3 import GenerationRequest, ModelRules
-from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
+from pipelines.h3 import GeneratedMedia, GenerationRequest, ModelRules
+from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 
 from .args import DeployArgs
 from .metrics import EngineMetrics, admission_recorder
 
 logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is being stopped
+# graceful_shutdown_timeout_s beyond drain_timeout_s: the poll, encoding the last MP4s, Serve's wait loop,
+# and stopping the SP workers
+DRAIN_MARGIN_S = 60.0
+SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
+
+
+H3SERVE_PACKAGES = ("deploy", "replicas", "pipelines", "attention")
+
+
+def log_through_serve(packages: tuple[str, ...] = H3SERVE_PACKAGES) -> None:
+    """Send h3serve's own log lines through Ray Serve's replica logger: its level, its log file and format,
+    with the replica tag and, inside a request, that request's id (X-Request-Id). Without it they would reach
+    the Ray worker's stderr only, and INFO lines (a request queued, joined, done, handed back) not at all."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not serve_logger.handlers:  # not inside a Serve replica: leave logging as it is
+        return
+    for name in packages:
+        package = logging.getLogger(name)
+        package.setLevel(serve_logger.getEffectiveLevel())
+        for handler in serve_logger.handlers:
+            if handler not in package.handlers:
+                package.addHandler(handler)
+        package.propagate = False  # once, through Serve's handlers
+
+
+class DrainWatch:
+    """Whether Serve has started stopping this replica, from the controller's view of its deployment.
+
+    Uses the controller's ``get_deployment_details`` (what the dashboard's Serve view is built from); a failing
+    poll (a controller restarting) is logged and retried, and never starts a drain."""
+
+    def __init__(self):
+        context = serve.get_replica_context()
+        self.app, self.deployment = context.app_name, context.deployment
+        self.replica_id = context.replica_id.unique_id
+        self._controller: ray.actor.ActorHandle | None = None
+        self._failing = False
+
+    async def stopping(self) -> bool:
+        try:
+            if self._controller is None:
+                self._controller = ray.get_actor(*SERVE_CONTROLLER)
+            details = await self._controller.get_deployment_details.remote(self.app, self.deployment)
+        except Exception as e:
+            self._controller = None  # a restarted controller is a new actor: look it up again
+            if not self._failing:  # once per streak: the controller may be restarting for a while
+                logger.warning("cannot ask the Serve controller whether replica %s stops: %r", self.replica_id, e)
+            self._failing = True
+            return False
+        self._failing = False
+        states = {replica.replica_id: replica.state for replica in details.replicas}
+        return states.get(self.replica_id) == "STOPPING"  # a str enum: equal to its value
 
 
 class H3Replica:
@@ -37,21 +117,43 @@ class H3Replica:
             # the engine's bounded queue is the backpressure point (QueueFull -> 503), so Serve must route
             # past it rather than queue in front of it
             max_ongoing_requests=2 * (args.engine.max_queue + args.engine.max_active),
+            # the drain (module docstring) finishes active requests within drain_timeout_s; Serve kills the
+            # replica this long after it started stopping it
+            graceful_shutdown_timeout_s=args.engine.drain_timeout_s + DRAIN_MARGIN_S,
+            # Serve re-checks for ongoing requests this often once stopping: the replica goes soon after its last
+            graceful_shutdown_wait_loop_s=1.0,
         )
 
     def __init__(self, spec: ReplicaSpec, limits: EngineLimits):
+        log_through_serve()
         self.spec = spec
         backend = spec.resolution.backend
+        self.metrics = EngineMetrics()
+        self.tickets: dict[str, Ticket] = {}  # request id -> its ticket, while this replica serves it
+        self._watch: asyncio.Task | None = None
+        self._drain: asyncio.Task | None = None
         try:
             # builds exactly the driver's backend; fails closed if it is incapable or this node cannot run it
             self.group = WorkerGroup.create(spec)
         except Exception as e:
-            reason = getattr(e, "reason", type(e).__name__)
-            ray.get(admission_recorder().record_build_failure.remote(backend, reason), timeout=30)
-            logger.error("H3 replica failed to build with %s: %s", backend, e)
+            self._record_build_failure(backend, e)
             raise
-        self.engine = Engine(self.group, limits, EngineMetrics())
+        self.engine = Engine(self.group, limits, self.metrics)
+        if limits.warmup:
+            try:
+                seconds = self.engine.warm_up()
+            except Exception as e:
+                self._record_build_failure(backend, e, during="its warm-up forward")
+                self.group.shutdown()
+                raise
+            logger.info("H3 replica warmed up: one packed forward on every rank took %.2f s", seconds)
         logger.info("H3 replica ready: %s", spec.resolution.describe())
+
+    @staticmethod
+    def _record_build_failure(backend: str, error: Exception, during: str = "build") -> None:
+        reason = getattr(error, "reason", type(error).__name__)
+        ray.get(admission_recorder().record_build_failure.remote(backend, reason), timeout=30)
+        logger.error("H3 replica failed in %s with %s: %s", during, backend, error)
 
     def rules(self) -> ModelRules:
         """What the served checkpoint generates (the ingress validates requests against it)."""
@@ -61,28 +163,103 @@ class H3Replica:
         """Check a request without queueing it (video jobs are validated before they are accepted)."""
         return self.engine.validate(request)
 
-    async def generate_image(self, request: GenerationRequest) -> bytes:
-        media = await self.engine.generate(request)
-        return await asyncio.to_thread(media.png)
-
-    async def generate_video(self, request: GenerationRequest):
-        """Stream {"progress": [done, total]} per step, then {"mp4": bytes}."""
-        ticket = self.engine.submit(request)
+    # -- generation --------------------------------------------------------------------------
+    async def generate_image(
+        self, request: GenerationRequest, request_id: str | None = None, deadline_s: float | None = None
+    ) -> bytes:
+        """One still as PNG bytes (the ingress sends request i of n as f"{id}-{i}"; no id: the engine makes one)."""
+        self._watch_for_stop()
+        ticket = self._submit(request, request_id, deadline_s)
         try:
+            media = await ticket.future
+            return await self._encode(media, "png", ticket.id)
+        except EngineDraining:
+            logger.info("request %s: handed back unstarted, this replica drains", ticket.id)
+            raise
+        finally:  # the caller went away (or it finished): leave the pack
+            self._release(ticket)
+
+    async def generate_video(
+        self, request: GenerationRequest, request_id: str | None = None, deadline_s: float | None = None
+    ):
+        """Stream {"queued": True, "progress": [0, total]} once the engine accepted the request (QueueFull,
+        EngineDraining, RequestError... raise before it), {"progress": [done, total]} per step, then {"mp4": bytes}.
+        """
+        self._watch_for_stop()
+        ticket = self._submit(request, request_id, deadline_s)
+        try:
+            yield {"queued": True, "progress": list(ticket.progress)}
             while not ticket.future.done():
-                yield {"progress": list(ticket.progress)}
                 changed = asyncio.ensure_future(ticket.changed.wait())
                 waiters: list[asyncio.Future[Any]] = [changed, ticket.future]
                 await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
                 ticket.changed.clear()
-            media = await ticket.future
+                if not ticket.future.done():
+                    yield {"progress": list(ticket.progress)}
+            try:
+                media = await ticket.future
+            except EngineDraining:
+                logger.info("request %s: handed back unstarted, this replica drains", ticket.id)
+                raise
             yield {"progress": list(ticket.progress)}
-            yield {"mp4": await asyncio.to_thread(media.mp4)}
-        finally:  # the consumer went away (job deleted, ingress gone): leave the pack
-            self.engine.cancel(ticket)
+            yield {"mp4": await self._encode(media, "mp4", ticket.id)}
+        finally:  # the consumer went away (job deleted, ingress gone), or it finished: leave the pack
+            self._release(ticket)
 
+    def _submit(self, request: GenerationRequest, request_id: str | None, deadline_s: float | None) -> Ticket:
+        ticket = self.engine.submit(request, request_id, deadline_s)  # the engine logs it with its id
+        self.tickets[ticket.id] = ticket
+        return ticket
+
+    def _release(self, ticket: Ticket) -> None:
+        self.engine.cancel(ticket)
+        if self.tickets.get(ticket.id) is ticket:
+            del self.tickets[ticket.id]
+
+    async def _encode(self, media: GeneratedMedia, kind: str, request_id: str) -> bytes:
+        """PNG or MP4 bytes off the event loop, timed as stage "encode"."""
+        started = time.perf_counter()
+        data = await asyncio.to_thread(media.png if kind == "png" else media.mp4)
+        seconds = time.perf_counter() - started
+        self.metrics.on_stage("encode", seconds)
+        logger.info("request %s: %s of %d bytes encoded in %.2f s", request_id, kind, len(data), seconds)
+        return data
+
+    # -- drain ---------------------------------------------------------------------------------
+    def _watch_for_stop(self) -> None:
+        """Start the drain watch on the serving event loop (there is none in ``__init__``)."""
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_forever())
+
+    async def _watch_forever(self) -> None:
+        watch = DrainWatch()
+        while not await watch.stopping():
+            await asyncio.sleep(DRAIN_POLL_S)
+        self._start_drain("Serve is stopping this replica")
+
+    def _start_drain(self, why: str) -> asyncio.Task:
+        if self._drain is None:
+            waiting, active = self.engine.queue_depth
+            logger.info(
+                "%s: draining (%d waiting handed back, %d active get up to %g s: %s)",
+                why,
+                waiting,
+                active,
+                self.engine.limits.drain_timeout_s,
+                ", ".join(sorted(self.tickets)) or "no requests",
+            )
+            self._drain = asyncio.get_running_loop().create_task(self.engine.drain())
+        return self._drain
+
+    @property
+    def draining(self) -> bool:
+        return self._drain is not None
+
+    # -- health, diagnostics, shutdown -----------------------------------------------------------
     async def check_health(self) -> None:
+        """The engine's loop, its SP workers and its step watchdog (EngineStalled when steps stopped)."""
+        self._watch_for_stop()  # Serve calls this every few seconds from the start
         await asyncio.to_thread(self.engine.check_health)
 
     def diagnostics(self) -> dict:
@@ -97,12 +274,20 @@ class H3Replica:
             "waiting": waiting,
             "active": active,
             "forwards": self.engine.stats.forwards,
+            "draining": self.draining,
+            # what this replica serves now: request id -> how far it got (forwards 0: not started)
+            "requests": {
+                request_id: {"progress": list(ticket.progress), "forwards": ticket.forwards}
+                for request_id, ticket in self.tickets.items()
+            },
         }
 
     async def __del__(self):
-        """Serve stops this replica: fail what is queued, release the SP workers and their placement group."""
+        """Serve stops this replica once no request is ongoing: end the drain, release the SP workers."""
         engine, group = getattr(self, "engine", None), getattr(self, "group", None)
         if engine is not None:
-            await engine.close("replica is shutting down")
+            if self._watch is not None:
+                self._watch.cancel()
+            await self._start_drain("the replica is shutting down")
         if group is not None:
             group.shutdown()

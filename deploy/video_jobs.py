@@ -12,17 +12,30 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ray.serve.handle import DeploymentHandle
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from pipelines.h3 import GenerationRequest
+from replicas import DeadlineExceeded, EngineDraining, EngineStopped, QueueFull
 
-from .errors import http_error
+from .errors import http_error, root_cause
 from .jobs import JobGone, JobRunner, JobStore, LeaseLost
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat covers the rest
 JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
+# A handed-back job is submitted again while no replica can take it (queues full, replicas draining or being
+# replaced), backing off from the first wait to the second, for at most RESUBMIT_FOR_S; then it fails (503).
+RETRYABLE = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailableError, RayActorError)
+RESUBMIT_BACKOFF_S = (0.5, 5.0)
+RESUBMIT_FOR_S = 600.0
+
+
+def caused_by(error: BaseException, kinds) -> bool:
+    """Whether ``error``, or the replica's exception inside Ray's wrapper, is one of ``kinds``."""
+    return isinstance(error, kinds) or isinstance(root_cause(error), kinds)
 
 
 class VideoJobs:
@@ -37,14 +50,47 @@ class VideoJobs:
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
     # -- what the routes ask ---------------------------------------------------------------------
-    async def submit(self, video: dict, request: GenerationRequest) -> bool:
-        """Record ``video`` as queued and start generating it; False when the store holds too many unfinished."""
-        runner = await self._io(self.store.create, video)
+    async def submit(
+        self, video: dict, request: GenerationRequest, request_id: str, deadline_s: float | None = None
+    ) -> bool:
+        """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
+        holds too many unfinished jobs.
+
+        The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
+        DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
+        queued job that fails later."""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        stream = await self._start(request, request_id, deadline_s)
+        try:
+            runner = await self._io(self.store.create, video, request_id)
+        except BaseException:
+            stream.cancel()
+            raise
         if runner is None:
+            stream.cancel()
             return False
+        logger.info("video job %s (request %s) queued", runner.job_id, request_id)
         self.runners[runner.job_id] = runner
-        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(self._run(runner, request))
+        job = self._run(runner, request, request_id, deadline, stream)
+        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
         return True
+
+    async def _start(
+        self, request: GenerationRequest, request_id: str, deadline_s: float | None
+    ) -> DeploymentResponseGenerator:
+        """The replica's progress stream, once its first event ({"queued": True, ...}) has arrived."""
+        stream = self.replica.options(stream=True).generate_video.remote(request, request_id, deadline_s)
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"request {request_id}: the replica's stream ended before it queued") from None
+        except BaseException:
+            stream.cancel()
+            raise
+        if not first.get("queued"):
+            stream.cancel()
+            raise RuntimeError(f"request {request_id}: the replica's first event was {sorted(first)}, not queued")
+        return stream
 
     async def get(self, video_id: str) -> dict | None:
         return await self._io(self.store.get, video_id)
@@ -83,29 +129,39 @@ class VideoJobs:
             logger.exception("sweeping the video job store failed; the next sweep retries")
 
     # -- one job -----------------------------------------------------------------------------------
-    async def _run(self, runner: JobRunner, request: GenerationRequest) -> None:
-        """Stream the replica's progress into the job's record; the MP4 into the store."""
-        started, code, written = time.perf_counter(), 500, 0.0
-        stream = self.replica.options(stream=True).generate_video.remote(request)
+    async def _run(
+        self,
+        runner: JobRunner,
+        request: GenerationRequest,
+        request_id: str,
+        deadline: float | None,
+        stream: DeploymentResponseGenerator,
+    ) -> None:
+        """Follow the job to its MP4; a replica that hands it back unstarted (it drains) gets it re-submitted."""
+        started, code = time.perf_counter(), 500
         job = asyncio.current_task()
         assert job is not None  # submit's task
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, job))
         try:
-            async for event in stream:
-                if "mp4" in event:
-                    await self._io(runner.complete, event["mp4"])
-                    code = 200
+            while True:
+                try:
+                    await self._follow(runner, stream)
                     break
-                done, total = event["progress"]
-                if time.monotonic() - written >= PROGRESS_EVERY_S:
-                    written = time.monotonic()
-                    await self._write(runner, status="in_progress", progress=int(100 * done / max(total, 1)))
-            if code != 200:
-                raise RuntimeError("the replica's stream ended without a video")
+                except Exception as e:
+                    if not caused_by(e, EngineDraining):
+                        raise
+                    logger.info(
+                        "video job %s (request %s): its replica drains and handed it back unstarted; "
+                        "submitting it again",
+                        runner.job_id,
+                        request_id,
+                    )
+                    stream = await self._resubmit(runner, request, request_id, deadline)
+            code = 200
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
         except (JobGone, LeaseLost) as e:
             code = 499  # deleted, or this runner lost its lease: stop generating
-            logger.info("video job %s stopped: %r", runner.job_id, e)
+            logger.info("video job %s (request %s) stopped: %r", runner.job_id, request_id, e)
             stream.cancel()
         except asyncio.CancelledError:
             code = 499
@@ -114,14 +170,54 @@ class VideoJobs:
                 await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
             raise
         except Exception as e:
-            error = http_error(e, f"video job {runner.job_id}")
+            error = http_error(e, f"video job {runner.job_id} (request {request_id})")
             code = error.status
-            await self._fail(runner, str(code), error.message)
+            timed_out = caused_by(e, DeadlineExceeded)
+            await self._fail(runner, "timeout" if timed_out else str(code), error.message)
         finally:
             heartbeat.cancel()
             self.tasks.pop(runner.job_id, None)
             self.runners.pop(runner.job_id, None)
             self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started)
+
+    async def _follow(self, runner: JobRunner, stream: DeploymentResponseGenerator) -> None:
+        """The replica's progress into the record, then its MP4 into the store."""
+        written = 0.0
+        async for event in stream:
+            if "mp4" in event:
+                await self._io(runner.complete, event["mp4"])
+                return
+            done, total = event["progress"]
+            if time.monotonic() - written >= PROGRESS_EVERY_S:
+                written = time.monotonic()
+                await self._write(runner, status="in_progress", progress=int(100 * done / max(total, 1)))
+        raise RuntimeError("the replica's stream ended without a video")
+
+    async def _resubmit(
+        self, runner: JobRunner, request: GenerationRequest, request_id: str, deadline: float | None
+    ) -> DeploymentResponseGenerator:
+        """Queue a handed-back job on another replica, waiting out full queues and draining replicas for up to
+        RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease)."""
+        give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
+            try:
+                stream = await self._start(request, request_id, remaining)
+            except Exception as e:
+                if not caused_by(e, RETRYABLE) or time.monotonic() + wait > give_up:
+                    raise
+                logger.info("video job %s (request %s): no replica took it yet (%r)", runner.job_id, request_id, e)
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, RESUBMIT_BACKOFF_S[1])
+                continue
+            try:
+                await self._io(runner.resubmitted)
+            except BaseException:
+                stream.cancel()
+                raise
+            return stream
 
     async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
         """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""

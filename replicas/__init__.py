@@ -1,14 +1,34 @@
 """What runs inside one Serve replica: the SP worker group and the step-level engine (no Serve here)."""
 
-from .engine import Engine, EngineLimits, EngineObserver, EngineStopped, QueueFull, Ticket
+from .engine import (
+    FAILURE_REASONS,
+    STAGES,
+    DeadlineExceeded,
+    Engine,
+    EngineDraining,
+    EngineLimits,
+    EngineObserver,
+    EngineStalled,
+    EngineStats,
+    EngineStopped,
+    QueueFull,
+    Ticket,
+)
 from .spec import ReplicaSpec
-from .worker_group import WorkerGroup, WorkerGroupBroken
+from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
 
 __all__ = [
+    "FAILURE_REASONS",
+    "STAGES",
+    "DeadlineExceeded",
     "Engine",
+    "EngineDraining",
     "EngineLimits",
     "EngineObserver",
+    "EngineStalled",
+    "EngineStats",
     "EngineStopped",
+    "PackFailed",
     "QueueFull",
     "ReplicaSpec",
     "Ticket",

@@ -106,7 +106,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
     assert list(body) == ["error"] and sorted(body["error"]) == ["code", "message", "param", "type"], body
     error = body["error"]
     assert error["code"] == status and isinstance(error["message"], str) and error["message"]
-    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert error["type"] == {504: "timeout"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     return error
 
 

@@ -56,3 +56,36 @@ def test_limits_come_from_the_deployment_not_from_defaults():
     looser = RequestLimits(max_steps=100, default_steps=50)
     body = VideosBody.model_validate({"prompt": "x", "num_inference_steps": 99}, context={"limits": looser})
     assert body.num_inference_steps == 99
+
+
+def test_seeds_of_n_images_stay_within_the_seed_range():
+    """Image i uses seed + i: the largest seed with n=2 is 2**63 - 2, and 2**63 - 1 is a 400 naming seed."""
+    top = 2**63 - 1
+    assert validate(ImagesBody, {"prompt": "x", "seed": top}).seed == top  # n=1: the largest seed itself
+    assert validate(ImagesBody, {"prompt": "x", "seed": top - 1, "n": 2}).n == 2
+    param, message = refusal(ImagesBody, {"prompt": "x", "seed": top, "n": 2})
+    assert param == "seed"
+    assert message == (
+        f"seed: must be at most {top - 1} with n=2: image i uses seed + i, and seeds range from 0 to 2**63 - 1 ({top})"
+    )
+    assert refusal(VideosBody, {"prompt": "x", "seed": 2**63})[0] == "seed"
+
+
+@pytest.mark.parametrize("model", [ImagesBody, VideosBody])
+def test_timeout_s_is_a_positive_number_up_to_max_timeout_s(model):
+    assert validate(model, {"prompt": "x"}).timeout_s is None  # the engine's default deadline
+    assert validate(model, {"prompt": "x", "timeout_s": 3600}).timeout_s == 3600
+    assert validate(model, {"prompt": "x", "timeout_s": "2.5"}).timeout_s == 2.5  # a form field is text
+    assert "timeout_s" not in validate(model, {"prompt": "x", "timeout_s": 5}).generation()
+    for bad, words in [
+        (3600.5, "timeout_s=3600.5 exceeds this server's limit of 3600 seconds"),
+        (float("inf"), "exceeds this server's limit of 3600 seconds"),
+        (0, "greater than 0"),
+        (-1, "greater than 0"),
+        ("soon", "valid number"),
+    ]:
+        param, message = refusal(model, {"prompt": "x", "timeout_s": bad})
+        assert param == "timeout_s" and words in message, (bad, message)
+    stricter = RequestLimits(max_timeout_s=10)
+    with pytest.raises(ValidationError, match="limit of 10 seconds"):
+        model.model_validate({"prompt": "x", "timeout_s": 11}, context={"limits": stricter})

@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from attention import get_backend
-from benchmarks import admission, default_clip, gpu_kernels, gpu_pipeline, packing, run_all, serving, sp
+from benchmarks import admission, default_clip, gpu_kernels, gpu_pipeline, gpu_smoke, packing, run_all, serving, sp
 from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
@@ -132,6 +132,18 @@ def test_gpu_pipeline_cpu_dry_run_measures_every_part(tmp_path, capsys):
     assert "FLOPs of one packed forward" in printed and "MFU >= 50%" in printed and "joiner's first step s" in printed
 
 
+def test_gpu_smoke_cpu_dry_run_runs_the_serving_path_with_padded_packs(capsys):
+    assert gpu_smoke.main(["--cpu-dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "gpu_smoke: ok" in printed and "FAILED" not in printed
+    assert "generate: 124 frames 64x64" in printed and "128x64x124 + 128x64x141" in printed
+
+
+def test_clip_documents_are_made_on_the_requested_device():
+    doc = clip_document(transformer_config("tiny"), Clip(128, 64, 124, 32), device="meta")
+    assert {getattr(doc, name).device.type for name in doc.__dataclass_fields__} == {"meta"}
+
+
 def test_build_transformer_keeps_diffusers_fp32_modules():
     model = build_transformer(transformer_config("tiny"), "cpu", torch.bfloat16)
     fp32 = {n.split(".")[0] for n, p in model.named_parameters() if p.dtype == torch.float32}
@@ -178,6 +190,11 @@ def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, capsys
         assert r["sp1_padding_rows"] == 0 and r["sp2_padding_rows"] == r["rows"] % 2
         assert r["sp2_rows"] == r["rows"] + r["sp2_padding_rows"]
     assert "1 request 64x64x124" in out and "sp=2 vs sp=1: YES" in out
+    # rank 0 gathers the output heads' columns, not the hidden state's: 96 instead of 5376 when released
+    released = result["released_gather"]
+    assert (released["columns_before"], released["columns_after"], released["reduction"]) == (5376, 96, 56)
+    assert released["bytes_before"] == released["rows"] * 5376 * 4 and released["rows"] > 80_000
+    assert "bytes rank 0 gathers per packed forward" in out
 
 
 @pytest.mark.ray

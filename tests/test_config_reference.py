@@ -2,6 +2,9 @@
 
 from pathlib import Path
 
+import pytest
+import yaml
+
 from deploy.args import DeployArgs
 from deploy.config_reference import reference
 
@@ -16,3 +19,15 @@ def test_every_field_is_described():
     undescribed = [name for name, field in DeployArgs.model_fields.items() if not field.description]
     assert not undescribed
     assert all(f"`{name}`" in reference() for name in DeployArgs.model_fields)
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
+def test_the_shipped_configs_size_the_ingress_for_their_h3_replicas(name):
+    """ingress.h3_replicas repeats the H3Replica count under deployments: (the builder sees only args)."""
+    config = yaml.safe_load((DOC.parents[1] / "deploy" / name).read_text())
+    for app in config["applications"]:
+        args = DeployArgs.model_validate(app["args"])
+        args.check_deployments(app["deployments"])
+        h3 = next(d for d in app["deployments"] if d["name"] == "H3Replica")
+        assert args.ingress.h3_replicas == h3.get("autoscaling_config", {}).get("max_replicas", h3.get("num_replicas"))
+        assert args.generation_slots == args.ingress.h3_replicas * (args.engine.max_queue + args.engine.max_active)

@@ -50,6 +50,18 @@ def test_admit_refuses_sage_attn_and_writes_the_counter(sage_config, tmp_path):
     ]
 
 
+def test_admit_refuses_a_config_whose_replica_count_the_ingress_was_not_sized_for(tmp_path):
+    config = copy.deepcopy(default_config())
+    replica = next(d for d in config["applications"][0]["deployments"] if d["name"] == "H3Replica")
+    replica["num_replicas"] = 3  # args.ingress.h3_replicas stays 1
+    result = h3serve("admit", str(write_config(tmp_path, config, free_port(), "three.yaml")))
+    assert result.returncode == 2, result
+    assert "H3Replica runs up to 3 replicas (num_replicas under deployments:)" in result.stderr
+    assert "args.ingress.h3_replicas is 1" in result.stderr
+    config["applications"][0]["args"]["ingress"] = {"h3_replicas": 3}
+    assert h3serve("admit", str(write_config(tmp_path, config, free_port(), "three-sized.yaml"))).returncode == 0
+
+
 def test_admit_passes_both_shipped_configs():
     assert h3serve("admit", "deploy/serve_config.yaml").returncode == 0
     gpu = h3serve("admit", "deploy/serve_config.gpu.yaml")

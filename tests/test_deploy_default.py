@@ -7,6 +7,7 @@ frame of the shortest clip (124 frames, 5.17 s).
 
 import base64
 import io
+import json
 
 import av
 import numpy as np
@@ -39,6 +40,7 @@ def server(ray_cluster, tmp_path_factory):
     config = default_config()  # the embedded default, but for a free port and a fresh job store
     config["applications"][0]["args"]["jobs"] = {"store": str(tmp / "videos")}
     process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
+    process.store = tmp / "videos" / "h3serve"  # <store>/<application name>/
     try:
         process.wait_serving()
         yield process
@@ -178,6 +180,10 @@ IMAGE_ERRORS = [  # body, status, param, words in the message
     ({"prompt": "x", "response_format": "url"}, 400, "response_format", "b64_json"),
     ({"prompt": "x", "model": "dall-e-3"}, 404, "model", "'dall-e-3' is not served here"),
     ({"prompt": "x", "seed": -1}, 400, "seed", "seed: Input should be greater than or equal to 0"),
+    ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", "seed: must be at most 9223372036854775806 with n=2"),
+    ({"prompt": "x", "seed": 2**63}, 400, "seed", "less than or equal to 9223372036854775807"),
+    ({"prompt": "x", "timeout_s": 3601}, 400, "timeout_s", "timeout_s=3601 exceeds this server's limit of 3600"),
+    ({"prompt": "x", "timeout_s": 0}, 400, "timeout_s", "greater than 0"),
     ({"prompt": "x", "guidance_scale": 5.0}, 400, "guidance_scale", "guidance-distilled"),
     ({"prompt": "x", "negative_prompt": "blur"}, 400, "negative_prompt", "guidance-distilled"),
 ]
@@ -201,6 +207,8 @@ VIDEO_ERRORS = [
     ({"prompt": "x", "size": "7x7"}, "size", "multiples of 32"),
     ({"prompt": "x", "guidance_scale": 1.0}, "guidance_scale", "takes no guidance_scale"),
     ({"prompt": "x", "input_reference": "not base64!"}, "input_reference", "base64"),
+    ({"prompt": "x", "timeout_s": "later"}, "timeout_s", "valid number"),
+    ({"prompt": "x", "timeout_s": 1e9}, "timeout_s", "exceeds this server's limit of 3600 seconds"),
 ]
 
 
@@ -210,3 +218,41 @@ def test_bad_video_requests_get_400_naming_the_field(server, body, param, words)
         error = error_of(http.post("/v1/videos", json=body), 400)
     assert error["param"] == param
     assert words in error["message"]
+
+
+def test_the_largest_seed_still_makes_an_image(server):
+    with client(server.url) as http:
+        response = http.post(
+            "/v1/images/generations", json={"prompt": "x", "seed": 2**63 - 2, "n": 2, "num_inference_steps": 2}
+        )
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 2
+
+
+def test_a_request_past_its_timeout_gets_504_of_type_timeout(server):
+    """The deadline leaves the engine: an image answers 504 in OpenAI's shape, a video job fails with 'timeout'."""
+    slow = {"prompt": "x", "num_inference_steps": 50, "timeout_s": 0.5}
+    with client(server.url) as http:
+        response = http.post("/v1/images/generations", json=slow, headers={"X-Request-Id": "late-image"})
+        assert response.status_code == 504, response.text
+        assert response.json() == {
+            "error": {
+                "message": "the request did not finish within its deadline (timeout_s)",
+                "type": "timeout",
+                "param": "timeout_s",
+                "code": 504,
+            }
+        }
+        assert response.headers.get_list("x-request-id") == ["late-image"]
+        job = http.post("/v1/videos", json={**slow, "seconds": 14}).json()
+        failed = wait_video(http, job["id"])
+        assert (failed["status"], failed["error"]["code"]) == ("failed", "timeout"), failed
+
+
+def test_a_video_job_records_the_request_id(server):
+    with client(server.url) as http:
+        job = http.post("/v1/videos", json={"prompt": "x", "num_inference_steps": 2}, headers={"X-Request-Id": "job-7"})
+        assert job.status_code == 200 and job.headers.get_list("x-request-id") == ["job-7"]
+        assert wait_video(http, job.json()["id"])["status"] == "completed"
+    record = json.loads((server.store / f"{job.json()['id']}.json").read_text())
+    assert record["request_id"] == "job-7"

@@ -23,6 +23,9 @@ def multi_app_config() -> dict:
         new = copy.deepcopy(template)
         new.update(name=name, route_prefix=route, **extra)
         new["args"].update(args)
+        # the ingress is sized for the most H3 replicas the app runs; `h3serve serve` checks they agree
+        most = replica.get("num_replicas") or replica["autoscaling_config"]["max_replicas"]
+        new["args"]["ingress"] = {"h3_replicas": most}
         new["deployments"] = [
             {"name": "H3Ingress", "ray_actor_options": {"num_cpus": 0.05}},
             {"name": "H3Replica", **replica},

@@ -18,6 +18,8 @@ from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import Document, pack_documents
 
 CONFIG = preset("tiny").transformer
+# Packed with other documents, GEMMs run over other row counts and round differently: measured <= 5e-7 on
+# outputs of magnitude ~2 (fp32, CPU); 1e-5 leaves room for other BLAS kernels. One document alone is exact.
 ATOL = 1e-5
 
 
@@ -107,13 +109,14 @@ DOCUMENTS = [
 
 
 @pytest.mark.parametrize("spec", DOCUMENTS, ids=["t2va", "fl2va-first", "fl2va-both"])
-def test_one_request_equals_diffusers_forward(models, spec):
+def test_one_request_is_bit_identical_to_diffusers_forward(models, spec):
+    """docs/DESIGN.md's claim: for one document the packed forward computes diffusers' bits (fp32, torch_sdpa)."""
     reference, served = models
     doc = document(**spec)
     video, audio = diffusers_forward(reference, doc)
     packed_video, packed_audio = packed_forward(served, pack_documents([doc]))
-    torch.testing.assert_close(packed_video, video, atol=ATOL, rtol=0)
-    torch.testing.assert_close(packed_audio, audio, atol=ATOL, rtol=0)
+    assert (packed_video - video).abs().max() == 0 and torch.equal(packed_video, video)
+    assert (packed_audio - audio).abs().max() == 0 and torch.equal(packed_audio, audio)
     assert video.abs().max() > 0.1  # a real signal, not zeros compared with zeros
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 from diffusers.modular_pipelines import MiniMaxH3Blocks
+from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -28,6 +29,7 @@ from pipelines.h3 import (
 from pipelines.h3.admission import DeploymentConfigError
 from pipelines.h3.checkpoint import CheckpointIndex, tiny_components, write_tiny_checkpoint
 from pipelines.h3.media import probe_media
+from pipelines.h3.stages import HostRowTimestepsStep
 
 STEPS = 4
 
@@ -87,6 +89,20 @@ def test_t2va_equals_diffusers_modular_pipeline(tiny_pipeline):
     assert_same_generation(ours, theirs)
     assert ours.get("videos").shape == (1, 124, 3, 64, 128)  # the shortest clip on the tiny 16:9 canvas
     assert ours.get("audio").shape[:2] == (1, 2)  # stereo
+
+
+def test_every_workflow_builds_its_row_timestep_plan_on_the_host(tiny_pipeline):
+    """diffusers indexes a default-device (CPU) vector with execution-device indices, which CUDA refuses; the
+    replacement step feeds it host indices and plans the same rows (the equality tests above run through it)."""
+    workflows = tiny_pipeline.stages.before.blocks.sub_blocks["denoise"].sub_blocks
+    assert {name: type(w.sub_blocks["set_timesteps"]) for name, w in workflows.items()} == {
+        name: HostRowTimestepsStep for name in ("t2va", "fl2va", "ref2va")
+    }
+    video, audio = torch.arange(10, 30), torch.arange(3, 10)
+    args = (video, audio, 4, 2, 3, 0.4, 0.2, 0.999, 1.0)
+    ours, theirs = HostRowTimestepsStep.build_row_timesteps(*args), MiniMaxH3SetTimestepsStep.build_row_timesteps(*args)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert len(ours[0]) == 4  # video, audio, keyframe and reference timesteps
 
 
 def test_fl2va_equals_diffusers_modular_pipeline(tiny_pipeline):

@@ -230,3 +230,54 @@ def test_concurrent_writers_in_other_processes_never_show_a_partial_record(tmp_p
         reads += 1
     assert all(w.exitcode == 0 for w in writers) and reads > 100
     assert store.names() == [f"{job_id}.json"]  # no temporaries left behind
+
+
+def test_stray_files_in_the_store_are_skipped_and_logged_once(url, caplog):
+    """Not every file in a shared directory or bucket is ours: listing, creating and sweeping skip them."""
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**6, lease_s=60, max_jobs=2)
+    clock, (jobs,) = replicas(url, policy, n=1)
+    store = MediaStore(url)
+    job = video()
+    jobs.create(job, request_id="req-1")
+    stray = {
+        "notes.json": b'{"hello": "world"}',  # not named like a record
+        "video_" + "b" * 32 + ".json": b'{"video": {"id": 1}}',  # named like one, not shaped like one
+        "video_" + "c" * 32 + ".json": b"[1, 2, 3]",
+        "video_" + "d" * 32 + ".json": b"not json",
+        "video_" + "e" * 32 + ".deleted": b"garbage",  # a tombstone this store never wrote
+        "readme.mp4": b"not a job's",
+    }
+    for name, data in stray.items():
+        store.put(name, data)
+    with caplog.at_level("ERROR", logger="deploy.jobs"):
+        assert [v["id"] for v in jobs.list()] == [job["id"]]
+        assert [v["id"] for v in jobs.list()] == [job["id"]]
+        clock.now += policy.lease_s + 1
+        jobs.sweep()
+        jobs.sweep()
+    for name in ("notes.json", *(f"video_{c * 32}.json" for c in "bcd"), f"video_{'e' * 32}.deleted"):
+        assert sum(name in r.getMessage() for r in caplog.records) == 1, (name, caplog.text)
+    assert jobs.get("video_" + "b" * 32) is None and jobs.get("video_" + "d" * 32) is None
+    assert jobs.get(job["id"])["status"] == "failed"  # the sweep still did its work (the lease ran out)
+    assert jobs.create(video()) is not None  # strays do not count against max_jobs (2)
+    assert set(stray) <= set(store.names())  # and nothing of someone else's was deleted
+
+
+def test_a_record_keeps_its_request_id_and_counts_its_submissions(url):
+    clock, (a, b) = replicas(url)
+    done, lost = video(), video()
+
+    def record(job_id: str) -> dict:
+        return json.loads(MediaStore(url).get(f"{job_id}.json"))
+
+    runner = a.create(done, request_id="client-id:1")
+    assert (record(done["id"])["request_id"], record(done["id"])["submissions"]) == ("client-id:1", 1)
+    runner.update(status="in_progress", progress=10)
+    runner.resubmitted()  # a draining replica handed it back; the runner queued it elsewhere
+    runner.complete(b"mp4")
+    assert record(done["id"])["request_id"] == "client-id:1" and record(done["id"])["submissions"] == 2
+    assert record(done["id"])["video"]["status"] == "completed"
+    a.create(lost, request_id="client-id:2")
+    clock.now += POLICY.lease_s + 1
+    assert b.get(lost["id"])["status"] == "failed"  # expired by another replica: the id stays with it
+    assert record(lost["id"])["request_id"] == "client-id:2"

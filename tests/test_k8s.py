@@ -321,6 +321,57 @@ def test_metric_extraction_ignores_labels():
     assert promql_metric_names(expr) == {"ray_h3serve_request_latency_seconds_bucket", "ray_serve_application_status"}
 
 
+def label_values(expr: str, label: str) -> set[str]:
+    """The values a PromQL expression matches ``label`` against: `l="a"`, `l!="a"`, `l=~"a|b"`, `l!~"a|b"`."""
+    values = set()
+    for op, value in re.findall(rf'\b{label}\s*(=~|!~|!=|=)\s*"([^"]*)"', expr):
+        values |= set(value.split("|")) if "~" in op else {value}
+    return values
+
+
+def test_every_h3serve_metric_is_on_the_dashboard():
+    from deploy.metrics import ALL_METRICS
+
+    shown = set().union(*(promql_metric_names(e) for e in dashboard_exprs()))
+    missing = sorted(m.exported for m in ALL_METRICS if not any(n.startswith(m.exported) for n in shown))
+    assert not missing, f"deploy/metrics.py exports series no dashboard panel shows: {missing}"
+
+
+@pytest.mark.parametrize("source", ["prometheusrule", "grafana"])
+def test_stage_and_reason_label_values_exist(source):
+    """A panel or alert that filters on a stage or a failure reason the code never reports shows nothing."""
+    from deploy.metrics import FAILED_STEP_REASONS, FAILURE_REASONS, STAGES
+
+    exprs = rule_exprs() if source == "prometheusrule" else dashboard_exprs()
+    stages = set().union(*(label_values(e, "stage") for e in exprs))
+    reasons = set().union(*(label_values(e, "reason") for e in exprs if "failed_" in e))
+    assert stages, f"no stage filters found in the {source} expressions: is the extraction broken?"
+    assert stages <= set(STAGES), f"{source} filters on stages the code never reports: {stages - set(STAGES)}"
+    known = set(FAILURE_REASONS) | set(FAILED_STEP_REASONS)
+    assert reasons <= known, f"{source} filters on failure reasons the code never reports: {reasons - known}"
+
+
+def test_label_value_extraction():
+    expr = 'rate(x{stage=~"queue_wait|step", reason!="draining"}[5m]) and y{stage="decode"}'
+    assert label_values(expr, "stage") == {"queue_wait", "step", "decode"}
+    assert label_values(expr, "reason") == {"draining"}
+
+
+def test_drain_fits_in_serves_and_kuberays_grace_periods():
+    """Serve kills a stopping replica graceful_shutdown_timeout_s after it asked it to stop, and KubeRay deletes the
+    old cluster of an upgrade rayClusterDeletionDelaySeconds after the switch: both must leave the drain its time."""
+    from deploy.replica import H3Replica
+
+    args = deploy_args()
+    grace = H3Replica.deployment_options(args)["graceful_shutdown_timeout_s"]
+    assert grace > args.engine.drain_timeout_s, (grace, args.engine.drain_timeout_s)
+    delay = rayservice()["spec"].get("rayClusterDeletionDelaySeconds", 60)  # KubeRay's default: 60
+    assert delay >= grace, (
+        f"rayClusterDeletionDelaySeconds {delay} < the H3 replicas' graceful_shutdown_timeout_s {grace}: an upgrade "
+        "would cut off the videos the old cluster is generating"
+    )
+
+
 def test_rules_and_dashboard_name_the_served_application():
     named = set()
     for expr in rule_exprs() + dashboard_exprs():

@@ -175,22 +175,21 @@ def test_cancelled_waiting_requests_do_not_hold_queue_slots(solo):
     assert asyncio.run(scenario()).frames.shape == (124, 64, 64, 3)
 
 
-def test_a_failed_step_does_not_stall_the_requests_waiting_behind_it(solo, monkeypatch):
-    real = solo.forward_rank0
-    calls = []
+def poison(state) -> None:
+    """Real bad data in a prepared request: prompt embeddings one column short of the text encoder's width.
 
-    def fails_once(pack):  # a fault in the first forward only (e.g. a transient device error)
-        calls.append(pack.lengths)
-        if len(calls) == 1:
-            raise RuntimeError("injected step failure")
-        return real(pack)
+    The context embedder refuses them on every rank, before any collective; next to other documents the
+    pack cannot even be built (the embeddings do not concatenate)."""
+    state.layout["prompt_embeds"] = state.layout["prompt_embeds"][:, :-1]
 
-    monkeypatch.setattr(solo, "forward_rank0", fails_once)
 
+def test_a_failed_step_does_not_stall_the_requests_waiting_behind_it(solo):
     async def scenario():
         engine = Engine(solo, EngineLimits(max_queue=4, max_active=1))
-        first, second = engine.submit(request("first")), engine.submit(request("second"))
-        with pytest.raises(RuntimeError, match="generation failed"):
+        first, second = engine.submit(request("first", 6)), engine.submit(request("second"))
+        await first.changed.wait()  # in the pack, one step done
+        poison(first.prepared)  # a later step of it fails
+        with pytest.raises(RuntimeError, match=f"request {first.id} failed"):
             await first.future
         media = await asyncio.wait_for(second.future, timeout=60)  # the old engine left it waiting forever
         return engine, media
@@ -198,6 +197,7 @@ def test_a_failed_step_does_not_stall_the_requests_waiting_behind_it(solo, monke
     engine, media = asyncio.run(scenario())
     assert media.frames.shape == (124, 64, 64, 3)
     assert engine.stats.failed_steps == 1 and engine.stats.completed == 1
+    assert engine.stats.failed_requests == {"error": 1}
 
 
 # --- fail closed at build ---------------------------------------------------------------

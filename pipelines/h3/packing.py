@@ -84,13 +84,27 @@ class Pack:
 
 
 def pack_documents(documents: list[Document], partition: str = "transformer", row_multiple: int = 1) -> Pack:
-    """Concatenate documents; pad with one padding document to a multiple of ``row_multiple`` rows."""
+    """Concatenate documents; pad with one padding document to a multiple of ``row_multiple`` rows.
+
+    Every tensor of the pack lives on the documents' device (diffusers' layout blocks put them on the
+    execution device): nothing here is created on torch's default device, which is the CPU even when
+    the data is on a GPU.
+    """
     if not documents:
         raise ValueError("cannot pack zero documents")
     if row_multiple < 1:
         raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+    device = documents[0].position_ids.device
+    elsewhere = {
+        f"document {i}: {f.name} on {t.device}"
+        for i, d in enumerate(documents)
+        for f in dataclasses.fields(d)
+        if (t := getattr(d, f.name)).device != device
+    }
+    if elsewhere:
+        raise ValueError(f"every document of a pack must be on {device}; {', '.join(sorted(elsewhere))}")
     lengths = [d.length for d in documents]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)[:-1].tolist()
+    offsets = [0, *itertools.accumulate(lengths)][:-1]  # host ints: each document's first row in the pack
     used = sum(lengths)
     padding = -used % row_multiple
 
@@ -106,12 +120,13 @@ def pack_documents(documents: list[Document], partition: str = "transformer", ro
     def shifted(name: str) -> torch.Tensor:
         return torch.cat([getattr(d, name) + off for d, off in zip(documents, offsets, strict=True)])
 
+    # The padding document's rows: position (0, 0, 0), video tag, the pack's first timestep.
     pad = dict(
-        position_ids=torch.zeros(padding, 3, dtype=torch.float64),
-        token_tags=torch.zeros(padding, dtype=torch.long),
-        timestep_indices=torch.zeros(padding, dtype=torch.long),
+        position_ids=torch.zeros(padding, 3, dtype=torch.float64, device=device),
+        token_tags=torch.zeros(padding, dtype=torch.long, device=device),
+        timestep_indices=torch.zeros(padding, dtype=torch.long, device=device),
     )
-    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()] + ([used + padding] if padding else [])
+    bounds = [0, *itertools.accumulate(lengths)] + ([used + padding] if padding else [])
     text_lengths = [d.text_indices.numel() for d in documents]
     return Pack(
         partition=partition,
@@ -129,8 +144,8 @@ def pack_documents(documents: list[Document], partition: str = "transformer", ro
         text_indices=shifted("text_indices"),
         timestep=timestep,
         timestep_indices=torch.cat(remapped + [pad["timestep_indices"]]),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),  # [D+1]
         max_seqlen=max(b - a for a, b in itertools.pairwise(bounds)),
-        text_cu_seqlens=torch.tensor([0, *torch.tensor(text_lengths).cumsum(0).tolist()], dtype=torch.int32),
+        text_cu_seqlens=torch.tensor([0, *itertools.accumulate(text_lengths)], dtype=torch.int32, device=device),
         text_max_seqlen=max(text_lengths),
     )

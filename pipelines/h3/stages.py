@@ -21,6 +21,7 @@ from diffusers.modular_pipelines.minimax_h3 import (
     MiniMaxH3ImageReference,
     MiniMaxH3VideoReference,
 )
+from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 from diffusers.modular_pipelines.minimax_h3.decoders import (
     MiniMaxH3AfterDenoiseStep,
     MiniMaxH3AudioDecodeStep,
@@ -35,11 +36,26 @@ from .request import GenerationRequest, ModelRules, Reference, RequestError
 _LOOP_AND_AFTER = ("denoise", "after_denoise")
 
 
+class HostRowTimestepsStep(MiniMaxH3SetTimestepsStep):
+    """diffusers' timesteps step, with the row-timestep plan built on the host.
+
+    diffusers' ``build_row_timesteps`` fills a ``torch.full`` row vector made on the default device (the
+    CPU) through the layout's indices, which its layout step has already moved to the execution device;
+    on a GPU that is a CPU tensor indexed by CUDA indices, which torch refuses. The plan is built from
+    host copies of the indices here; ``__call__`` moves it to the execution device as before.
+    """
+
+    @staticmethod
+    def build_row_timesteps(video_indices: torch.Tensor, audio_indices: torch.Tensor, *args, **kwargs):
+        return MiniMaxH3SetTimestepsStep.build_row_timesteps(video_indices.cpu(), audio_indices.cpu(), *args, **kwargs)
+
+
 def _blocks_before_loop() -> MiniMaxH3Blocks:
     blocks = MiniMaxH3Blocks()
     for workflow in blocks.sub_blocks["denoise"].sub_blocks.values():
         for name in _LOOP_AND_AFTER:
             workflow.sub_blocks.pop(name)
+        workflow.sub_blocks["set_timesteps"] = HostRowTimestepsStep()  # same place in the sequence
     blocks.sub_blocks.pop("decode")
     return blocks
 
