@@ -12,14 +12,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from pipelines.h3 import GenerationRequest
-from replicas import DeadlineExceeded, EngineDraining, EngineStopped, QueueFull
+from replicas import DeadlineExceeded, EngineDraining
 
-from .errors import http_error, root_cause
+from .errors import QUEUE_FULL, UNAVAILABLE, http_error, root_cause
 from .jobs import JobGone, JobRunner, JobStore, LeaseLost
 from .metrics import RequestMetrics
 
@@ -28,7 +26,7 @@ PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat 
 JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 # A handed-back job is submitted again while no replica can take it (queues full, replicas draining or being
 # replaced), backing off from the first wait to the second, for at most RESUBMIT_FOR_S; then it fails (503).
-RETRYABLE = (QueueFull, EngineStopped, BackPressureError, DeploymentUnavailableError, RayActorError)
+RETRYABLE = QUEUE_FULL + UNAVAILABLE
 RESUBMIT_BACKOFF_S = (0.5, 5.0)
 RESUBMIT_FOR_S = 600.0
 

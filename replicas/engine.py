@@ -67,7 +67,12 @@ class EngineLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_queue: int = Field(default=64, ge=1, description="waiting requests per replica; one more gets HTTP 503")
+    max_queue: int = Field(
+        default=64,
+        ge=1,
+        description="requests waiting behind a full pack, per replica; the engine holds at most max_queue + "
+        "max_active requests and refuses one more with HTTP 503",
+    )
     max_active: int = Field(default=16, ge=1, description="requests in the running pack")
     max_rows_per_step: int = Field(
         default=16384,
@@ -188,8 +193,14 @@ class Engine:
         if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
             raise RequestError("timeout_s", f"timeout_s must be a positive number of seconds, got {deadline_s}")
         self._drop_finished_waiting()
-        if len(self._waiting) >= self.limits.max_queue:
-            raise QueueFull(f"queue is full ({self.limits.max_queue} waiting); retry later")
+        # the engine holds a full pack plus a queue behind it; a request the pack can still take does not count
+        # against the queue even before the loop has moved it there (a burst fills the pack, then the queue)
+        active = sum(not t.future.done() for t in self._active)  # a cancelled one leaves at the next step
+        held = len(self._waiting) + active + (self._preparing is not None)
+        if held >= self.limits.max_queue + self.limits.max_active:
+            raise QueueFull(
+                f"queue is full ({len(self._waiting)} waiting, {self.limits.max_active} in the pack); retry later"
+            )
         loop = asyncio.get_running_loop()
         if not self._busy:
             self._progress_at = time.monotonic()  # the watchdog's clock starts when work arrives
@@ -540,19 +551,3 @@ class Engine:
             getattr(self.observer, method)(*args)
         except Exception:
             logger.exception("engine observer %s failed", method)
-
-
-__all__ = [
-    "FAILURE_REASONS",
-    "STAGES",
-    "DeadlineExceeded",
-    "Engine",
-    "EngineDraining",
-    "EngineLimits",
-    "EngineObserver",
-    "EngineStalled",
-    "EngineStats",
-    "EngineStopped",
-    "QueueFull",
-    "Ticket",
-]
