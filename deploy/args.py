@@ -194,7 +194,7 @@ class DeployArgs(BaseModel):
     @property
     def generation_slots(self) -> int:
         """The most generation requests the H3 replicas hold at once, queued or running: more get HTTP 503."""
-        return self.ingress.h3_replicas * (self.engine.max_queue + self.engine.max_active)
+        return self.ingress.h3_replicas * self.engine.capacity
 
     def check_deployments(self, deployments: list[dict[str, Any]]) -> None:
         """Refuse a serve config whose H3Replica entry under ``deployments:`` runs more or fewer replicas than

@@ -116,7 +116,7 @@ class H3Replica:
             ray_actor_options={"num_cpus": bundles[0].get("CPU", 0), "num_gpus": bundles[0].get("GPU", 0)},
             # the engine's bounded queue is the backpressure point (QueueFull -> 503), so Serve must route
             # past it rather than queue in front of it
-            max_ongoing_requests=2 * (args.engine.max_queue + args.engine.max_active),
+            max_ongoing_requests=2 * args.engine.capacity,
             # the drain (module docstring) finishes active requests within drain_timeout_s; Serve kills the
             # replica this long after it started stopping it
             graceful_shutdown_timeout_s=args.engine.drain_timeout_s + DRAIN_MARGIN_S,

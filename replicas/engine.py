@@ -94,6 +94,11 @@ class EngineLimits(BaseModel):
     stall_min_s: float = Field(default=120.0, gt=0, description="the shortest stall window, in seconds")
     warmup: bool = Field(default=True, description="one warm-up forward before the replica reports ready")
 
+    @property
+    def capacity(self) -> int:
+        """Requests one engine holds at once: a full pack plus the queue behind it; one more gets QueueFull."""
+        return self.max_active + self.max_queue
+
 
 class EngineObserver(Protocol):
     """Where the engine reports what it does (deploy wires this to Prometheus)."""
@@ -197,7 +202,7 @@ class Engine:
         # against the queue even before the loop has moved it there (a burst fills the pack, then the queue)
         active = sum(not t.future.done() for t in self._active)  # a cancelled one leaves at the next step
         held = len(self._waiting) + active + (self._preparing is not None)
-        if held >= self.limits.max_queue + self.limits.max_active:
+        if held >= self.limits.capacity:
             raise QueueFull(
                 f"queue is full ({len(self._waiting)} waiting, {self.limits.max_active} in the pack); retry later"
             )
