@@ -5,10 +5,11 @@ VENV    ?= .venv
 TORCH   ?= -r .ci/torch-cpu.txt
 CONFIG  ?= deploy/serve_config.yaml
 PYTEST_ARGS ?=
+EVAL_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test test-fast lint setup weights bench clean
+.PHONY: serve test test-fast lint setup weights eval bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +38,11 @@ lint: setup
 
 weights: setup
 	$(BIN)/h3serve weights
+
+# Held-out scenes of the demo world (shape, colour, motion, sound) generated through the packing engine and
+# judged per clip: an accuracy table per attribute. EVAL_ARGS="--checkpoint DIR --n 36 --json eval.json".
+eval: setup
+	$(BIN)/h3serve eval $(EVAL_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

@@ -201,12 +201,14 @@ def keyframe_png(width: int, height: int, seed: int = 0) -> bytes:
 
 
 class StepLog:
-    """EngineObserver: every packed forward's stats, every stage time, every failure."""
+    """EngineObserver: every packed forward's stats, every stage time, every failure, preemptions, duty cycle."""
 
     def __init__(self):
         self.steps = []
         self.stages: dict[str, list[float]] = {}
         self.failures: list[tuple[str, str]] = []  # (step | request, reason)
+        self.preempted = 0
+        self.duty_cycle: float | None = None  # the engine's running forward time / busy time
 
     def on_step(self, stats, seconds: float) -> None:
         self.steps.append(
@@ -224,6 +226,12 @@ class StepLog:
 
     def on_failed_request(self, reason: str) -> None:
         self.failures.append(("request", reason))
+
+    def on_preempted(self, count: int) -> None:
+        self.preempted += count
+
+    def on_duty_cycle(self, fraction: float) -> None:
+        self.duty_cycle = fraction
 
 
 class _CountOps(TorchDispatchMode):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~6.5 minutes, at most ~10 (each
 # step has a hard timeout: 90 + 60 + 150 + 300 s). The first step is a smoke of the serving path on the device
-# (benchmarks/gpu_smoke.py, issue 22); when it fails, the session stops there, loudly, with exit 1.
+# (benchmarks/gpu_smoke.py, issue 22); when it fails, the session stops there, loudly, with exit 1. A fifth step,
+# the arrival trace (issue 23, up to 600 s more), runs only on a node with Ray and the released checkpoint (step 5).
 #
 # The lent machine has Python 3.12 with torch 2.11 (CUDA, Triton), transformers, accelerate, huggingface_hub,
 # safetensors, tokenizers, pillow, numpy and pyyaml, but no diffusers, no pydantic, no Ray and no network.
@@ -88,5 +89,16 @@ timeout 150 $PY -m benchmarks.gpu_kernels $DRY --max-seconds 100 --out "$DEST/gp
 [ -f "$DEST/attention_ranking.json" ] && export H3SERVE_ATTENTION_RANKING="$DEST/attention_ranking.json"
 timeout 300 $PY -m benchmarks.gpu_pipeline $DRY --max-seconds 230 --json "$DEST/gpu_pipeline.json" \
     2>&1 | tee "$DEST/gpu_pipeline.log"
+
+# 5. the arrival trace (issue 23) through request-level FCFS and the engine's policies on the released model. It
+# needs what the lent machine lacks (Ray, which replicas imports, and the released checkpoint), so it runs only
+# where $H3SERVE_CHECKPOINT names a checkpoint directory and Ray imports; elsewhere it says why it did not run
+# (and the 8 files above stay the most the device tool returns). The CPU trace: python -m benchmarks.trace.
+if [ -z "$DRY" ] && [ -d "${H3SERVE_CHECKPOINT:-}" ] && $PY -c "import ray" 2>/dev/null; then
+    timeout 600 $PY -m benchmarks.trace --gpu --checkpoint "$H3SERVE_CHECKPOINT" --json "$DEST/trace.json" \
+        2>&1 | tee "$DEST/trace.log"
+else
+    echo "gpu_session: trace skipped: it needs CUDA, Ray and \$H3SERVE_CHECKPOINT (a released checkpoint directory)"
+fi
 
 ls -l "$DEST"

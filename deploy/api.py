@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import re
 import secrets
 import time
 import uuid
@@ -38,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.checkpoint import cache_dir
+from replicas import MAX_PRIORITY, MIN_PRIORITY
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
 from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
@@ -55,6 +57,8 @@ DISTILLED = ("guidance_scale", "negative_prompt")
 # list this deployment's limits). Unknown routes answer 404 either way: there is nothing behind them.
 PUBLIC_ROUTES = ("/health",)
 MAX_SEED = 2**63 - 1  # GenerationRequest's seed is a signed 64-bit integer
+# a form field carries text: an optional sign and at most a few digits (no int of thousands of digits is built)
+FORM_INTEGER = re.compile(r"[+-]?[0-9]{1,4}")
 
 
 def resolve_api_key(env: str | None) -> str | None:
@@ -92,6 +96,8 @@ class Body(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=2, validate_default=True)
     # the request's deadline, seconds from arrival; None: the engine's default_deadline_s
     timeout_s: float | None = Field(default=None, gt=0)
+    # higher runs first under the deployment's "priority" policy (engine.policy); the other policies ignore it
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -132,6 +138,18 @@ class Body(BaseModel):
         if steps > limits.max_steps:
             raise ValueError(f"num_inference_steps={steps} exceeds this server's limit of {limits.max_steps}")
         return steps
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority(cls, priority: Any, info: ValidationInfo) -> int:
+        """A JSON integer (not a bool, a float or a string), or in a form the text of one, within the range."""
+        form = isinstance(info.context, dict) and info.context.get("form", False)
+        if isinstance(priority, str) and form and FORM_INTEGER.fullmatch(priority.strip()):
+            priority = int(priority)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            shown = repr(priority)[:40]
+            raise ValueError(f"must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} (default 0), got {shown}")
+        return priority
 
     @field_validator("timeout_s")
     @classmethod
@@ -467,7 +485,8 @@ class H3Ingress:
         if "references" in fields and uploads:
             fields["references"] = parse_references(fields["references"])
         try:
-            return model.model_validate(fields, context={"limits": self.limits})
+            form = kind != "application/json" and bool(uploads)  # form fields arrive as text
+            return model.model_validate(fields, context={"limits": self.limits, "form": form})
         except ValidationError as e:
             raise invalid(e) from None
 
@@ -551,7 +570,7 @@ class H3Ingress:
             # n images are n clips: the engine packs them into the same forwards
             calls = [
                 self.replica.generate_image.remote(
-                    GenerationRequest(**{**base, "seed": body.seed + i}), f"{request_id}-{i}", deadline_s
+                    GenerationRequest(**{**base, "seed": body.seed + i}), f"{request_id}-{i}", deadline_s, body.priority
                 )
                 for i in range(body.n)
             ]
@@ -606,7 +625,9 @@ class H3Ingress:
         deadline_s = self._deadline_s(request, body.timeout_s)
         with self._generation(request):
             # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
-            accepted = await self.videos.submit(video, generation_request, request.state.request_id, deadline_s)
+            accepted = await self.videos.submit(
+                video, generation_request, request.state.request_id, deadline_s, body.priority
+            )
         if not accepted:
             raise APIError(
                 503,

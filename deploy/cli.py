@@ -1,8 +1,10 @@
-"""The ``h3serve`` command: serve, admit, generate, weights, probe.
+"""The ``h3serve`` command: serve, admit, generate, eval, weights, probe.
 
 h3serve serve [CONFIG]            admission pre-flight, then run the config like `serve run`
 h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
 h3serve generate PROMPT -o OUT    one image (.png) or video (.mp4), locally, no Ray
+h3serve eval [--checkpoint DIR]   held-out scenes of the demo world through the packing engine, no Ray;
+                                  colour, shape, motion and sound judged per clip; accuracy table, --json
 h3serve weights                   create the built-in tiny weights (deterministic, cached)
 h3serve probe                     this node's platform as JSON (for `admit --platform`)
 """
@@ -261,6 +263,53 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     print(f"h3serve: wrote {out} ({out.stat().st_size} bytes)")
 
 
+def cmd_eval(ns: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
+    from attention import AttentionSelectionError
+    from demo.evaluate import EvalSettings, evaluate, format_table, write_json
+    from pipelines.h3 import CheckpointError
+
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
+    width = height = None
+    if ns.size:
+        try:
+            width, height = (int(v) for v in ns.size.lower().split("x"))
+        except ValueError:
+            fail(EXIT_REFUSED, f"--size must look like WIDTHxHEIGHT, got {ns.size!r}")
+    try:
+        settings = EvalSettings(
+            checkpoint=ns.checkpoint,
+            n=ns.n,
+            seed=ns.seed,
+            steps=ns.steps,
+            pack=ns.pack,
+            width=width,
+            height=height,
+            num_frames=ns.frames,
+            oracle=ns.oracle,
+            device=ns.device,
+            dtype=ns.dtype,
+            backend=ns.backend,
+        )
+        result = evaluate(settings)
+    except (AttentionSelectionError, CheckpointError, ValueError, ValidationError, OSError) as e:
+        fail(EXIT_REFUSED, str(e))  # RequestError is a ValueError: it names the field
+    what = "the world's own rendering (oracle)" if ns.oracle else f"{ns.steps} steps, up to {ns.pack} per pack"
+    fmt = result["format"]
+    print(
+        f"h3serve eval: {result['checkpoint']}: {ns.n} held-out clips, {fmt['width']}x{fmt['height']}, "
+        f"{fmt['num_frames']} frames, seed {ns.seed}, {what}"
+    )
+    print(format_table(result["summary"]))
+    if ns.json:
+        write_json(result, ns.json)
+        print(f"h3serve: wrote {ns.json}")
+
+
 def cmd_weights(ns: argparse.Namespace) -> None:
     from pipelines.h3.checkpoint import random_tiny_checkpoint, write_tiny_checkpoint
 
@@ -318,6 +367,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="judge held-out demo-world clips generated through the packing engine")
+    p.add_argument("--checkpoint", help="checkpoint directory in the released layout (default: the built-in tiny)")
+    p.add_argument("--n", type=int, default=18, help="clips (default 18: every held-out combination once)")
+    p.add_argument("--seed", type=int, default=0, help="orders the held-out scenes; clip i is seeded SEED + i")
+    p.add_argument("--json", help="write every clip's verdicts and the summary to this file")
+    p.add_argument("--pack", type=int, default=8, help="requests per packed forward at most (engine max_active)")
+    p.add_argument("--steps", type=int, default=50, help="num_inference_steps of every clip")
+    p.add_argument("--size", help="WIDTHxHEIGHT (default: the model's own canvas)")
+    p.add_argument("--frames", type=int, help="frames per clip, 17n+5 (default: the shortest clip)")
+    p.add_argument("--oracle", action="store_true", help="judge the world's own rendering instead (the 100%% ceiling)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1, as generate); 0: torch's choice"
+    )
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("weights", help="write a tiny checkpoint in the released layout (random weights)")
     p.add_argument("--output", help="directory (default: the cache that `serve` and `generate` read)")

@@ -135,12 +135,13 @@ class JobStore:
         self._finished[video["id"]] = record
         return record
 
-    def create(self, video: dict, request_id: str | None = None) -> JobRunner | None:
+    def create(self, video: dict, request_id: str | None = None, priority: int = 0) -> JobRunner | None:
         """Store a new job and return its runner; None when max_jobs unfinished jobs exist (answer 503).
 
         ``request_id`` (the HTTP request's X-Request-Id, in every log line about the job) is kept in the
         record beside the video object, with ``submissions``: how often it was sent to a replica (a draining
-        replica hands back a job it never started, and the runner submits it again)."""
+        replica hands back a job it never started, and the runner submits it again), and the ``priority``
+        every submission carries."""
         if not self._make_room():
             return None
         record = {
@@ -150,6 +151,7 @@ class JobStore:
             "bytes": 0,
             "request_id": request_id,
             "submissions": 1,
+            "priority": priority,
         }
         runner = JobRunner(self, record)
         self._write(record)

@@ -106,6 +106,18 @@ FAILED_REQUESTS = MetricDef(
     "Requests the engine failed, by reason: " + ", ".join(FAILURE_REASONS) + ".",
     ("reason",),
 )
+PREEMPTIONS = MetricDef(
+    "h3serve_preemptions",
+    "counter",
+    "Requests paused at a step boundary for another (engine.policy srpt or priority; fcfs only for an earlier "
+    "request that did not fit before); each resumes later where it stopped.",
+)
+DUTY_CYCLE = MetricDef(
+    "h3serve_duty_cycle",
+    "gauge",
+    "Fraction of the engine's busy time (work submitted and not finished) spent in packed forwards, since the "
+    "replica started; the rest is time the model thread did not run the transformer.",
+)
 
 ALL_METRICS = (
     ADMISSION_DECISIONS,
@@ -120,6 +132,8 @@ ALL_METRICS = (
     STAGE_SECONDS,
     FAILED_STEPS,
     FAILED_REQUESTS,
+    PREEMPTIONS,
+    DUTY_CYCLE,
 )
 
 
@@ -184,6 +198,7 @@ class EngineMetrics:
             make(FAILED_STEPS),
             make(FAILED_REQUESTS),
         )
+        self.preemptions, self.duty_cycle = make(PREEMPTIONS), make(DUTY_CYCLE)
 
     def on_step(self, stats, seconds: float) -> None:
         self.step.observe(seconds)
@@ -202,6 +217,13 @@ class EngineMetrics:
 
     def on_failed_request(self, reason: str) -> None:
         self.failed_requests.inc(1, tags={"reason": checked(reason, FAILURE_REASONS, "failed request reason")})
+
+    def on_preempted(self, count: int) -> None:
+        if count > 0:  # Ray's counters refuse an increment of 0
+            self.preemptions.inc(count)
+
+    def on_duty_cycle(self, fraction: float) -> None:
+        self.duty_cycle.set(fraction)
 
 
 class RequestMetrics:

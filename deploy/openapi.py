@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pipelines.h3 import ModelRules
+from replicas import MAX_PRIORITY, MIN_PRIORITY
 
 from .args import RequestLimits
 from .jobs import JOB_ID
@@ -120,6 +121,14 @@ def field_docs(limits: RequestLimits, rules: ModelRules | None, form: bool) -> d
             "description": "the request's deadline in seconds from its arrival: past it the request leaves the "
             "engine and gets HTTP 504 (error type 'timeout'; a video job fails with code 'timeout'). Default: the "
             "deployment's engine.default_deadline_s (none unless configured)",
+        },
+        "priority": {
+            "type": "integer",
+            "minimum": MIN_PRIORITY,
+            "maximum": MAX_PRIORITY,
+            "default": 0,
+            "description": "higher runs first when the deployment's engine.policy is 'priority' (a running request "
+            "of lower priority pauses at a step boundary for it and resumes later); the other policies ignore it",
         },
         "input_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the first frame (FL2VA)"},
         "last_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the last frame (FL2VA)"},

@@ -165,11 +165,15 @@ class H3Replica:
 
     # -- generation --------------------------------------------------------------------------
     async def generate_image(
-        self, request: GenerationRequest, request_id: str | None = None, deadline_s: float | None = None
+        self,
+        request: GenerationRequest,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
     ) -> bytes:
         """One still as PNG bytes (the ingress sends request i of n as f"{id}-{i}"; no id: the engine makes one)."""
         self._watch_for_stop()
-        ticket = self._submit(request, request_id, deadline_s)
+        ticket = self._submit(request, request_id, deadline_s, priority)
         try:
             media = await ticket.future
             return await self._encode(media, "png", ticket.id)
@@ -180,13 +184,17 @@ class H3Replica:
             self._release(ticket)
 
     async def generate_video(
-        self, request: GenerationRequest, request_id: str | None = None, deadline_s: float | None = None
+        self,
+        request: GenerationRequest,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
     ):
         """Stream {"queued": True, "progress": [0, total]} once the engine accepted the request (QueueFull,
         EngineDraining, RequestError... raise before it), {"progress": [done, total]} per step, then {"mp4": bytes}.
         """
         self._watch_for_stop()
-        ticket = self._submit(request, request_id, deadline_s)
+        ticket = self._submit(request, request_id, deadline_s, priority)
         try:
             yield {"queued": True, "progress": list(ticket.progress)}
             while not ticket.future.done():
@@ -207,8 +215,11 @@ class H3Replica:
         finally:  # the consumer went away (job deleted, ingress gone), or it finished: leave the pack
             self._release(ticket)
 
-    def _submit(self, request: GenerationRequest, request_id: str | None, deadline_s: float | None) -> Ticket:
-        ticket = self.engine.submit(request, request_id, deadline_s)  # the engine logs it with its id
+    def _submit(
+        self, request: GenerationRequest, request_id: str | None, deadline_s: float | None, priority: int
+    ) -> Ticket:
+        # the engine logs it with its id; a priority out of range is its RequestError("priority") (HTTP 400)
+        ticket = self.engine.submit(request, request_id, deadline_s, priority)
         self.tickets[ticket.id] = ticket
         return ticket
 
@@ -274,10 +285,17 @@ class H3Replica:
             "waiting": waiting,
             "active": active,
             "forwards": self.engine.stats.forwards,
+            "policy": self.engine.limits.policy,
+            "preemptions": self.engine.stats.preemptions,
+            "duty_cycle": self.engine.stats.duty_cycle,
             "draining": self.draining,
-            # what this replica serves now: request id -> how far it got (forwards 0: not started)
+            # what this replica serves now: request id -> how far it got (forwards 0: not started), its priority
             "requests": {
-                request_id: {"progress": list(ticket.progress), "forwards": ticket.forwards}
+                request_id: {
+                    "progress": list(ticket.progress),
+                    "forwards": ticket.forwards,
+                    "priority": ticket.priority,
+                }
                 for request_id, ticket in self.tickets.items()
             },
         }

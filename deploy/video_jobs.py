@@ -49,18 +49,24 @@ class VideoJobs:
 
     # -- what the routes ask ---------------------------------------------------------------------
     async def submit(
-        self, video: dict, request: GenerationRequest, request_id: str, deadline_s: float | None = None
+        self,
+        video: dict,
+        request: GenerationRequest,
+        request_id: str,
+        deadline_s: float | None = None,
+        priority: int = 0,
     ) -> bool:
         """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
-        holds too many unfinished jobs.
+        holds too many unfinished jobs. ``priority`` goes with it to every replica it is submitted to (a
+        re-submission after a drain keeps it) and is kept in the record.
 
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
         queued job that fails later."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        stream = await self._start(request, request_id, deadline_s)
+        stream = await self._start(request, request_id, deadline_s, priority)
         try:
-            runner = await self._io(self.store.create, video, request_id)
+            runner = await self._io(self.store.create, video, request_id, priority)
         except BaseException:
             stream.cancel()
             raise
@@ -69,15 +75,15 @@ class VideoJobs:
             return False
         logger.info("video job %s (request %s) queued", runner.job_id, request_id)
         self.runners[runner.job_id] = runner
-        job = self._run(runner, request, request_id, deadline, stream)
+        job = self._run(runner, request, request_id, deadline, priority, stream)
         self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
         return True
 
     async def _start(
-        self, request: GenerationRequest, request_id: str, deadline_s: float | None
+        self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int
     ) -> DeploymentResponseGenerator:
         """The replica's progress stream, once its first event ({"queued": True, ...}) has arrived."""
-        stream = self.replica.options(stream=True).generate_video.remote(request, request_id, deadline_s)
+        stream = self.replica.options(stream=True).generate_video.remote(request, request_id, deadline_s, priority)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -133,6 +139,7 @@ class VideoJobs:
         request: GenerationRequest,
         request_id: str,
         deadline: float | None,
+        priority: int,
         stream: DeploymentResponseGenerator,
     ) -> None:
         """Follow the job to its MP4; a replica that hands it back unstarted (it drains) gets it re-submitted."""
@@ -154,7 +161,7 @@ class VideoJobs:
                         runner.job_id,
                         request_id,
                     )
-                    stream = await self._resubmit(runner, request, request_id, deadline)
+                    stream = await self._resubmit(runner, request, request_id, deadline, priority)
             code = 200
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
         except (JobGone, LeaseLost) as e:
@@ -192,17 +199,17 @@ class VideoJobs:
         raise RuntimeError("the replica's stream ended without a video")
 
     async def _resubmit(
-        self, runner: JobRunner, request: GenerationRequest, request_id: str, deadline: float | None
+        self, runner: JobRunner, request: GenerationRequest, request_id: str, deadline: float | None, priority: int
     ) -> DeploymentResponseGenerator:
-        """Queue a handed-back job on another replica, waiting out full queues and draining replicas for up to
-        RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease)."""
+        """Queue a handed-back job on another replica with the same priority, waiting out full queues and draining
+        replicas for up to RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease)."""
         give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
             try:
-                stream = await self._start(request, request_id, remaining)
+                stream = await self._start(request, request_id, remaining, priority)
             except Exception as e:
                 if not caused_by(e, RETRYABLE) or time.monotonic() + wait > give_up:
                     raise

@@ -2,6 +2,9 @@
 
 from .engine import (
     FAILURE_REASONS,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    POLICIES,
     STAGES,
     DeadlineExceeded,
     Engine,
@@ -19,6 +22,9 @@ from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
 
 __all__ = [
     "FAILURE_REASONS",
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
+    "POLICIES",
     "STAGES",
     "DeadlineExceeded",
     "Engine",

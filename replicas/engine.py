@@ -1,17 +1,29 @@
-"""Step-level continuous batching: every step packs all active requests into one varlen forward.
+"""Step-level continuous batching: every step packs the scheduled requests into one varlen forward.
 
-Requests wait in a bounded queue (a full queue is refused at once), join the running pack at the
-next step once diffusers' blocks prepared them, advance one denoising step per forward, and leave
-when done, cancelled or past their deadline. Mixed sizes, tasks and step indices share each forward
-(Ref2VA requests, which use their own transformer partition, share a second one).
+A request passes through stages. It waits in a bounded queue (a full engine is refused at once); the
+stage worker prepares it (diffusers' blocks: text encoding, layout, keyframes and references); it joins
+the candidates of the next step boundary already prepared; each step, the scheduler
+(``replicas/scheduler.py``, by ``limits.policy``) picks the batch within the request and row budget
+and every request in it advances one denoising step in one packed forward (Ref2VA requests, which use
+their own transformer partition, share a second one); when its schedule is done the stage worker
+decodes it (both VAEs). Prepare and decode run on the stage worker's thread (on CUDA, on its own
+stream), the forwards on the engine's one model thread, so neither a prepare nor a decode ever holds up
+a step. The stage worker prepares ahead of the pack for at most ``limits.max_prepared`` requests:
+prepared states held at once (ready, running or paused) are at most ``max_active + max_prepared``; at that
+bound a waiting request that outranks a ready one that never stepped takes its room (that one waits again).
+
+Under ``srpt`` and ``priority`` a running request the scheduler leaves out at a step boundary is paused
+(a preemption): its latents and schedulers stay in its ``RequestState`` on the model's device, and it
+resumes where it stopped, with the same output as if never paused.
 
 Failures stay with the requests that cause them. A pack whose data fails (``PackFailed``: every rank
 finished, the group is healthy) is retried in halves, down to single requests, so only a request that
 fails on its own fails, and every other request of the pack still advances that step exactly once;
-the other partition's pack and the waiting requests never see it. A broken worker group stops the
-engine and fails everything with ``EngineStopped``. A watchdog (``check_health``) reports a stall when
-work is active and nothing completed for many expected step times; ``drain`` hands back what never
-started and lets the rest finish.
+the other partition's pack and the waiting requests never see it. A failed prepare or decode fails its
+request alone. A broken worker group stops the engine and fails everything with ``EngineStopped``. A
+watchdog (``check_health``) reports a stall when work is active and nothing completed (no step, no
+prepare, no decode) for many expected step times; ``drain`` hands back what never started (waiting,
+being prepared, or prepared but never stepped) and lets the rest (running, paused, decoding) finish.
 """
 
 from __future__ import annotations
@@ -25,15 +37,23 @@ import itertools
 import logging
 import math
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState, StepStats
+from pipelines.h3.packing import Pack
 
+from . import scheduler
+from .scheduler import POLICIES as POLICIES  # the policies, re-exported where EngineLimits names them
+from .scheduler import Budget, Policy, RequestView
 from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class QueueFull(RuntimeError):
@@ -56,10 +76,22 @@ class DeadlineExceeded(RuntimeError):
     """The request passed its deadline and left the pack (HTTP 504)."""
 
 
+# a request's priority (default 0); higher runs first under the "priority" policy
+MIN_PRIORITY, MAX_PRIORITY = -10, 10
+
 # the stages the engine times (the replica adds "encode" for MP4/PNG encoding)
 STAGES = ("queue_wait", "prepare", "first_step", "step", "decode", "end_to_end")
 # why a request failed: its own data, its prepare or decode, its deadline, the worker group, a drain, a shutdown
 FAILURE_REASONS = ("error", "prepare", "decode", "deadline", "worker_group", "draining", "shutdown")
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority, or RequestError("priority") naming the allowed range."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise RequestError(
+            "priority", f"priority must be an integer between {MIN_PRIORITY} and {MAX_PRIORITY}, got {priority!r}"
+        )
+    return priority
 
 
 class EngineLimits(BaseModel):
@@ -93,6 +125,24 @@ class EngineLimits(BaseModel):
     )
     stall_min_s: float = Field(default=120.0, gt=0, description="the shortest stall window, in seconds")
     warmup: bool = Field(default=True, description="one warm-up forward before the replica reports ready")
+    policy: Policy = Field(
+        default="fcfs",
+        description="which requests each step packs: fcfs = submission order, a running request is never "
+        "displaced; srpt = least remaining work (rows x steps left) first; priority = higher priority first. "
+        "Under srpt and priority a running request may pause at a step boundary for another and resume later",
+    )
+    aging_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="waiting this long is worth one priority level (priority) and halves the remaining-work key "
+        "(srpt), so nothing starves",
+    )
+    max_prepared: int = Field(
+        default=2,
+        ge=1,
+        description="requests the stage worker prepares ahead of the pack (text encoding, layout); "
+        "each holds its prepared state in memory until it joins",
+    )
 
     @property
     def capacity(self) -> int:
@@ -113,6 +163,10 @@ class EngineObserver(Protocol):
 
     def on_failed_request(self, reason: str) -> None: ...  # reason in FAILURE_REASONS
 
+    def on_preempted(self, count: int) -> None: ...  # ``count`` requests paused at this step boundary
+
+    def on_duty_cycle(self, fraction: float) -> None: ...  # after each step: forward time / busy time so far
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -122,10 +176,18 @@ class EngineStats:
     completed: int = 0
     failed_steps: int = 0  # forwards (or packs that could not be built) that failed, isolation retries included
     failed_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # by reason
+    preemptions: int = 0  # times an active request was paused at a step boundary for another
+    forward_s: float = 0.0  # seconds spent in packed forwards
+    busy_s: float = 0.0  # seconds with any work submitted and not finished
+
+    @property
+    def duty_cycle(self) -> float:
+        """The share of busy time the model spent in forwards (0.0 before any work)."""
+        return self.forward_s / self.busy_s if self.busy_s > 0 else 0.0
 
 
 class Ticket:
-    """A submitted request: its future, progress, cost and deadline."""
+    """A submitted request: its future, progress, cost, deadline and priority."""
 
     def __init__(
         self,
@@ -134,14 +196,19 @@ class Ticket:
         rows: int,
         loop: asyncio.AbstractEventLoop,
         deadline_s: float | None,
+        priority: int = 0,
+        order: int = 0,
     ):
         self.id, self.request, self.rows, self.deadline_s = request_id, request, rows, deadline_s
+        self.priority, self.order = priority, order  # order: the engine's submission sequence number
         self.future: asyncio.Future[GeneratedMedia] = loop.create_future()
         self.state: RequestState | None = None
         self.forwards = 0  # how many packed forwards this request was part of
+        self.running = False  # in the batch of the current (or last) step
         self.changed = asyncio.Event()
         self.submitted = time.monotonic()
         self.first_step_done = False
+        self.prepares = 0  # more than one when it gave its prepared room to a request that outranks it
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -150,14 +217,63 @@ class Ticket:
         return self.state.progress
 
     @property
+    def started(self) -> bool:
+        """Whether it ever entered a step (a request prepared but never stepped has not started)."""
+        return self.running or self.forwards > 0
+
+    @property
     def prepared(self) -> RequestState:
-        """The state of a ticket in the pack (diffusers' blocks ran for it when it joined)."""
-        assert self.state is not None, f"{self.id} has not joined the pack"
+        """The state of a prepared ticket (diffusers' blocks ran for it)."""
+        assert self.state is not None, f"{self.id} has not been prepared"
         return self.state
 
     @property
     def cancelled(self) -> bool:
         return self.future.done() and self.future.cancelled()
+
+    def view(self) -> RequestView:
+        """What the scheduler sees (before prepare: the rows estimated at submit, every step left)."""
+        done, total = self.progress
+        return RequestView(
+            id=self.id,
+            order=self.order,
+            submitted=self.submitted,
+            rows=self.rows,
+            steps_left=total - done,
+            priority=self.priority,
+            running=self.running,
+        )
+
+
+class StageWorker:
+    """One thread for prepare and decode; on CUDA its work runs on a stream of its own.
+
+    The stream keeps its VAE and text-encoder kernels from queueing behind the forwards on the model
+    thread's stream. It is synchronized before a result is handed back, so the model thread only ever
+    reads finished tensors; the model thread synchronizes its own stream at the end of every step
+    (``Engine._apply``), so a decode only ever reads finished latents.
+    """
+
+    def __init__(self, device: torch.device):
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-stages")
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.stream = torch.cuda.Stream(device=torch.device("cuda", index))
+
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self.executor, self._on_stream, fn, *args)
+
+    def _on_stream(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self.stream):
+            result = fn(*args)
+        self.stream.synchronize()  # every tensor of the result is complete before another thread reads it
+        return result
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class Engine:
@@ -165,62 +281,81 @@ class Engine:
         self.group, self.pipeline, self.observer = group, group.pipeline, observer
         self.limits = limits or EngineLimits()
         self.stats = EngineStats()
-        self._waiting: collections.deque[Ticket] = collections.deque()
-        self._active: list[Ticket] = []
-        self._preparing: Ticket | None = None  # popped from the queue, diffusers' blocks running for it
-        self._wake = asyncio.Event()
+        self._waiting: list[Ticket] = []  # submitted, not yet prepared
+        self._preparing: Ticket | None = None  # on the stage worker: diffusers' blocks running for it
+        self._resident: list[Ticket] = []  # prepared, schedule not done: ready (never stepped), running, paused
+        self._decoding: collections.deque[Ticket] = collections.deque()  # schedule done, decode not yet started
+        self._decoding_now: Ticket | None = None  # on the stage worker: its VAE decodes running
+        self._wake = asyncio.Event()  # the step loop: a request became ready, or the engine stops
+        self._stage_wake = asyncio.Event()  # the stage worker: a request waits for prepare or decode
         self._task: asyncio.Task | None = None
+        self._stage_task: asyncio.Task | None = None
         self._stop_reason: str | None = None
         self._draining = False
         self._ids = itertools.count()
+        self._orders = itertools.count()
         # the watchdog: the expected step time (warm-up, then an EMA of steps) and the last completed work
         self.expected_step_s: float | None = None
         self._progress_at = time.monotonic()
+        self._busy_since: float | None = None  # when the current stretch of busy time began (stats.busy_s)
+        self._device = self.pipeline.denoiser.device
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
+        self._stages = StageWorker(self._device)
 
     # -- API ------------------------------------------------------------------------------
     def submit(
-        self, request: GenerationRequest, request_id: str | None = None, deadline_s: float | None = None
+        self,
+        request: GenerationRequest,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
     ) -> Ticket:
         """Queue a request, or raise at once: RequestError (bad request), QueueFull, EngineDraining, EngineStopped.
 
         ``deadline_s``: seconds from now until the request fails with DeadlineExceeded wherever it is
-        (waiting, being prepared, in the pack); None: ``limits.default_deadline_s``.
+        (waiting, being prepared, in the pack, being decoded); None: ``limits.default_deadline_s``.
+        ``priority``: an int from MIN_PRIORITY to MAX_PRIORITY, higher first under the "priority" policy
+        (the other policies ignore it).
         """
         if self._draining:
             raise EngineDraining("this replica is draining; retry on another replica")
         if self._stop_reason:
             raise EngineStopped(self._stop_reason)
+        check_priority(priority)
         rows = self.validate(request)
         if deadline_s is None:
             deadline_s = self.limits.default_deadline_s
         if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
             raise RequestError("timeout_s", f"timeout_s must be a positive number of seconds, got {deadline_s}")
         self._drop_finished_waiting()
-        # the engine holds a full pack plus a queue behind it; a request the pack can still take does not count
-        # against the queue even before the loop has moved it there (a burst fills the pack, then the queue)
-        active = sum(not t.future.done() for t in self._active)  # a cancelled one leaves at the next step
-        held = len(self._waiting) + active + (self._preparing is not None)
-        if held >= self.limits.capacity:
+        # the engine holds a full pack plus a queue behind it, whatever stage each request is in (a cancelled
+        # one leaves at the next step boundary, and no longer counts)
+        if self._held() >= self.limits.capacity:
+            waiting, active = self.queue_depth
             raise QueueFull(
-                f"queue is full ({len(self._waiting)} waiting, {self.limits.max_active} in the pack); retry later"
+                f"queue is full ({waiting} waiting, {active} active, {self.limits.max_active} in a pack); retry later"
             )
         loop = asyncio.get_running_loop()
         if not self._busy:
             self._progress_at = time.monotonic()  # the watchdog's clock starts when work arrives
-        ticket = Ticket(request_id or f"req-{next(self._ids)}", request, rows, loop, deadline_s)
+        ticket = Ticket(
+            request_id or f"req-{next(self._ids)}", request, rows, loop, deadline_s, priority, next(self._orders)
+        )
         if deadline_s is not None:
             timer = loop.call_later(deadline_s, self._expire, ticket)
             ticket.future.add_done_callback(lambda _: timer.cancel())
         self._waiting.append(ticket)
-        logger.info("request %s queued (%d rows, deadline %s s)", ticket.id, rows, deadline_s)
+        if self._busy_since is None:  # busy time runs from the first submitted request to the last finished one
+            self._busy_since = time.monotonic()
+        logger.info("request %s queued (%d rows, deadline %s s, priority %d)", ticket.id, rows, deadline_s, priority)
         self._report_queue()
         if self._task is None:
-            # in a context of its own: the loop serves every request, so it must not carry the first one's
+            # in contexts of their own: the loops serve every request, so they must not carry the first one's
             # request context (Serve's log prefix would name that request on every later line)
             self._task = loop.create_task(self._run(), context=contextvars.Context())
-        self._wake.set()
+            self._stage_task = loop.create_task(self._run_stages(), context=contextvars.Context())
+        self._stage_wake.set()
         return ticket
 
     def validate(self, request: GenerationRequest) -> int:
@@ -238,9 +373,13 @@ class Engine:
             )
 
     async def generate(
-        self, request: GenerationRequest, request_id: str | None = None, deadline_s: float | None = None
+        self,
+        request: GenerationRequest,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+        priority: int = 0,
     ) -> GeneratedMedia:
-        ticket = self.submit(request, request_id, deadline_s)
+        ticket = self.submit(request, request_id, deadline_s, priority)
         try:
             return await ticket.future
         except asyncio.CancelledError:  # the caller went away: leave the pack
@@ -254,10 +393,24 @@ class Engine:
         self._drop_finished_waiting()
         self._report_queue()
         self._wake.set()
+        self._stage_wake.set()
 
     @property
     def queue_depth(self) -> tuple[int, int]:
-        return len(self._waiting), len(self._active)
+        """(waiting, active): requests that never started (queued, being prepared, prepared but never
+        stepped), and those that did (running, paused, being decoded)."""
+        held = self._held_tickets()
+        started = sum(t.started for t in held)
+        return len(held) - started, started
+
+    def _held_tickets(self) -> list[Ticket]:
+        """Every request the engine holds, whatever its stage, that has not finished."""
+        tickets = [*self._waiting, *self._resident, *self._decoding]
+        tickets += [t for t in (self._preparing, self._decoding_now) if t is not None]
+        return [t for t in tickets if not t.future.done()]
+
+    def _held(self) -> int:
+        return len(self._held_tickets())
 
     # -- warm-up, health, drain, close ----------------------------------------------------
     def warmup_request(self) -> GenerationRequest:
@@ -299,7 +452,8 @@ class Engine:
 
     @property
     def _busy(self) -> bool:
-        return bool(self._waiting or self._active or self._preparing)
+        """Whether any submitted request has not finished (whatever its stage)."""
+        return bool(self._held_tickets())
 
     def check_health(self) -> None:
         """Raise EngineStopped (closed, or the group broke), EngineStalled or WorkerGroupBroken."""
@@ -317,21 +471,24 @@ class Engine:
         self.group.check_health()
 
     async def drain(self, timeout_s: float | None = None) -> None:
-        """Stop taking work, hand back what never started, let the active requests finish, then close.
+        """Stop taking work, hand back what never started, let the started requests finish, then close.
 
-        Waiting requests fail at once with EngineDraining (they never started here: run them elsewhere);
-        active ones get ``timeout_s`` (default ``limits.drain_timeout_s``) to finish; the rest fail with
-        EngineStopped.
+        Requests that never entered a step (waiting, being prepared, or prepared but never stepped) fail at
+        once with EngineDraining: they never started here, so they run sooner elsewhere than behind this
+        replica's last requests, and a prepare is cheap to repeat. Started ones (running, paused, being
+        decoded) get ``timeout_s`` (default ``limits.drain_timeout_s``) to finish; the rest fail with
+        EngineStopped. Paused requests resume, since nothing new joins.
         """
         timeout_s = self.limits.drain_timeout_s if timeout_s is None else timeout_s
         self._draining = True
-        handed_back = [t for t in self._waiting if not t.future.done()]
+        handed_back = [t for t in self._held_tickets() if not t.started]
         self._waiting.clear()
+        self._resident = [t for t in self._resident if t.started]
         for ticket in handed_back:
             self._fail(ticket, EngineDraining("this replica is draining; the request never started here"), "draining")
         self._report_queue()
-        started = [t.future for t in [*self._active, *([self._preparing] if self._preparing else [])]]
-        logger.info("draining: %d handed back, %d active get %g s", len(handed_back), len(started), timeout_s)
+        started = [t.future for t in self._held_tickets()]
+        logger.info("draining: %d handed back, %d started get %g s", len(handed_back), len(started), timeout_s)
         if started:
             await asyncio.wait(started, timeout=timeout_s)
         await self.close("the replica drained")
@@ -339,88 +496,87 @@ class Engine:
     async def close(self, reason: str = "engine closed") -> None:
         self._stop_reason = self._stop_reason or reason
         self._fail_all(EngineStopped(reason), "shutdown")
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._stage_task):
+            if task is not None:
+                task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._stages.shutdown()
 
-    # -- the step loop --------------------------------------------------------------------
+    # -- the step loop: schedule, pack, forward on the model thread ---------------------------
     def _run_blocking(self, fn, *args) -> asyncio.Future[Any]:
         """Model work on the engine's one thread."""
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _run(self) -> None:
         while not self._stop_reason:
-            if not self._waiting and not self._active:
+            self._resident = [t for t in self._resident if not t.future.done()]
+            if not self._resident:
+                self._stage_wake.set()  # room to prepare
+                self._account_busy()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                await self._join_waiting()
                 await self._step_once()
             except WorkerGroupBroken as e:
                 self._stop_reason = f"SP worker group failed: {e}"
                 self.stats.failed_steps += 1
                 self._observe("on_failed_step", "worker_group")
                 self._fail_all(EngineStopped(self._stop_reason), "worker_group")
+                self._stage_wake.set()  # the stage worker sees the stop
                 return
-            except Exception:  # a fault of the engine itself: fail the pack, never the loop or the waiting requests
-                logger.exception("engine step failed outside any pack (requests %s)", [t.id for t in self._active])
+            except Exception:  # a fault of the engine itself: fail the prepared requests, never the loop or the queue
+                failed = self._resident
+                logger.exception("engine step failed outside any pack (requests %s)", [t.id for t in failed])
                 self.stats.failed_steps += 1
                 self._observe("on_failed_step", "pack")
-                for ticket in self._active:
+                for ticket in failed:
                     self._fail(ticket, RuntimeError(f"request {ticket.id} failed; see the replica log"), "error")
-                self._active = []
+                self._resident = []
 
-    async def _join_waiting(self) -> None:
-        """Prepare waiting requests (diffusers' blocks before the loop) into the pack, oldest first."""
-        while self._waiting and len(self._active) < self.limits.max_active:
-            ticket = self._waiting.popleft()
-            if ticket.future.done():
-                continue
-            self._stage("queue_wait", time.monotonic() - ticket.submitted)
-            self._preparing = ticket
-            started = time.perf_counter()
-            try:
-                state = await self._run_blocking(self.pipeline.prepare, ticket.request)
-                self._check_budget(state.rows)  # the estimate at submit was short (keyframe vision tokens)
-            except Exception as e:
-                logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
-                self._fail(ticket, e, "prepare")
-                continue
-            finally:
-                self._preparing = None
-                self._progress_at = time.monotonic()
-            self._stage("prepare", time.perf_counter() - started)
-            if ticket.future.done():  # cancelled or past its deadline while being prepared
-                continue
-            ticket.state, ticket.rows = state, state.rows
-            self._active.append(ticket)
-            logger.info("request %s joined the pack (%d rows, %d steps)", ticket.id, state.rows, state.steps)
-        self._report_queue()
-
-    def _select(self) -> list[Ticket]:
-        """Oldest first, within the row budget."""
-        self._active = [t for t in self._active if not t.future.done()]
-        batch, rows = [], 0
-        for ticket in self._active:
-            if rows + ticket.rows <= self.limits.max_rows_per_step:
-                batch.append(ticket)
-                rows += ticket.rows
+    def _schedule(self) -> list[Ticket]:
+        """This step's batch by the policy; running requests left out are paused (preemptions)."""
+        by_order = {t.order: t for t in self._resident}
+        plan = scheduler.schedule(
+            [t.view() for t in self._resident],
+            Budget(self.limits.max_active, self.limits.max_rows_per_step),
+            self.limits.policy,
+            time.monotonic(),
+            self.limits.aging_s,
+        )
+        batch = [by_order[view.order] for view in plan.batch]
+        for ticket in self._resident:
+            ticket.running = False
+        for ticket in batch:
+            ticket.running = True
+        if plan.preempted:
+            self.stats.preemptions += len(plan.preempted)
+            self._observe("on_preempted", len(plan.preempted))
+            logger.info(
+                "paused %s at step boundary for %s (%s)",
+                [v.id for v in plan.preempted],
+                [t.id for t in batch if not t.forwards],
+                self.limits.policy,
+            )
         return batch
 
     async def _step_once(self) -> None:
-        batch = self._select()
-        if not batch:
-            return
+        batch = self._schedule()
         partitions: dict[str, list[Ticket]] = {}
         for ticket in batch:  # one pack per transformer partition; a failure in one never touches the other
             partitions.setdefault(ticket.prepared.partition, []).append(ticket)
         for tickets in partitions.values():
             await self._advance(tickets)
-        for ticket in [t for t in batch if t.prepared.done]:
-            self._active.remove(ticket)
-            if not ticket.future.done():
-                await self._decode(ticket)
+        for ticket in batch:
+            if ticket.prepared.done and not ticket.future.done():  # its schedule is done: the stage worker decodes
+                ticket.running = False
+                self._resident.remove(ticket)
+                self._decoding.append(ticket)
+                self._stage_wake.set()
+        self._resident = [t for t in self._resident if not t.future.done()]
+        self._stage_wake.set()  # a finished, failed or cancelled request may have freed room to prepare another
+        self._account_busy()
+        self._observe("on_duty_cycle", self.stats.duty_cycle)
         self._report_queue()
 
     async def _advance(self, tickets: list[Ticket]) -> None:
@@ -453,7 +609,7 @@ class Engine:
         started = time.perf_counter()
         try:
             out = await self.group.forward_async(pack, self._run_blocking)
-            outputs = pack.split(*out)
+            errors = await self._run_blocking(self._apply, states, pack, out)
         except PackFailed as e:
             return e
         except WorkerGroupBroken:
@@ -467,16 +623,15 @@ class Engine:
         self.stats.forwards += 1
         self.stats.rows += stats.rows
         self.stats.padding_rows += stats.padding_rows
+        self.stats.forward_s += seconds
         self._observe("on_step", stats, seconds)
         self._stage("step", seconds)
-        for ticket, state, (video, audio) in zip(tickets, states, outputs, strict=True):
+        for ticket, error in zip(tickets, errors, strict=True):
             if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
                 continue
-            try:  # each request applies its own velocities: one bad output never half-advances another
-                state.advance(video, audio)
-            except Exception as e:
-                logger.error("request %s: applying its step failed", ticket.id, exc_info=True)
-                self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {e}"), "error")
+            if error is not None:  # each request applies its own velocities: one bad output never half-advances another
+                logger.error("request %s: applying its step failed", ticket.id, exc_info=error)
+                self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
                 continue
             ticket.forwards += 1
             if not ticket.first_step_done:
@@ -485,16 +640,117 @@ class Engine:
             ticket.changed.set()
         return None
 
-    async def _decode(self, ticket: Ticket) -> None:
+    def _apply(
+        self, states: list[RequestState], pack: Pack, out: tuple[torch.Tensor, torch.Tensor]
+    ) -> list[Exception | None]:
+        """On the model thread: advance each state by its share of the forward; each one's error, or None."""
+        errors: list[Exception | None] = []
+        for state, (video, audio) in zip(states, pack.split(*out), strict=True):
+            try:
+                state.advance(video, audio)
+                errors.append(None)
+            except Exception as e:
+                errors.append(e)
+        if self._device.type == "cuda":
+            # the step is finished on the device before anyone reads its latents (a decode on the stage
+            # stream) or frees a state whose memory the stage stream could then reuse
+            torch.cuda.current_stream(self._device).synchronize()
+        return errors
+
+    # -- the stage worker: prepare ahead of the pack, decode after it ---------------------------------
+    async def _run_stages(self) -> None:
+        while not self._stop_reason:
+            ticket: Ticket | None = None
+            try:
+                self._decoding = collections.deque(t for t in self._decoding if not t.future.done())
+                ticket = self._next_to_prepare()
+                model_idle = not any(not t.future.done() for t in self._resident)
+                if ticket is not None and (model_idle or not self._decoding):
+                    await self._prepare(ticket)  # an idle model thread needs a request more than a finished one
+                elif self._decoding:
+                    ticket = self._decoding.popleft()
+                    await self._decode(ticket)
+                else:
+                    ticket = None
+                    self._account_busy()
+                    self._stage_wake.clear()
+                    await self._stage_wake.wait()
+            except Exception:  # a fault of the engine itself: fail the request at hand, never the stage worker
+                logger.exception("the stage worker failed outside a prepare or decode (request %s)", ticket)
+                if ticket is None:
+                    await asyncio.sleep(1.0)  # no request to fail; the watchdog reports it if it persists
+                else:
+                    self._fail(ticket, RuntimeError(f"request {ticket.id} failed; see the replica log"), "error")
+
+    def _next_to_prepare(self) -> Ticket | None:
+        """The waiting request the policy serves first, while the prepared states held stay within the bound."""
+        if self._draining or self._stop_reason:
+            return None
+        self._drop_finished_waiting()
+        if not self._waiting:
+            return None
+        now, policy, aging_s = time.monotonic(), self.limits.policy, self.limits.aging_s
+        best = min(self._waiting, key=lambda t: scheduler.rank_key(t.view(), policy, now, aging_s))
+        resident = [t for t in self._resident if not t.future.done()]
+        if len(resident) < self.limits.max_active + self.limits.max_prepared:
+            return best
+        # at the bound: a prepared request that never stepped and ranks below ``best`` gives its room back (only
+        # its prepare is lost); running and paused ones keep theirs. Under fcfs nothing waiting outranks them.
+        never_stepped = [t for t in resident if not t.started]
+        if not never_stepped:
+            return None
+        worst = max(never_stepped, key=lambda t: scheduler.rank_key(t.view(), policy, now, aging_s))
+        if scheduler.rank_key(best.view(), policy, now, aging_s) >= scheduler.rank_key(
+            worst.view(), policy, now, aging_s
+        ):
+            return None
+        self._resident.remove(worst)
+        worst.state = None  # its prepared state is freed; it is prepared again when its turn comes
+        self._waiting.append(worst)
+        logger.info("request %s gives its prepared room to %s (%s) and waits again", worst.id, best.id, policy)
+        return best
+
+    async def _prepare(self, ticket: Ticket) -> None:
+        self._waiting.remove(ticket)
+        if not ticket.prepares:  # a request that gave its prepared room back waits on, and is timed once
+            self._stage("queue_wait", time.monotonic() - ticket.submitted)
+        ticket.prepares += 1
+        self._preparing = ticket
         started = time.perf_counter()
         try:
-            media = await self._run_blocking(self.pipeline.decode, ticket.prepared)
+            state = await self._stages.run(self.pipeline.prepare, ticket.request)
+            self._check_budget(state.rows)  # the estimate at submit was short (keyframe vision tokens)
+        except Exception as e:
+            logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
+            self._fail(ticket, e, "prepare")
+            return
+        finally:
+            self._preparing = None
+            self._progress_at = time.monotonic()
+        self._stage("prepare", time.perf_counter() - started)
+        if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
+            return
+        ticket.state, ticket.rows = state, state.rows
+        self._resident.append(ticket)
+        logger.info("request %s prepared (%d rows, %d steps)", ticket.id, state.rows, state.steps)
+        self._report_queue()
+        self._wake.set()
+
+    async def _decode(self, ticket: Ticket) -> None:
+        if ticket.future.done():
+            return
+        self._decoding_now = ticket
+        started = time.perf_counter()
+        try:
+            media = await self._stages.run(self.pipeline.decode, ticket.prepared)
         except Exception as e:
             logger.error("request %s: decode failed", ticket.id, exc_info=True)
             self._fail(ticket, e, "decode")
             return
         finally:
+            self._decoding_now = None
             self._progress_at = time.monotonic()
+            self._account_busy()
         self._stage("decode", time.perf_counter() - started)
         if ticket.future.done():
             return
@@ -502,14 +758,20 @@ class Engine:
         self.stats.completed += 1
         end_to_end = time.monotonic() - ticket.submitted
         self._stage("end_to_end", end_to_end)
+        self._report_queue()
         logger.info("request %s done in %.2f s (%d forwards)", ticket.id, end_to_end, ticket.forwards)
 
     # -- failures -------------------------------------------------------------------------
     def _expire(self, ticket: Ticket) -> None:
-        """The deadline timer: the request fails now and leaves the pack at the next step boundary."""
+        """The deadline timer: the request fails now, wherever it is; it leaves at its stage's next boundary."""
         if ticket.future.done():
             return
-        where = "in the pack" if ticket.state is not None else "before it started"
+        if not ticket.started:
+            where = "before it started"
+        elif ticket.state is not None and ticket.state.done:
+            where = "while decoding"
+        else:
+            where = "in the pack"
         error = DeadlineExceeded(
             f"request {ticket.id} passed its deadline of {ticket.deadline_s:g} s {where} "
             f"(step {ticket.progress[0]} of {ticket.progress[1]})"
@@ -518,6 +780,7 @@ class Engine:
         self._drop_finished_waiting()
         self._report_queue()
         self._wake.set()
+        self._stage_wake.set()
 
     def _fail(self, ticket: Ticket, error: Exception, reason: str) -> None:
         if ticket.future.done():
@@ -529,24 +792,31 @@ class Engine:
             logger.warning("request %s failed (%s): %s", ticket.id, reason, error)
 
     def _fail_all(self, error: Exception, reason: str) -> None:
-        tickets = [*self._active, *self._waiting, *([self._preparing] if self._preparing else [])]
-        for ticket in tickets:
+        for ticket in self._held_tickets():
             self._fail(ticket, error, reason)
-        self._active = []
+        self._resident = []
         self._waiting.clear()
+        self._decoding.clear()
         self._report_queue()
 
     def _drop_finished_waiting(self) -> None:
         """Cancelled waiting requests leave the queue at once, so they never count against its bound."""
         if any(t.future.done() for t in self._waiting):
-            self._waiting = collections.deque(t for t in self._waiting if not t.future.done())
+            self._waiting = [t for t in self._waiting if not t.future.done()]
+
+    def _account_busy(self) -> None:
+        """Add the busy time since the last call to ``stats.busy_s``; a stretch ends when no work is left."""
+        now = time.monotonic()
+        if self._busy_since is not None:
+            self.stats.busy_s += now - self._busy_since
+        self._busy_since = now if self._busy else None
 
     # -- observing --------------------------------------------------------------------------
     def _stage(self, stage: str, seconds: float) -> None:
         self._observe("on_stage", stage, seconds)
 
     def _report_queue(self) -> None:
-        self._observe("on_queue", len(self._waiting), len(self._active))
+        self._observe("on_queue", *self.queue_depth)
 
     def _observe(self, method: str, *args: Any) -> None:
         """Report to the observer; a failing observer is logged and never fails a request."""

@@ -89,3 +89,17 @@ def test_timeout_s_is_a_positive_number_up_to_max_timeout_s(model):
     stricter = RequestLimits(max_timeout_s=10)
     with pytest.raises(ValidationError, match="limit of 10 seconds"):
         model.model_validate({"prompt": "x", "timeout_s": 11}, context={"limits": stricter})
+
+
+def test_priority_is_an_integer_in_range_from_json_or_the_text_of_one_from_a_form():
+    assert validate(ImagesBody, {"prompt": "x"}).priority == 0
+    assert validate(VideosBody, {"prompt": "x", "priority": -10}).priority == -10
+    form = VideosBody.model_validate({"prompt": "x", "priority": " +7 "}, context={"limits": LIMITS, "form": True})
+    assert form.priority == 7
+    for value in (11, -11, "7", 7.0, True, None, "9" * 40):  # JSON text, floats and bools are not integers
+        param, message = refusal(VideosBody, {"prompt": "x", "priority": value})
+        assert param == "priority" and "must be an integer from -10 to 10" in message, (value, message)
+    for text in ("11", "high", "1.5", "0x3"):
+        with pytest.raises(ValidationError) as info:
+            VideosBody.model_validate({"prompt": "x", "priority": text}, context={"limits": LIMITS, "form": True})
+        assert invalid(info.value).param == "priority", text

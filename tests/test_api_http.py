@@ -56,6 +56,7 @@ def server(ray_cluster, tmp_path_factory):
     try:
         process.wait_serving(apps=2)
         process.metrics_port = ray_cluster.metrics_port
+        process.store = tmp / "videos" / "h3serve"  # the default app's job records
         yield process
     finally:
         process.stop()
@@ -332,6 +333,75 @@ def test_the_openapi_document_describes_the_bodies_the_routes_parse(server):
     assert listing == {"limit", "after", "order", "X-Request-Id"}
     assert all("422" not in op["responses"] for path in doc["paths"].values() for op in path.values())
     assert locked["servers"] == [{"url": "/locked"}]
+    for schema in (images["application/json"], videos["application/json"], videos["multipart/form-data"]):
+        priority = schema["schema"]["properties"]["priority"]
+        assert (priority["type"], priority["minimum"], priority["maximum"], priority["default"]) == (
+            "integer",
+            -10,
+            10,
+            0,
+        )
+
+
+# -- priority ---------------------------------------------------------------------------------
+# (route, request kwargs carrying a bad priority, how the value is shown in the message)
+BAD_PRIORITIES = [
+    *(
+        ("/v1/images/generations", {"json": {"prompt": "x", "priority": v}}, shown)
+        for v, shown in (
+            (11, "11"),
+            (-11, "-11"),
+            (1.5, "1.5"),
+            ("3", "'3'"),
+            (True, "True"),
+            (None, "None"),
+            ([1], "[1]"),
+        )
+    ),
+    ("/v1/videos", {"json": {"prompt": "x", "priority": 2**70}}, str(2**70)),
+    ("/v1/videos", {"json": {"prompt": "x", "priority": 7.0}}, "7.0"),  # a JSON float is not an integer
+    ("/v1/videos", {"data": {"prompt": "x", "priority": "11"}}, "11"),  # a form's text, parsed, out of range
+    ("/v1/videos", {"data": {"prompt": "x", "priority": "high"}}, "'high'"),
+    ("/v1/videos", {"data": {"prompt": "x", "priority": "9" * 5000}}, "'999"),  # never parsed as an int
+]
+
+
+@pytest.mark.parametrize("path,kwargs,shown", BAD_PRIORITIES, ids=[f"{p} {k}"[:60] for p, k, _ in BAD_PRIORITIES])
+def test_a_priority_out_of_range_or_not_an_integer_is_a_400_naming_it(server, path, kwargs, shown):
+    with client(server.url) as http:
+        error = error_of(http.post(path, **kwargs), 400)
+    assert error["param"] == "priority", error
+    assert "must be an integer from -10 to 10" in error["message"] and f"got {shown}" in error["message"], error
+
+
+def test_a_priority_reaches_the_engine_with_the_request_and_stays_in_the_job_record(server):
+    """A video posted as a form (priority as text) and an image as JSON, both held in the engine while the
+    replica's diagnostics are read: each ticket carries the priority its request gave; the job's record keeps it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("H3Replica", app_name="h3serve")
+    long_video = {"prompt": "a slow pan", "seconds": "14", "num_inference_steps": "50", "priority": "-7"}
+    image = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 50, "priority": 10, "seed": 3}
+    with client(server.url) as http, ThreadPoolExecutor(1) as pool:
+        video = http.post("/v1/videos", data=long_video, headers={"X-Request-Id": "prio-video"})
+        assert video.status_code == 200, video.text
+        still = pool.submit(http.post, "/v1/images/generations", json=image, headers={"X-Request-Id": "prio-image"})
+
+        def both_in_the_engine():
+            requests = handle.diagnostics.remote().result()["requests"]
+            return requests if {"prio-video", "prio-image-0"} <= set(requests) else None
+
+        requests = wait_for(both_in_the_engine, timeout=120, interval=0.05, what="both requests in the engine")
+        assert requests["prio-video"]["priority"] == -7 and requests["prio-image-0"]["priority"] == 10, requests
+        assert still.result().status_code == 200
+        record = json.loads((server.store / f"{video.json()['id']}.json").read_text())
+        assert (record["request_id"], record["priority"], record["submissions"]) == ("prio-video", -7, 1)
+        assert "priority" not in video.json()  # the OpenAI video object is unchanged
+        assert http.delete(f"/v1/videos/{video.json()['id']}").status_code == 200
+        # the edges of the range are accepted
+        assert http.post("/v1/images/generations", json={**image, "num_inference_steps": 2, "priority": -10}).is_success
 
 
 def embedded_document(page: str) -> tuple[dict, str]:

@@ -16,7 +16,18 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from attention import get_backend
-from benchmarks import admission, default_clip, gpu_kernels, gpu_pipeline, gpu_smoke, packing, run_all, serving, sp
+from benchmarks import (
+    admission,
+    default_clip,
+    gpu_kernels,
+    gpu_pipeline,
+    gpu_smoke,
+    packing,
+    run_all,
+    serving,
+    sp,
+    trace,
+)
 from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
@@ -54,6 +65,48 @@ def test_packing_smoke_outputs_agree_and_every_scheduler_does_the_same_rows(caps
     assert sum(s["requests"] for s in staggered["engine_steps"]) == a["forwards"]  # request-steps, however packed
 
 
+def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(capsys, tmp_path):
+    assert trace.main(["--quick", "--json", str(tmp_path / "trace.json")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "trace.json").read_text())
+    sizes = result["sizes"]
+    assert (sizes["requests"], sizes["steps"], sizes["loads"]) == (6, 3, [0.8])
+    kinds = [r["class"] for r in result["trace"]]
+    assert sorted(kinds) == ["clip", "clip", "long", "still", "still", "still"]  # the mix: a half, a third, the rest
+    assert [r["priority"] for r in result["trace"]].count(trace.HIGH_PRIORITY) == 1  # a tenth, at least one
+    rows = result["results"]["0.8"]
+    assert [r["mode"] for r in rows] == list(trace.MODES)
+    for row in rows:
+        assert set(row["per_class"]) == {"still", "clip", "long", "high priority"}
+        assert [row["per_class"][k]["latency"]["n"] for k in ("still", "clip", "long", "high priority")] == [3, 2, 1, 1]
+        assert all(c["ttfs"]["p99"] <= c["latency"]["p99"] for c in row["per_class"].values())  # a step before done
+        agreement = row["agreement"]  # every request's output against request-level FCFS's
+        assert agreement["agree"] and agreement["requests"] == 6 and agreement["max_pixel_diff"] <= 1
+        assert 0 < row["duty_cycle"] <= 1
+    by_mode = {r["mode"]: r for r in rows}
+    # counts, not times: request-level FCFS runs one forward per model evaluation and never pauses a request;
+    # the engines pack some of those evaluations together
+    assert by_mode[trace.REQUEST_LEVEL]["forwards"] == 6 * (3 - 1)
+    assert by_mode[trace.REQUEST_LEVEL]["preemptions"] == 0
+    assert all(0 < by_mode[f"engine {p}"]["forwards"] <= 12 for p in trace.POLICY_MODES)
+    assert result["agreement"]["agree"] and result["ok"]
+    assert [t["target"].split(" (")[0] for t in result["targets"]] == [
+        "duty cycle",
+        "stills P99 / request-level FCFS's",
+        "mean latency / request-level FCFS's",
+        "throughput / request-level FCFS's",
+        "high-priority P99 of latency / idle",
+    ]
+    for words in ("request-level FCFS", "engine srpt", "engine priority", "TTFS p99 s", "issue 23's targets", "AGREE"):
+        assert words in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_trace_gpu_mode_refuses_at_once_without_cuda(capsys):
+    assert trace.main(["--gpu", "--checkpoint", str(REPO)]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().out
+
+
 def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
     result = admission.run(smoke=True)
     out = capsys.readouterr().out
@@ -65,7 +118,7 @@ def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
     assert sum(path["calls_per_file"].get(f, 0) for f in ("replicas/engine.py", "pipelines/h3/forward.py")) > 0
     backends = {(r["config"], r["call"]): r["backend"] for r in result["cost"]}
     assert backends[("cpu tiny auto", "admit (cold)")] == "torch_sdpa"
-    assert backends[("gpu full flash_attn (h100 json)", "admit (cold)")] == "flash_attn"  # serve_config.gpu.yaml
+    assert backends[("gpu full flash_attn (h200 json)", "admit (cold)")] == "flash_attn"  # serve_config.gpu.yaml
     for row in ("admit (cold)", "resolve (cold)", "resolve (cached)", "attention.selector_calls()"):
         assert row in out
 

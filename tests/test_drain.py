@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 # Each replica runs one video (max_active 1) and queues one more (max_queue 1), and answers a third with 503 at
 # POST time: four accepted jobs are one running and one queued on each replica. A video takes long enough (tens
 # of seconds on the tiny model) that the scale-down lands while the first still runs.
-JOB = {"prompt": "a slow pan over a city", "seconds": 14, "num_inference_steps": 60}
+JOB = {"prompt": "a slow pan over a city", "seconds": 14, "num_inference_steps": 60, "priority": 3}
 
 
 def drain_config(store, port: int, h3_replicas: int) -> dict:
@@ -140,6 +140,9 @@ def test_scale_down_finishes_the_active_video_and_runs_the_queued_one_elsewhere(
                 return kept["submissions"] == 2
 
             wait_for(resubmitted, timeout=300, interval=0.5, what=f"{queued_id} to be queued again")
+            # re-submitted with the priority its client asked for
+            (kept_view,) = [v for v in replica_views(handle, want=1, tries=5).values() if queued_id in v["requests"]]
+            assert kept_view["requests"][queued_id]["priority"] == 3, kept_view
 
             finished = {}
             for request_id, video_id in jobs.items():
@@ -155,6 +158,7 @@ def test_scale_down_finishes_the_active_video_and_runs_the_queued_one_elsewhere(
                 kept = record(store, video_id)
                 assert kept["request_id"] == request_id
                 assert kept["submissions"] == (2 if request_id == queued_id else 1), (request_id, kept)
+                assert kept["priority"] == 3, kept
                 mp4 = http.get(f"/v1/videos/{video_id}/content")
                 assert mp4.status_code == 200 and mp4.content[4:8] == b"ftyp"
 

@@ -42,6 +42,8 @@ class Recorder:
         self.failed_steps: collections.Counter[str] = collections.Counter()
         self.failed_requests: collections.Counter[str] = collections.Counter()
         self.steps = 0
+        self.preempted: list[int] = []
+        self.duty_cycles: list[float] = []
 
     def on_step(self, stats, seconds):
         self.steps += 1
@@ -61,6 +63,14 @@ class Recorder:
         assert reason in FAILURE_REASONS, reason
         self.failed_requests[reason] += 1
 
+    def on_preempted(self, count):
+        assert count > 0, count
+        self.preempted.append(count)
+
+    def on_duty_cycle(self, fraction):
+        assert 0.0 <= fraction <= 1.0, fraction
+        self.duty_cycles.append(fraction)
+
 
 def assert_same_media(got, want):
     # as the staggered test: packing rounds fp32 GEMMs differently, a pixel may move one uint8 step
@@ -72,20 +82,24 @@ def assert_same_media(got, want):
 # --- fault isolation ----------------------------------------------------------------------
 
 
-EIGHT = [request(f"clip {i}", steps=3 + i % 4, seed=i) for i in range(8)]
+EIGHT = [request(f"clip {i}", steps=12 + i % 4, seed=i) for i in range(8)]  # long enough to share the pack
 POISONED = 2
 
 
 def run_eight_with_one_poisoned(group: WorkerGroup):
     EIGHT_WITH_LONG = list(EIGHT)
-    EIGHT_WITH_LONG[POISONED] = request("poisoned", steps=8, seed=99)  # still running when its data turns bad
+    EIGHT_WITH_LONG[POISONED] = request("poisoned", steps=16, seed=99)  # still running when its data turns bad
 
     async def scenario():
         recorder = Recorder()
         engine = Engine(group, EngineLimits(max_active=8), recorder)
         tickets = [engine.submit(r, request_id=f"clip-{i}") for i, r in enumerate(EIGHT_WITH_LONG)]
         poisoned = tickets[POISONED]
-        await poisoned.changed.wait()  # all eight share the pack; one step done
+        # the stage worker prepares them one at a time and each joins at the next step boundary: poison the
+        # request once all eight share the pack
+        while not all(t.forwards for t in tickets):
+            await asyncio.sleep(0.01)
+        assert not any(t.future.done() for t in tickets), "a request finished before all eight shared the pack"
         poison(poisoned.prepared)
         results = await asyncio.gather(*(t.future for t in tickets), return_exceptions=True)
         return engine, recorder, tickets, results

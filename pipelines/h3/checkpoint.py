@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -269,8 +270,39 @@ def tiny_processor(tokenizer):
     return processor
 
 
-def tiny_components(seed: int = 0, with_ref: bool = False) -> dict[str, Any]:
-    """Every component of the tiny preset, built by its library class with seeded random weights."""
+def keep_tokens_apart(text_encoder) -> None:
+    """Scale the tiny Qwen3-VL's random weights so ``hidden_states[50]`` keeps its prompt's tokens apart.
+
+    With the library's initialisation (embeddings and every projection at std 0.02), the 51 residual
+    branches add outputs as large as the embeddings they are added to, and layer 50 collapses every token
+    toward one direction: the two prompts of ``benchmarks.text_encoder`` had per-position cosine 0.86
+    there against 0.38 at the embeddings, and a prompt's own tokens 0.77 against each other. Two rescalings,
+    neither drawing random numbers (every other component keeps its tensors for a seed):
+
+    - the token embeddings to unit RMS, the scale of a trained LLM's inner hidden states, which H3's
+      ``context_embedder`` was made for: at std 0.02 its bias outweighs the tokens (cosine 0.99 after it);
+    - the residual branches' output projections (``self_attn.o_proj``, ``mlp.down_proj``) by
+      1/sqrt(2 * layers), GPT-2's scaled residual initialisation, so 51 layers add a small perturbation.
+
+    Layer 50 then stays within a few hundredths of the embeddings' similarities (measured in
+    ``benchmarks.text_encoder``), and the layers stay trainable (no weight is zero).
+    """
+    language_model = text_encoder.model.language_model
+    branch_scale = 1 / math.sqrt(2 * len(language_model.layers))
+    with torch.no_grad():
+        embeddings = language_model.embed_tokens.weight  # [vocab, hidden], tied to the (unused) lm_head
+        embeddings.div_(embeddings.pow(2).mean().sqrt())
+        for layer in language_model.layers:
+            layer.self_attn.o_proj.weight.mul_(branch_scale)
+            layer.mlp.down_proj.weight.mul_(branch_scale)
+
+
+def tiny_components(seed: int = 0, with_ref: bool = False, library_text_init: bool = False) -> dict[str, Any]:
+    """Every component of the tiny preset, built by its library class with seeded random weights.
+
+    ``library_text_init``: leave the text encoder as transformers initialises it, without
+    ``keep_tokens_apart`` (the writer before it; ``benchmarks.text_encoder`` measures both).
+    """
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -311,6 +343,8 @@ def tiny_components(seed: int = 0, with_ref: bool = False) -> dict[str, Any]:
         )
         if with_ref:
             components["transformer_ref"] = MiniMaxH3Transformer3DModel(**spec.transformer)
+    if not library_text_init:
+        keep_tokens_apart(components["text_encoder"])
     return components
 
 
@@ -346,6 +380,11 @@ def write_tiny_checkpoint(directory: str | Path, seed: int = 0, with_ref: bool =
     return save_checkpoint(tiny_components(seed, with_ref), directory, preset("tiny").pipeline_config)
 
 
+# Bump when the tiny writer makes other tensors for the same preset and seed, so no cache serves the old ones.
+# 2: the text encoder keeps tokens apart (keep_tokens_apart).
+TINY_WRITER_VERSION = 2
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("H3SERVE_CACHE", Path.home() / ".cache" / "h3serve"))
 
@@ -355,8 +394,9 @@ def random_tiny_checkpoint(seed: int = 0) -> Path:
     import shutil
     import tempfile
 
-    # the preset's values are in the name: a changed tiny preset never loads an old cached architecture
-    digest = hashlib.sha256(repr(preset("tiny")).encode()).hexdigest()[:10]
+    # the preset's values and the writer's version are in the name: a changed tiny preset or writer never
+    # loads an old cached checkpoint
+    digest = hashlib.sha256(repr((TINY_WRITER_VERSION, preset("tiny"))).encode()).hexdigest()[:10]
     target = cache_dir() / f"minimax-h3-tiny-random-{seed}-{digest}"
     if (target / INDEX_FILE).is_file():
         return target

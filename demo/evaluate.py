@@ -1,0 +1,200 @@
+"""``h3serve eval``: generate held-out scenes through the serving path and judge every clip analytically.
+
+The path is the server's: a ``replicas.WorkerGroup`` (sp=1, no Ray) builds rank 0's pipeline from the
+checkpoint with the attention backend admission resolves for this node, and a ``replicas.Engine``
+packs up to ``pack`` requests into each forward, as a replica does. The clips are ``n`` held-out scenes
+of ``demo.world`` (combinations the transformer never trains on) in the checkpoint's own format
+(default canvas, shortest clip, frame rate, sample rate), request ``i`` seeded ``seed + i``. Each clip
+is judged by ``demo.detectors``; a verdict of None (unknown) counts as wrong.
+
+``oracle=True`` judges the world's own rendering of the same scenes in the same format instead of
+generated clips: 100% by construction of the detectors, the ceiling any checkpoint is measured against.
+
+Everything is deterministic for a checkpoint, seed, size, steps and pack: the scenes, the requests'
+seeds and diffusers' schedules. Any checkpoint in the released layout runs; random tiny weights
+report their (low) accuracy like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError
+
+from .detectors import judge
+from .world import ClipFormat, Scene, held_out_scenes, render
+
+if TYPE_CHECKING:  # replicas imports Ray, which `h3serve eval --help` need not load
+    from replicas import WorkerGroup
+
+ATTRIBUTES = ("colour", "shape", "motion", "sound")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    checkpoint: str | None = None  # None: the built-in tiny checkpoint
+    n: int = 18  # clips; 18 covers every held-out combination once
+    seed: int = 0
+    steps: int = 50  # num_inference_steps, as `h3serve generate`
+    pack: int = 8  # requests per packed forward at most (the engine's max_active)
+    width: int | None = None  # None with height: the checkpoint's default canvas
+    height: int | None = None
+    num_frames: int | None = None  # None: the checkpoint's shortest clip
+    oracle: bool = False
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str | None = None  # None: pipelines.h3.default_dtype(device)
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for field, value, least in (("n", self.n, 1), ("pack", self.pack, 1), ("steps", self.steps, 2)):
+            if value < least:
+                raise RequestError(field, f"{field} must be at least {least}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipVerdict:
+    index: int
+    scene: Scene
+    seed: int
+    detected: dict[str, str | None]
+
+    @property
+    def correct(self) -> dict[str, bool]:
+        expected = self.scene.attributes()
+        return {a: self.detected[a] == expected[a] for a in ATTRIBUTES}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "prompt": self.scene.prompt,
+            "seed": self.seed,
+            "expected": self.scene.attributes(),
+            "detected": self.detected,
+            "correct": self.correct,
+            "all_correct": all(self.correct.values()),
+        }
+
+
+def _row(correct: int, unknown: int, clips: int) -> dict[str, float]:
+    return {"correct": correct, "unknown": unknown, "clips": clips, "accuracy": correct / clips}
+
+
+def summarize(verdicts: list[ClipVerdict]) -> dict[str, dict[str, float]]:
+    """Per attribute and for whole clips (every attribute right): correct, unknown, clips and accuracy."""
+    out = {
+        attribute: _row(
+            sum(v.correct[attribute] for v in verdicts),
+            sum(v.detected[attribute] is None for v in verdicts),
+            len(verdicts),
+        )
+        for attribute in ATTRIBUTES
+    }
+    out["all four"] = _row(sum(all(v.correct.values()) for v in verdicts), 0, len(verdicts))
+    return out
+
+
+def format_table(summary: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'attribute':<10} {'correct':>7} {'unknown':>7} {'clips':>5} {'accuracy':>8}", "-" * 41]
+    for name, row in summary.items():
+        lines.append(
+            f"{name:<10} {row['correct']:>7} {row['unknown']:>7} {row['clips']:>5} {100 * row['accuracy']:>7.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def requests_for(scenes: list[Scene], fmt: ClipFormat, settings: EvalSettings) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            prompt=scene.prompt,
+            width=fmt.width,
+            height=fmt.height,
+            num_frames=fmt.num_frames,
+            num_inference_steps=settings.steps,
+            seed=settings.seed + i,
+        )
+        for i, scene in enumerate(scenes)
+    ]
+
+
+def build_group(settings: EvalSettings) -> WorkerGroup:
+    """An sp=1 worker group on this node with the backend admission resolves for the checkpoint."""
+    from attention import probe_platform, resolve
+    from pipelines.h3 import REQUIREMENTS, TransformerGeometry, default_dtype
+    from pipelines.h3.checkpoint import resolve_checkpoint
+    from replicas import ReplicaSpec, WorkerGroup
+
+    directory = resolve_checkpoint(settings.checkpoint)
+    geometry = TransformerGeometry.from_checkpoint(directory)
+    dtype = settings.dtype or default_dtype(settings.device)
+    resolution = resolve(
+        REQUIREMENTS,
+        settings.backend,
+        probe_platform(settings.device),
+        model=str(directory),
+        dtype=dtype,
+        head_dim=geometry.head_dim,
+    )
+    spec = ReplicaSpec(
+        resolution=resolution,
+        checkpoint=str(directory),
+        model_name=directory.name,
+        num_heads=geometry.num_heads,
+        head_dim=geometry.head_dim,
+        device=settings.device,
+        dtype=dtype,
+        sp_degree=1,
+    )
+    return WorkerGroup.create(spec)
+
+
+async def _generate_all(group: WorkerGroup, requests: list[GenerationRequest], pack: int) -> list[GeneratedMedia]:
+    from replicas import Engine, EngineLimits
+
+    # the whole set is submitted at once: the engine holds `pack` in the forward and the rest in its queue
+    engine = Engine(group, EngineLimits(max_active=pack, max_queue=len(requests)))
+    try:
+        return list(await asyncio.gather(*(engine.generate(r, request_id=f"eval-{i}") for i, r in enumerate(requests))))
+    finally:
+        await engine.close("eval finished")
+
+
+def evaluate(settings: EvalSettings) -> dict[str, Any]:
+    """Generate (or, for the oracle, render) and judge; returns the JSON document ``--json`` writes."""
+    group = build_group(settings)
+    try:
+        rules = group.pipeline.rules
+        fmt = ClipFormat.of(rules, settings.width, settings.height, settings.num_frames)
+        scenes = held_out_scenes(settings.n, settings.seed)
+        requests = requests_for(scenes, fmt, settings)
+        for request in requests:
+            group.pipeline.validate(request)
+        if settings.oracle:
+            clips = [render(scene, fmt) + (fmt.sample_rate,) for scene in scenes]
+        else:
+            media = asyncio.run(_generate_all(group, requests, settings.pack))
+            clips = [(m.frames, m.audio, m.sample_rate) for m in media]
+        checkpoint = str(group.pipeline.denoiser.directory)
+    finally:
+        group.shutdown()
+    verdicts = [
+        ClipVerdict(i, scene, request.seed, judge(*clip))
+        for i, (scene, request, clip) in enumerate(zip(scenes, requests, clips, strict=True))
+    ]
+    return {
+        "checkpoint": checkpoint,
+        "oracle": settings.oracle,
+        "settings": dataclasses.asdict(settings),
+        "format": dataclasses.asdict(fmt),
+        "summary": summarize(verdicts),
+        "clips": [v.to_json() for v in verdicts],
+    }
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,0 +1,63 @@
+"""`h3serve eval` through the serving path: deterministic verdicts, the JSON it writes, the oracle's 100%."""
+
+import json
+
+import pytest
+
+from demo.evaluate import ATTRIBUTES, EvalSettings, evaluate
+from demo.world import HELD_OUT
+from deploy.cli import main
+from pipelines.h3 import RequestError
+
+SMALL = dict(n=3, seed=5, steps=3, pack=3, width=64, height=64)
+
+
+@pytest.mark.slow
+def test_a_small_eval_is_deterministic_and_writes_every_verdict(tiny_checkpoint, tmp_path, capsys):
+    path = tmp_path / "eval.json"
+    argv = ["eval", "--checkpoint", str(tiny_checkpoint), "--n", "3", "--seed", "5", "--steps", "3", "--pack", "3"]
+    main(argv + ["--size", "64x64", "--threads", "0", "--json", str(path)])
+    printed = capsys.readouterr().out
+    written = json.loads(path.read_text())
+    again = evaluate(EvalSettings(checkpoint=str(tiny_checkpoint), **SMALL))
+
+    assert [c["detected"] for c in written["clips"]] == [c["detected"] for c in again["clips"]]
+    assert written["summary"] == again["summary"]
+    assert written["checkpoint"] == str(tiny_checkpoint) and written["oracle"] is False
+    assert written["format"] == {"width": 64, "height": 64, "num_frames": 124, "fps": 24, "sample_rate": 8000}
+    assert [c["index"] for c in written["clips"]] == [0, 1, 2]
+    assert [c["seed"] for c in written["clips"]] == [5, 6, 7]
+    for clip in written["clips"]:
+        assert set(clip) == {"index", "prompt", "seed", "expected", "detected", "correct", "all_correct"}
+        assert set(clip["expected"]) == set(clip["detected"]) == set(clip["correct"]) == set(ATTRIBUTES)
+        assert tuple(clip["expected"][a] for a in ("colour", "shape", "motion")) in HELD_OUT
+        assert all(clip["correct"][a] == (clip["detected"][a] == clip["expected"][a]) for a in ATTRIBUTES)
+        assert clip["all_correct"] == all(clip["correct"].values())
+    for attribute in ATTRIBUTES:
+        row = written["summary"][attribute]
+        assert row["clips"] == 3 and row["correct"] == sum(c["correct"][attribute] for c in written["clips"])
+        assert row["accuracy"] == row["correct"] / 3
+        assert f"{attribute:<10}" in printed
+    assert "all four" in printed and f"wrote {path}" in printed
+
+
+def test_the_oracle_scores_every_attribute_of_every_held_out_combination(tiny_checkpoint):
+    result = evaluate(EvalSettings(checkpoint=str(tiny_checkpoint), n=18, oracle=True))
+    assert {tuple(c["expected"][a] for a in ("colour", "shape", "motion")) for c in result["clips"]} == HELD_OUT
+    assert all(row["accuracy"] == 1.0 for row in result["summary"].values()), result["summary"]
+    assert result["format"]["num_frames"] == 124 and (result["format"]["width"], result["format"]["height"]) == (
+        128,
+        64,
+    )
+
+
+def test_bad_settings_name_the_field(tiny_checkpoint, capsys):
+    with pytest.raises(RequestError, match="pack must be at least 1") as e:
+        EvalSettings(pack=0)
+    assert e.value.field == "pack"
+    with pytest.raises(SystemExit) as exit:
+        main(["eval", "--checkpoint", str(tiny_checkpoint), "--size", "64by64"])
+    assert exit.value.code == 2 and "--size must look like WIDTHxHEIGHT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["eval", "--checkpoint", str(tiny_checkpoint), "--size", "100x64", "--oracle", "--threads", "0"])
+    assert exit.value.code == 2 and "multiples of 32" in capsys.readouterr().err
