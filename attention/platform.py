@@ -25,6 +25,9 @@ class Platform(BaseModel):
     # importable kernel library -> version; absent means it does not import there
     kernel_libraries: dict[str, str] = Field(default_factory=dict)
     source: Literal["probed", "assumed"] = "assumed"
+    # One device's memory in bytes (torch.cuda.get_device_properties().total_memory); None on CPU, where
+    # ranks share host memory with everything else and no per-rank device budget exists.
+    device_memory_bytes: int | None = Field(default=None, ge=1)
 
     def has_library(self, name: str) -> bool:
         return name in self.kernel_libraries
@@ -32,8 +35,10 @@ class Platform(BaseModel):
     def describe(self) -> str:
         sm = f" sm{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else ""
         libs = ", ".join(f"{k} {v}" for k, v in sorted(self.kernel_libraries.items())) or "none"
+        memory = f"; {self.device_memory_bytes / 2**30:.1f} GiB" if self.device_memory_bytes else ""
         return (
-            f"{self.device_type}{sm} ({self.device_name}; torch {self.torch_version}; kernels: {libs}; {self.source})"
+            f"{self.device_type}{sm} ({self.device_name}{memory}; torch {self.torch_version}; kernels: {libs}; "
+            f"{self.source})"
         )
 
     @classmethod
@@ -94,6 +99,7 @@ def probe(device: DeviceType | None = None, libraries: Iterable[str] = ()) -> Pl
         device_type="cuda",
         device_name=torch.cuda.get_device_name(index),
         compute_capability=torch.cuda.get_device_capability(index),
+        device_memory_bytes=torch.cuda.get_device_properties(index).total_memory,
         kernel_libraries=found,
         source="probed",
     )

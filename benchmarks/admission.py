@@ -6,7 +6,7 @@ Part 1 times ``deploy.admission.admit(args, stage, platform)`` (``validate_deplo
 ...)``: the SP layout against the preset's heads, the device, then ``attention.resolve``) and the raw
 ``attention.resolve``, with the selector cache cleared before every call (cold, as a fresh driver sees
 it), for the default CPU args and for ``deploy/serve_config.gpu.yaml``'s args against
-``deploy/platforms/h100-flash-attn.json``. Part 2 serves requests through
+``deploy/platforms/h200-flash-attn.json`` (rank 0 does not fit an H100). Part 2 serves requests through
 ``replicas.Engine`` in-process and shows the selector never runs there: its call counter stays
 equal, and a profile of every Python call on the request path (event loop and the engine's model
 thread) finds no frame in the admission or selector modules.
@@ -33,7 +33,7 @@ from replicas import Engine, WorkerGroup
 from .common import machine, main_for, median, percentile, say, table, time_ms, tiny_spec
 
 REPO = Path(__file__).resolve().parents[1]
-H100 = REPO / "deploy" / "platforms" / "h100-flash-attn.json"
+H200 = REPO / "deploy" / "platforms" / "h200-flash-attn.json"
 # modules whose code is admission: none of their functions may run while serving
 PACKAGES = ("attention", "pipelines", "replicas", "deploy")
 LIBRARIES = "(libraries: diffusers, transformers, torch, asyncio, stdlib)"
@@ -44,13 +44,13 @@ GPU_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
 
 
 def configs() -> dict[str, tuple[DeployArgs, Platform]]:
-    gpu = Platform.model_validate_json(H100.read_text())
+    gpu = Platform.model_validate_json(H200.read_text())
     (app,) = yaml.safe_load(GPU_CONFIG.read_text())["applications"]
     full = DeployArgs.model_validate(app["args"])  # the released model, flash_attn, bf16, sp_degree 4
     return {
         "cpu tiny auto": (DeployArgs(), probe_platform("cpu")),
-        f"gpu full {full.attention_backend} (h100 json)": (full, gpu),
-        "gpu full auto (h100 json)": (full.model_copy(update={"attention_backend": "auto"}), gpu),
+        f"gpu full {full.attention_backend} (h200 json)": (full, gpu),
+        "gpu full auto (h200 json)": (full.model_copy(update={"attention_backend": "auto"}), gpu),
     }
 
 

@@ -9,6 +9,8 @@ import ray
 
 from attention import AttentionSelectionError, DeviceType, Platform, Resolution, probe_platform
 from pipelines.h3 import DeploymentConfigError, validate_deployment
+from pipelines.h3.admission import check_memory
+from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, memory_plan
 
 from .args import DeployArgs
 from .metrics import admission_recorder
@@ -47,6 +49,19 @@ def target_platform(args: DeployArgs) -> Platform:
     return args.assumed_platform or Platform(device_type=args.device, source="assumed")
 
 
+def deployment_memory_plan(args: DeployArgs) -> MemoryPlan:
+    """Each rank role's device memory for these args: weights, a full pack's activations, the reserve."""
+    return memory_plan(
+        model=args.model,
+        checkpoint=args.checkpoint,
+        dtype=args.dtype,
+        sp_degree=args.sp_degree,
+        max_rows=args.engine.max_rows_per_step,
+        # the reserve is the CUDA context, workspaces and the caching allocator's slack: none of it on CPU
+        reserve_bytes=DEFAULT_RESERVE_BYTES if args.device == "cuda" else 0,
+    )
+
+
 def outcome_tags(
     args: DeployArgs, stage: str, resolution: Resolution | None = None, error: Exception | None = None
 ) -> dict[str, str]:
@@ -79,19 +94,24 @@ def admit(
 
     Runs once in the driver (the application builder) and in the pre-flights; the replicas receive
     the Resolution. Without ``platform`` it is learned from a probe task shaped like one SP rank.
+    Checks the attention backend, the SP layout, then every rank role's device memory
+    (``pipelines.h3.memory``): a rank that does not fit is a ``MemoryBudgetError`` (reason "memory").
     """
     resolution, error = None, None
     try:
+        platform = platform or target_platform(args)
         resolution = validate_deployment(
             model=args.served_model_name,
             geometry=args.geometry,
             attention_backend=args.attention_backend,
-            platform=platform or target_platform(args),
+            platform=platform,
             device=args.device,
             dtype=args.dtype,
             sp_degree=args.sp_degree,
             ranking=args.attention_ranking,
         )
+        # the rank roles' device memory at the row budget: refused (reason "memory") when a rank cannot fit
+        logger.info("h3serve admission: memory: %s", check_memory(deployment_memory_plan(args), platform))
     except ADMISSION_ERRORS as e:
         error = e
     record(outcome_tags(args, stage, resolution, error))

@@ -156,7 +156,9 @@ class DeployArgs(BaseModel):
     )
     platform_probe_timeout_s: float = Field(default=600.0, gt=0, description="how long the probe may wait for a node")
     assumed_platform: Platform | None = Field(
-        default=None, description="the replica platform when probe_platform is false; default: bare `device`"
+        default=None,
+        description="the replica platform when probe_platform is false; default: bare `device`; on cuda it "
+        "must give device_memory_bytes (the memory plan is checked against it)",
     )
 
     collective_timeout_s: float = Field(

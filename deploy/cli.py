@@ -78,7 +78,7 @@ def cmd_admit(ns: argparse.Namespace) -> None:
 
     from attention import Platform, probe_platform
 
-    from .admission import ADMISSION_ERRORS, admit
+    from .admission import ADMISSION_ERRORS, admit, deployment_memory_plan
     from .metrics import ADMISSION_DECISIONS, ADMISSION_FAILURES
 
     config = load_config(ns.config)
@@ -118,6 +118,8 @@ def cmd_admit(ns: argparse.Namespace) -> None:
             refused.append(f"application {name!r}: {e}")
         else:
             print(f"h3serve: application {name!r} admitted: {resolution.describe()}")
+        # each rank role's device memory, admitted or not: what an operator sizes GPUs with
+        print(f"h3serve: application {name!r} " + deployment_memory_plan(args).table(platform.device_memory_bytes))
     if ns.textfile:
         write_to_textfile(ns.textfile, registry)
     if ns.pushgateway:

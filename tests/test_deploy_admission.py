@@ -66,9 +66,16 @@ def test_admit_passes_both_shipped_configs():
     assert h3serve("admit", "deploy/serve_config.yaml").returncode == 0
     gpu = h3serve("admit", "deploy/serve_config.gpu.yaml")
     assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
-    given = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h100-flash-attn.json")
+    given = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200-flash-attn.json")
     assert given.returncode == 0, given.stderr
     assert "'flash_attn' explicitly selected" in given.stdout
+    assert "rank 0 " in given.stdout and "worker ranks" in given.stdout  # each rank role's memory plan
+    # rank 0 (transformer + Qwen3-VL + both VAEs) does not fit an 80 GB H100: refused, with the plan printed
+    h100 = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h100-flash-attn.json")
+    assert h100.returncode == 2, h100.stdout
+    assert "admission refused application 'h3serve': rank 0 needs" in h100.stderr
+    assert "text_encoder 50.3 GiB" in h100.stderr and "has 79.6 GiB" in h100.stderr
+    assert "memory plan: full, bfloat16, sp_degree 4, max_rows_per_step 80000" in h100.stdout
 
 
 def test_serve_preflight_exits_before_starting_anything(ray_cluster, sage_config):

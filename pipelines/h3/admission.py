@@ -5,6 +5,7 @@ from __future__ import annotations
 from attention import Platform, Resolution, parse_dtype, resolve
 
 from .config import TransformerGeometry
+from .memory import MemoryPlan, gib
 from .pipeline import REQUIREMENTS
 
 
@@ -49,3 +50,47 @@ def validate_deployment(
         head_dim=geometry.head_dim,
         ranking=ranking,
     )
+
+
+class MemoryBudgetError(DeploymentConfigError):
+    """A rank of the deployment does not fit its device's memory at the configured row budget."""
+
+    reason = "memory"
+
+
+def check_memory(plan: MemoryPlan, platform: Platform) -> str:
+    """Refuse a plan whose rank role does not fit ``platform``'s device memory; returns what was checked.
+
+    On CPU nothing is checked: the ranks share host memory with Ray's object store and every other
+    process, so there is no per-rank device budget to hold them to (the tiny CPU model needs MBs). On
+    CUDA a platform that does not state its device memory is refused (fail closed): `h3serve probe`
+    records it, an assumed platform must give ``device_memory_bytes``.
+    """
+    if platform.device_type == "cpu":
+        return "device memory not checked on cpu (ranks share host memory)"
+    device = platform.device_memory_bytes
+    if device is None:
+        raise MemoryBudgetError(
+            f"the replica platform [{platform.describe()}] does not state device_memory_bytes, so the memory plan "
+            "cannot be checked: probe the platform (h3serve probe --device cuda) or add device_memory_bytes to "
+            "the assumed platform"
+        )
+    fits = plan.max_rows_that_fit(device)
+    over = [rank for rank in plan.ranks if rank.total_bytes > device]
+    if over:
+        problems = "; ".join(
+            f"{rank.role} needs {gib(rank.total_bytes)} = weights {gib(rank.weight_bytes)} ("
+            + ", ".join(f"{name} {gib(size)}" for name, size in rank.weights.items())
+            + f") + activations {gib(rank.activation_bytes)} + reserve {gib(rank.reserve_bytes)}"
+            for rank in over
+        )
+        if fits > 0:
+            advice = f"the largest max_rows_per_step that fits is {fits}"
+        else:
+            advice = "no max_rows_per_step fits: the weights and reserve alone exceed the device"
+        raise MemoryBudgetError(
+            f"{problems}, but a {platform.device_name} has {gib(device)} "
+            f"(engine.max_rows_per_step {plan.max_rows} over sp_degree {plan.sp_degree}); {advice}"
+            + "".join(f"; note: {note}" for note in plan.notes)
+        )
+    return f"every rank fits {gib(device)}; the largest max_rows_per_step that fits is {fits}"

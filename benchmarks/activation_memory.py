@@ -1,0 +1,305 @@
+"""Activation memory of one packed forward, measured, against the formula the memory plan budgets with.
+
+    python -m benchmarks.activation_memory [--smoke] [--json PATH]
+
+Runs ``packed_forward`` (no grad) on the tiny preset on CPU over packs of 1, 2, 4 (smoke: 1, 2) copies
+of one T2VA clip, and tracks the bytes of every live tensor storage created inside it (the pack's
+inputs included, the weights not) with a ``TorchDispatchMode``: each op's outputs are counted once per
+storage and uncounted when the last tensor viewing that storage is freed (weakref finalizers). The
+peak is fitted as ``a + b * rows``; ``b`` is the measured per-row cost. ``pipelines.h3.memory``'s
+``ACTIVATION_FORMULA`` evaluated at the tiny dims and the measured packs' text share must match ``b``
+within ``TOLERANCE``; the same formula at the released dims is then printed: the per-row cost on the
+GPU, and what it means at the GPU config's row budget on H200 and H100.
+
+CPU-only; the attention backend is torch_sdpa, which runs one document at a time, so its score matrix
+is a per-document constant (in ``a``), as flash-attn's workspace is on the GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attention import get_backend
+from pipelines.h3.attention_processor import install
+from pipelines.h3.config import preset
+from pipelines.h3.forward import packed_forward
+from pipelines.h3.memory import ACTIVATION_FORMULA, activation_row_cost, memory_plan
+from pipelines.h3.packing import pack_documents
+
+from .common import main_for, say, table
+from .h3_shapes import Clip, build_transformer, clip_document
+
+TOLERANCE = 0.05  # |formula slope / measured slope - 1|
+CLIP = Clip(width=128, height=64, num_frames=22)  # the tiny default canvas, one 17n+5 chunk
+DEVICE_BYTES = {"H200 (141 GB)": 143771 * 2**20, "H100 (80 GB)": 81559 * 2**20}  # nvidia-smi's MiB
+GPU_ROWS, GPU_SP = 80000, 4  # deploy/serve_config.gpu.yaml
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the tensor storages created under this mode that are still referenced; and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views: collections.Counter[int] = collections.Counter()  # storage address -> live tensors on it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self.peak_op = ""
+        self.in_attention = False  # set by hooks around the blocks' attention modules
+        self.attention_peak = 0
+
+    def _release(self, key: int) -> None:
+        self.views[key] -= 1
+        if self.views[key] == 0:
+            del self.views[key]
+            self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            key = storage.data_ptr()
+            if key not in self.views:
+                self.sizes[key] = storage.nbytes()
+                self.live += storage.nbytes()
+            self.views[key] += 1
+            weakref.finalize(tensor, self._release, key)
+        if self.live > self.peak:
+            self.peak, self.peak_op = self.live, str(func)
+        if self.in_attention:
+            self.attention_peak = max(self.attention_peak, self.live)
+        return out
+
+    def watch_attention(self, model: torch.nn.Module) -> list:
+        """Hooks marking the blocks' attention calls, so the attention phase's own peak is known."""
+
+        def enter(*_):
+            self.in_attention = True
+
+        def leave(*_):
+            self.in_attention = False
+
+        handles = []
+        for block in model.transformer_blocks:
+            handles += [block.attn.register_forward_pre_hook(enter), block.attn.register_forward_hook(leave)]
+        return handles
+
+
+def _points(copies: tuple[int, ...], sp=None) -> list[dict]:
+    """One tracked packed forward per pack size on this rank (``sp``: this rank of a Ulysses group)."""
+    config = preset("tiny").transformer_config()
+    model = build_transformer(config, "cpu", torch.float32)  # seeded: every rank builds the same weights
+    install(model, get_backend("torch_sdpa").make_impl())
+    world = sp.sp_degree if sp is not None else 1
+    points = []
+    for count in copies:
+        tracked = LiveStorages()
+        handles = tracked.watch_attention(model)
+        with tracked:
+            documents = [clip_document(config, CLIP, seed=j) for j in range(count)]
+            pack = pack_documents(documents, row_multiple=world)
+            del documents
+            packed_forward(model, pack, sp)
+            rows, text_rows = pack.total_rows, pack.text_indices.numel()
+            del pack
+        for handle in handles:
+            handle.remove()
+        points.append({"docs": count, "rows": rows, "text_rows": text_rows, "peak_bytes": tracked.peak})
+        points[-1].update(peak_op=tracked.peak_op, attention_peak_bytes=tracked.attention_peak)
+    return points
+
+
+def _sp_rank(rank: int, world: int, port: int, copies: tuple[int, ...], results) -> None:
+    """One Ulysses rank over gloo in its own process; puts its points on ``results``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from replicas.sequence_parallel import UlyssesGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(60)
+    )
+    try:
+        heads = preset("tiny").transformer_config()["num_attention_heads"]
+        results.put((rank, _points(copies, UlyssesGroup(world, rank, heads))))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sp_points(copies: tuple[int, ...], world: int) -> list[list[dict]]:
+    """Every rank's points of the same packs split over ``world`` Ulysses ranks (gloo, one process each)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_sp_rank, args=(r, world, port, copies, results)) for r in range(world)]
+    for process in processes:
+        process.start()
+    by_rank = dict(results.get(timeout=300) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        if process.exitcode != 0:
+            raise RuntimeError(f"an SP rank exited with {process.exitcode}")
+    return [by_rank[r] for r in range(world)]
+
+
+def _fit(points: list[dict], key: str) -> tuple[float, float]:
+    slope, intercept = np.polyfit([p["rows"] for p in points], [p[key] for p in points], 1)
+    return float(slope), float(intercept)
+
+
+def measure(copies: tuple[int, ...] = (1, 2, 4), sp_degree: int = 2) -> dict:
+    """Peak live bytes of one packed forward per pack size, the linear fit, and the formula's slope.
+
+    Also the same packs over ``sp_degree`` Ulysses ranks (gloo): each rank's peak per pack row against
+    the formula's ``local / W + per_pack_row`` (0: skip).
+    """
+    config = preset("tiny").transformer_config()
+    points = _points(copies)
+    slope, intercept = _fit(points, "peak_bytes")
+    attention_slope, _ = _fit(points, "attention_peak_bytes")
+    text_fraction = points[-1]["text_rows"] / points[-1]["rows"]  # the same clip repeated: one share
+    formula = activation_row_cost(config, torch.float32, text_fraction=text_fraction)
+    formula_slope = formula.per_row(1)  # one rank: it computes every row
+    attention = activation_row_cost(config, torch.float32, text_fraction=text_fraction, phase="attention")
+    attention_formula = attention.per_pack_row + attention.local + attention.kept_text * text_fraction
+    sp = {}
+    if sp_degree > 1:
+        ranks = _sp_points(copies, sp_degree)
+        sp_cost = activation_row_cost(config, torch.float32, text_fraction=text_fraction, sp_degree=sp_degree)
+        sp_formula = sp_cost.per_row(sp_degree)
+        per_rank = [_fit(rank_points, "peak_bytes")[0] for rank_points in ranks]
+        sp = {
+            "sp_degree": sp_degree,
+            "points": ranks,
+            "measured_bytes_per_pack_row": per_rank,  # each rank's slope against the whole pack's rows
+            "formula_bytes_per_pack_row": sp_formula,
+            "ratios": [sp_formula / b for b in per_rank],
+        }
+    return {
+        "points": points,
+        "measured_bytes_per_row": float(slope),
+        "measured_fixed_bytes": float(intercept),
+        "attention_phase_bytes_per_row": float(attention_slope),
+        "attention_formula_bytes_per_row": attention_formula,
+        "attention_ratio": attention_formula / float(attention_slope),
+        "text_fraction": text_fraction,
+        "formula_bytes_per_row": formula_slope,
+        "ratio": formula_slope / float(slope),
+        "sp": sp,
+    }
+
+
+def released() -> dict:
+    """The formula at the released dims: per-row cost and each rank role at the GPU config's row budget."""
+    plan = memory_plan(
+        model="full",
+        checkpoint=None,
+        dtype="bfloat16",
+        sp_degree=GPU_SP,
+        max_rows=GPU_ROWS,
+        partitions=("transformer",),
+    )
+    per_gpu = {}
+    for name, device_bytes in DEVICE_BYTES.items():
+        per_gpu[name] = {
+            "device_bytes": device_bytes,
+            "ranks": {
+                r.role: {
+                    "weight_bytes": r.weight_bytes,
+                    "activation_bytes": r.activation_bytes,
+                    "total_bytes": r.total_bytes,
+                    "fits": r.total_bytes <= device_bytes,
+                    "rows_that_fit": plan.rows_that_fit(r, device_bytes),
+                }
+                for r in plan.ranks
+            },
+            "max_rows_that_fit": plan.max_rows_that_fit(device_bytes),
+            "table": plan.table(device_bytes),
+        }
+    return {
+        "bytes_per_pack_row": plan.row_cost.per_row(GPU_SP),
+        "row_cost": dataclasses.asdict(plan.row_cost),
+        "per_gpu": per_gpu,
+    }
+
+
+def run(smoke: bool) -> dict:
+    result = measure((1, 2) if smoke else (1, 2, 4), sp_degree=2)
+    table(
+        ["docs", "rows", "text rows", "peak live bytes", "bytes/row", "peak at", "attention-phase peak"],
+        [
+            [
+                p["docs"],
+                p["rows"],
+                p["text_rows"],
+                p["peak_bytes"],
+                p["peak_bytes"] / p["rows"],
+                p["peak_op"],
+                p["attention_peak_bytes"],
+            ]
+            for p in result["points"]
+        ],
+        title="== measured: one packed forward, tiny preset, float32, CPU, torch_sdpa (no grad)",
+    )
+    say(
+        f"  fit: {result['measured_fixed_bytes']:.0f} B + {result['measured_bytes_per_row']:.1f} B x rows; "
+        f"formula at tiny dims (text share {result['text_fraction']:.3f}): {result['formula_bytes_per_row']:.1f} B/row "
+        f"= {result['ratio']:.3f}x measured (tolerance +-{TOLERANCE:.0%}); the attention phase peaks at "
+        f"{result['attention_phase_bytes_per_row']:.1f} B/row (formula {result['attention_formula_bytes_per_row']:.1f}"
+        f" = {result['attention_ratio']:.3f}x), below the SwiGLU's"
+    )
+    sp = result["sp"]
+    table(
+        ["rank", *(f"{p['rows']} rows" for p in sp["points"][0]), "bytes per pack row", "formula"],
+        [
+            [
+                r,
+                *(p["peak_bytes"] for p in rank),
+                sp["measured_bytes_per_pack_row"][r],
+                sp["formula_bytes_per_pack_row"],
+            ]
+            for r, rank in enumerate(sp["points"])
+        ],
+        title=f"== the same packs over {sp['sp_degree']} Ulysses ranks (gloo): each rank's peak live bytes",
+    )
+    say(f"  formula / measured per rank: {', '.join(f'{x:.3f}' for x in sp['ratios'])}")
+    say(ACTIVATION_FORMULA)
+    gpu = released()
+    say(
+        f"\n== the formula at the released dims, bfloat16, sp_degree {GPU_SP}: "
+        f"{gpu['bytes_per_pack_row'] / 1e3:.1f} kB per pack row on each rank (every row a prompt row at worst: "
+        f"{gpu['row_cost']})"
+    )
+    for name, numbers in gpu["per_gpu"].items():
+        say(f"-- {name}\n{numbers['table']}")
+    result["released"] = gpu
+    result["ok"] = (
+        abs(result["ratio"] - 1) <= TOLERANCE
+        and abs(result["attention_ratio"] - 1) <= TOLERANCE
+        and all(abs(r - 1) <= TOLERANCE for r in result["sp"]["ratios"])
+        and result["attention_phase_bytes_per_row"] < result["measured_bytes_per_row"]
+    )
+    return result
+
+
+main = main_for(__doc__, run)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,360 @@
+"""Device memory of each rank of a deployment: weights from the components' configs, activations per row.
+
+A replica's ranks play two roles. **Rank 0** holds the conditioner (Qwen3-VL through the layer H3
+reads), both VAEs and the transformer partition(s); **worker ranks** hold only the partition(s).
+Each role's plan is weights + activations of a full pack + a fixed reserve, and admission refuses a
+deployment whose rank does not fit the platform's device memory.
+
+* **Weights** are counted by building every component from its config on the ``meta`` device (no
+  memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
+  except diffusers' ``_keep_in_fp32_modules`` (fp32), Qwen3-VL at the served dtype with its decoder
+  trimmed to ``text_encoder_layer + 1`` layers (as ``H3Pipeline.load`` does), the VAEs in fp32.
+  Configs come from the checkpoint directory when it is readable here, else from the released
+  configs below (the transformer's are diffusers' defaults; Qwen3-VL's is the released
+  ``text_encoder/config.json``: Qwen3-VL-32B).
+* **Activations** follow ``ACTIVATION_FORMULA`` (below): the live tensors of one packed forward at
+  its peak (a block's SwiGLU), per pack row. ``benchmarks/activation_memory.py`` measures the peak
+  live bytes on the tiny preset and ``tests/test_memory_plan.py`` checks the formula's slope
+  against it; the same formula at the released dims gives the GPU figures.
+* **Reserve**: what the allocator cannot hand to tensors — the CUDA context and kernels' module
+  images (~0.5-1 GiB), cuBLAS/flash-attn workspaces, NCCL buffers, and fragmentation of PyTorch's
+  caching allocator. ``DEFAULT_RESERVE_BYTES`` (4 GiB) is a deliberately round figure; pass another.
+
+Only ``torch``, ``diffusers`` and ``transformers``; nothing here loads weights or touches a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import preset
+
+GiB = 2**30
+DEFAULT_RESERVE_BYTES = 4 * GiB
+TEXT_ENCODER_LAYER = 50  # H3 reads Qwen3-VL's hidden_states[50]; H3Pipeline.load keeps layers [0, 51)
+
+# The released text_encoder/config.json (Qwen3-VL-32B), as Qwen3VLConfig kwargs: read when no checkpoint
+# directory is readable where admission runs. The VAEs' released configs are diffusers' class defaults.
+RELEASED_TEXT_ENCODER = dict(
+    text_config=dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    vision_config=dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=5120,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+    tie_word_embeddings=False,
+)
+
+NOT_COUNTED = (
+    "rank 0's own transients between forwards (Qwen3-VL over a prompt, a VAE decode of a finished clip) "
+    "are not in the activations: the reserve must hold them (measure a decode on the GPU before trusting it)"
+)
+
+ACTIVATION_FORMULA = """\
+Live bytes of one packed forward at its peak, per rank, no grad; the peak is the larger of two phases:
+  d = hidden_size, f = ffn_dim, i = heads x head_dim, p = heads x 6 x rope_freq_dim (rotated channels),
+  r = rope_freq_dim, e = text_dim, c = video/audio latent columns, s = served dtype's bytes,
+  W = sp_degree, T = pack rows (each rank computes T/W of them), N = the pack's prompt rows (<= T)
+  inputs, per pack row (T), every rank:  40 + 8   positions (3 x float64), tag, timestep index, modality index
+                                       + media row 4c (fp32 latents) | text row s*e (prompt embeddings)
+  refiner phase: N * s*(4d + 4f)          every rank refines every prompt: a SwiGLU over all N prompt rows
+  block phase:   N * s*d                  the refined prompts, kept on every rank
+               + T/W * ( s * max(SwiGLU, attention)
+                          SwiGLU     4d + 4f   block input, attention output, residual, modulated input;
+                                               the projection (2f), its activation (f) and product (f)
+                          attention  2d + 4i + 4p (W = 1: block input, modulated input, q before and after
+                                               RoPE, k, v, RoPE's temporaries)
+                                     2d + 9i  (W > 1: local q, k, v, the exchanged q, k, v, the kernel's
+                                               output, the all-to-all's buffer and the re-laid-out result)
+                        + 4*2*6r      rotary cos, sin (fp32)
+                        + 8 + 8       AdaLN row index, the row's position in its modality (int64)
+                        + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank) )
+A budget takes each computed row at its dearer variant and N = T (nothing caps a pack's prompt rows yet).
+Released dims: SwiGLU 78848 elements, attention 60928 (W = 1) / 75264 (W > 1); tiny: 1408, 1088 / 1344."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCost:
+    """Activation bytes on one rank per pack row, by phase: the larger of the two phases is the peak.
+
+    ``text_share`` is the share of a pack's rows that are prompt rows: None bounds it by 1 (every
+    row text), which is what a budget must assume while nothing caps a pack's prompt rows.
+    """
+
+    local: float  # block phase, per row this rank computes (T/W of them)
+    kept_text: float  # block phase, per prompt row of the pack: its refined text, on every rank
+    refiner_text: float  # refiner phase, per prompt row of the pack: every rank refines every prompt
+    per_pack_row: float  # both phases, per row of the pack: its inputs, on every rank
+    text_share: float | None = None
+
+    def bytes_for(self, rows: int, sp_degree: int) -> int:
+        """Activation bytes on one rank for a pack of ``rows`` split over ``sp_degree`` ranks."""
+        local_rows = -(-rows // sp_degree)  # padding makes T divisible by W
+        text_rows = rows * (1.0 if self.text_share is None else self.text_share)
+        block = self.local * local_rows + self.kept_text * text_rows
+        return int(self.per_pack_row * rows + max(block, self.refiner_text * text_rows))
+
+    def per_row(self, sp_degree: int) -> float:
+        """Bytes per pack row on one rank (the pack's padding aside)."""
+        share = 1.0 if self.text_share is None else self.text_share
+        block = self.local / sp_degree + self.kept_text * share
+        return self.per_pack_row + max(block, self.refiner_text * share)
+
+    def rows_that_fit(self, free_bytes: int, sp_degree: int) -> int:
+        """The most pack rows whose activations fit in ``free_bytes`` on one rank (0 if none)."""
+        rows = max(0, int(free_bytes // self.per_row(sp_degree)))
+        while rows > 0 and self.bytes_for(rows, sp_degree) > free_bytes:  # the padding's few rows
+            rows -= 1
+        return rows
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    assert isinstance(dtype, torch.dtype)
+    return dtype.itemsize
+
+
+def block_phase_elements(config: dict[str, Any], sp_degree: int = 1) -> dict[str, int]:
+    """Elements per computed row live inside a block at each phase's peak (``ACTIVATION_FORMULA``)."""
+    d, f = config["hidden_size"], config["ffn_dim"]
+    i = config["num_attention_heads"] * config["attention_head_dim"]
+    rope = config["num_attention_heads"] * 6 * config["rope_freq_dim"]  # rotated channels of all heads
+    attention = 2 * d + (4 * i + 4 * rope if sp_degree == 1 else 9 * i)
+    return {"swiglu": 4 * d + 4 * f, "attention": attention}
+
+
+def activation_row_cost(
+    config: dict[str, Any],
+    dtype: str | torch.dtype,
+    text_fraction: float | None = None,
+    sp_degree: int = 1,
+    phase: str | None = None,
+) -> RowCost:
+    """``ACTIVATION_FORMULA`` for a transformer config at ``dtype`` over ``sp_degree`` ranks.
+
+    ``text_fraction`` (share of the pack's rows that are prompt rows) gives the exact mix, as the
+    benchmark measures it; None takes each row at its dearer variant, which is what a budget needs.
+    ``phase`` ("swiglu" or "attention") takes that phase's peak; None the larger of the two.
+    """
+    s = dtype_bytes(dtype)
+    d, f, r, e = config["hidden_size"], config["ffn_dim"], config["rope_freq_dim"], config["text_dim"]
+    pt, ph, pw = config["patch_size"]
+    c = max(config["in_channels"] * pt * ph * pw, config["audio_in_channels"])
+    phases = block_phase_elements(config, sp_degree)
+    block = phases[phase] if phase is not None else max(phases.values())
+    local_common = s * block + 4 * 2 * 6 * r + 8 + 8
+    local_text, local_media = s * d, 4 * d
+    inputs_common, inputs_text, inputs_media = 40 + 8, s * e, 4 * c
+    if text_fraction is None:  # each computed row at its dearer variant
+        local = local_common + max(local_text, local_media)
+        inputs = inputs_common + max(inputs_text, inputs_media)
+    else:
+        local = local_common + text_fraction * local_text + (1 - text_fraction) * local_media
+        inputs = inputs_common + text_fraction * inputs_text + (1 - text_fraction) * inputs_media
+    return RowCost(
+        local=float(local),
+        kept_text=float(s * d),
+        refiner_text=float(s * (4 * d + 4 * f)),
+        per_pack_row=float(inputs),
+        text_share=text_fraction,
+    )
+
+
+# -- weights -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the audio VAE's weight_norm deprecation, config notices
+        yield
+
+
+def _read_config(checkpoint: Path | None, folder: str) -> dict[str, Any] | None:
+    if checkpoint is None:
+        return None
+    path = checkpoint / folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _transformer_bytes(config: dict[str, Any], dtype: str) -> int:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with _quiet(), torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel.from_config(config)
+    keep = set(model._keep_in_fp32_modules or [])
+    size = dtype_bytes(dtype)
+    return sum(p.numel() * (4 if keep & set(name.split(".")) else size) for name, p in model.named_parameters())
+
+
+def _vae_bytes(cls_name: str, config: dict[str, Any] | None) -> int:
+    import diffusers
+
+    cls = getattr(diffusers, cls_name)
+    with _quiet(), torch.device("meta"):
+        model = cls.from_config(config) if config is not None else cls()
+    return sum(p.numel() for p in model.parameters()) * 4  # the VAEs run in fp32
+
+
+def _text_encoder_bytes(config: dict[str, Any], dtype: str, layers: int) -> int:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    qwen = Qwen3VLConfig.from_dict(config) if "model_type" in config else Qwen3VLConfig(**config)
+    qwen.text_config.num_hidden_layers = min(qwen.text_config.num_hidden_layers, layers)  # the trimmed decoder
+    with _quiet(), torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(qwen)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+
+
+@functools.cache
+def _component_bytes(model: str, checkpoint: str | None, dtype: str, partitions: tuple[str, ...]) -> dict[str, int]:
+    spec = preset(model)
+    directory = Path(checkpoint) if checkpoint else None
+    released = spec.transformer_config()
+    out = {p: _transformer_bytes(_read_config(directory, p) or released, dtype) for p in partitions}
+    text = _read_config(directory, "text_encoder") or spec.components.get("text_encoder") or RELEASED_TEXT_ENCODER
+    out["text_encoder"] = _text_encoder_bytes(text, dtype, TEXT_ENCODER_LAYER + 1)
+    out["vae"] = _vae_bytes("AutoencoderKLMiniMaxH3", _read_config(directory, "vae") or spec.components.get("vae"))
+    audio = _read_config(directory, "audio_vae") or spec.components.get("audio_vae")
+    out["audio_vae"] = _vae_bytes("AutoencoderKLMiniMaxH3Audio", audio)
+    return out
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """One rank role's device memory at a row budget."""
+
+    role: str  # "rank 0" or "worker ranks"
+    weights: dict[str, int]  # component -> bytes
+    activation_bytes: int
+    reserve_bytes: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Every rank role of one replica, at ``max_rows`` pack rows split over ``sp_degree`` ranks."""
+
+    model: str
+    dtype: str
+    sp_degree: int
+    max_rows: int
+    row_cost: RowCost
+    ranks: tuple[RankPlan, ...]
+    notes: tuple[str, ...] = ()
+
+    def rows_that_fit(self, rank: RankPlan, device_bytes: int) -> int:
+        """The largest row budget with which ``rank`` fits ``device_bytes``."""
+        free = device_bytes - rank.weight_bytes - rank.reserve_bytes
+        return self.row_cost.rows_that_fit(free, self.sp_degree)
+
+    def max_rows_that_fit(self, device_bytes: int) -> int:
+        return min(self.rows_that_fit(rank, device_bytes) for rank in self.ranks)
+
+    def table(self, device_bytes: int | None = None) -> str:
+        """A small table: one line per rank role, GiB, and how many rows would fit."""
+        head = f"{'rank role':<13} {'weights':>9} {'activations':>12} {'reserve':>8} {'total':>8}"
+        head += f" {'device':>8} {'rows that fit':>14}" if device_bytes else ""
+        lines = [
+            f"memory plan: {self.model}, {self.dtype}, sp_degree {self.sp_degree}, max_rows_per_step "
+            f"{self.max_rows}: {self.row_cost.per_row(self.sp_degree) / 1e3:.1f} kB per pack row on a rank "
+            f"(block phase {self.row_cost.local / 1e3:.1f} kB per computed row; every prompt row refined on every "
+            f"rank at {self.row_cost.refiner_text / 1e3:.1f} kB; inputs {self.row_cost.per_pack_row / 1e3:.1f} kB)",
+            head,
+        ]
+        for rank in self.ranks:
+            line = (
+                f"{rank.role:<13} {gib(rank.weight_bytes):>9} {gib(rank.activation_bytes):>12} "
+                f"{gib(rank.reserve_bytes):>8} {gib(rank.total_bytes):>8}"
+            )
+            if device_bytes:
+                line += f" {gib(device_bytes):>8} {self.rows_that_fit(rank, device_bytes):>14}"
+            lines.append(line)
+            lines.append("  weights: " + ", ".join(f"{k} {gib(v)}" for k, v in rank.weights.items()))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB (MiB below one GiB, where the tiny model lives)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def checkpoint_partitions(checkpoint: str | None) -> tuple[tuple[str, ...], str | None]:
+    """The transformer partitions each rank loads, and a note when they could not be read here."""
+    from .checkpoint import CheckpointError, CheckpointIndex
+
+    if checkpoint is None:  # the built-in tiny checkpoint: T2VA/FL2VA's partition only
+        return ("transformer",), None
+    try:
+        return tuple(CheckpointIndex(Path(checkpoint)).partitions()), None
+    except (CheckpointError, OSError):
+        return ("transformer",), (
+            f"{checkpoint} is not readable here: transformer_ref/ is not counted; the released checkpoint has "
+            "it, and every rank then holds a second transformer"
+        )
+
+
+def memory_plan(
+    *,
+    model: str,
+    checkpoint: str | None,
+    dtype: str,
+    sp_degree: int,
+    max_rows: int,
+    partitions: tuple[str, ...] | None = None,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+) -> MemoryPlan:
+    """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
+
+    ``partitions``: the transformer partitions every rank holds; None reads them from the checkpoint.
+    """
+    notes: tuple[str, ...] = ()
+    if partitions is None:
+        partitions, note = checkpoint_partitions(checkpoint)
+        notes = (note,) if note else ()
+    # Prepare and decode run between forwards on rank 0; their transient tensors are in the reserve, not here.
+    notes += (NOT_COUNTED,)
+    weights = _component_bytes(model, checkpoint, dtype, tuple(partitions))
+    row_cost = activation_row_cost(preset(model).transformer_config(), dtype, sp_degree=sp_degree)
+    activations = row_cost.bytes_for(max_rows, sp_degree)
+    transformers = {p: weights[p] for p in partitions}
+    rank0 = RankPlan(
+        "rank 0",
+        {
+            **transformers,
+            "text_encoder": weights["text_encoder"],
+            "vae": weights["vae"],
+            "audio_vae": weights["audio_vae"],
+        },
+        activations,
+        reserve_bytes,
+    )
+    ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", transformers, activations, reserve_bytes))
+    return MemoryPlan(model, dtype, sp_degree, max_rows, row_cost, ranks, notes)

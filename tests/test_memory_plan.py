@@ -1,0 +1,151 @@
+"""The memory plan: weights counted from configs equal the loaded checkpoint's, the activation formula equals
+the measured per-row cost, and admission refuses a rank that cannot fit its device (counted, reason "memory")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from attention import Platform
+from pipelines.h3 import checkpoint as ckpt
+from pipelines.h3.admission import MemoryBudgetError, check_memory
+from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, memory_plan
+
+REPO = Path(__file__).resolve().parents[1]
+PLATFORMS = REPO / "deploy" / "platforms"
+
+
+def loaded_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def gpu_args():
+    import yaml
+
+    from deploy.args import DeployArgs
+
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.gpu.yaml").read_text())
+    return DeployArgs.model_validate(config["applications"][0]["args"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_from_configs_equal_the_loaded_checkpoint(tiny_checkpoint, dtype):
+    """Counted on the meta device from the checkpoint's configs; loaded with the replicas' own loaders."""
+    plan = memory_plan(model="tiny", checkpoint=str(tiny_checkpoint), dtype=dtype, sp_degree=2, max_rows=4096)
+    rank0, workers = plan.ranks
+    index = ckpt.CheckpointIndex(tiny_checkpoint)
+    served = getattr(torch, dtype)
+    transformer = ckpt.load_model(index, "transformer", served, "cpu")
+    assert {p.dtype for p in transformer.parameters()} == {torch.float32, served}  # boundary layers stay fp32
+    text_encoder = ckpt.load_model(index, "text_encoder", served, "cpu")
+    ckpt.keep_decoder_layers(text_encoder, TEXT_ENCODER_LAYER + 1)
+    assert rank0.weights == {
+        "transformer": loaded_bytes(transformer),
+        "text_encoder": loaded_bytes(text_encoder),
+        "vae": loaded_bytes(ckpt.load_model(index, "vae", torch.float32, "cpu")),
+        "audio_vae": loaded_bytes(ckpt.load_model(index, "audio_vae", torch.float32, "cpu")),
+    }
+    assert workers.role == "worker ranks" and workers.weights == {"transformer": loaded_bytes(transformer)}
+
+
+def test_every_partition_of_the_checkpoint_is_on_every_rank(tmp_path):
+    directory = ckpt.write_tiny_checkpoint(tmp_path / "ref", with_ref=True)
+    plan = memory_plan(model="tiny", checkpoint=str(directory), dtype="float32", sp_degree=2, max_rows=1024)
+    for rank in plan.ranks:
+        assert rank.weights["transformer_ref"] == rank.weights["transformer"] > 0
+    assert not any("not readable" in note for note in plan.notes)  # read from the checkpoint itself
+
+
+def test_an_unreadable_checkpoint_is_said_in_the_plan():
+    plan = memory_plan(model="full", checkpoint="/nonexistent/MiniMax-H3", dtype="bfloat16", sp_degree=4, max_rows=8)
+    assert "transformer_ref/ is not counted" in plan.notes[0] and "transformer_ref" not in plan.ranks[0].weights
+
+
+def test_activations_split_over_ranks_and_the_row_budget_that_fits_is_exact():
+    one = memory_plan(model="full", checkpoint=None, dtype="bfloat16", sp_degree=1, max_rows=80000)
+    four = memory_plan(model="full", checkpoint=None, dtype="bfloat16", sp_degree=4, max_rows=80000)
+    assert len(one.ranks) == 1 and [r.role for r in four.ranks] == ["rank 0", "worker ranks"]
+    cost = four.row_cost
+    block = cost.local * 20000 + cost.kept_text * 80000  # every row a prompt row at worst
+    refiner = cost.refiner_text * 80000  # every rank refines every prompt: not split by Ulysses
+    assert four.ranks[0].activation_bytes == int(cost.per_pack_row * 80000 + max(block, refiner))
+    assert one.ranks[0].activation_bytes > four.ranks[0].activation_bytes
+    worker = four.ranks[1]
+    device = worker.weight_bytes + worker.reserve_bytes + 2**30
+    fits = four.rows_that_fit(worker, device)
+    assert cost.bytes_for(fits, 4) <= 2**30 < cost.bytes_for(fits + 4, 4)
+
+
+@pytest.mark.slow  # ~20 s: three packs on one rank, then the same over 2 Ulysses ranks (gloo processes)
+def test_formula_matches_the_measured_per_row_cost():
+    """The peak live bytes of real packed forwards (tiny, CPU) grow by the formula's bytes per row,
+    on one rank and on each of 2 Ulysses ranks."""
+    from benchmarks.activation_memory import TOLERANCE, measure
+
+    result = measure((1, 2, 4), sp_degree=2)
+    peaks = [p["peak_bytes"] for p in result["points"]]
+    assert peaks == sorted(peaks) and peaks[-1] > 3 * peaks[0]  # linear in rows, not constant
+    assert abs(result["ratio"] - 1) <= TOLERANCE, result
+    assert abs(result["attention_ratio"] - 1) <= TOLERANCE, result  # the attention phase's own peak too
+    assert result["attention_phase_bytes_per_row"] < result["measured_bytes_per_row"]  # the SwiGLU is the peak
+    sp = result["sp"]
+    assert len(sp["ratios"]) == 2 and all(abs(r - 1) <= TOLERANCE for r in sp["ratios"]), sp
+    # each rank holds less than one rank alone, but more than half: inputs and prompts are on every rank
+    assert (
+        result["measured_bytes_per_row"] / 2 < min(sp["measured_bytes_per_pack_row"]) < result["measured_bytes_per_row"]
+    )
+
+
+def test_the_released_rank_zero_is_refused_on_an_h100_and_admitted_on_an_h200():
+    args = gpu_args()
+    plan = memory_plan(
+        model=args.model, checkpoint=args.checkpoint, dtype=args.dtype, sp_degree=args.sp_degree, max_rows=80000
+    )
+    h100 = Platform.model_validate_json((PLATFORMS / "h100-flash-attn.json").read_text())
+    h200 = Platform.model_validate_json((PLATFORMS / "h200-flash-attn.json").read_text())
+    with pytest.raises(MemoryBudgetError) as refused:
+        check_memory(plan, h100)
+    message = str(refused.value)
+    assert refused.value.reason == "memory"
+    assert message.startswith("rank 0 needs") and "worker ranks" not in message  # a worker rank fits 80 GB
+    for number in ("transformer 61.7 GiB", "text_encoder 50.3 GiB", "vae 9.7 GiB", "79.6 GiB"):
+        assert number in message
+    assert "no max_rows_per_step fits" in message
+    assert "largest max_rows_per_step that fits is" in check_memory(plan, h200)
+
+
+def test_a_row_budget_too_large_is_refused_with_the_one_that_fits():
+    plan = memory_plan(model="full", checkpoint=None, dtype="bfloat16", sp_degree=4, max_rows=2_000_000)
+    h200 = Platform.model_validate_json((PLATFORMS / "h200-flash-attn.json").read_text())
+    with pytest.raises(MemoryBudgetError) as refused:
+        check_memory(plan, h200)
+    fits = plan.max_rows_that_fit(h200.device_memory_bytes or 0)
+    assert f"the largest max_rows_per_step that fits is {fits}" in str(refused.value)
+    smaller = memory_plan(model="full", checkpoint=None, dtype="bfloat16", sp_degree=4, max_rows=fits)
+    check_memory(smaller, h200)
+
+
+def test_cuda_without_device_memory_fails_closed_and_cpu_is_not_checked():
+    plan = memory_plan(model="tiny", checkpoint=None, dtype="float32", sp_degree=1, max_rows=1024)
+    with pytest.raises(MemoryBudgetError, match="does not state device_memory_bytes"):
+        check_memory(plan, Platform.cuda(kernel_libraries={"flash_attn": "2.8.3"}))
+    assert "not checked on cpu" in check_memory(plan, Platform.cpu())
+    assert plan.ranks[0].reserve_bytes == DEFAULT_RESERVE_BYTES
+
+
+def test_admit_counts_a_memory_refusal_like_an_attention_refusal():
+    from deploy.admission import admit
+
+    args = gpu_args()
+    recorded: list[dict[str, str]] = []
+    h100 = Platform.model_validate_json((PLATFORMS / "h100-flash-attn.json").read_text())
+    with pytest.raises(MemoryBudgetError):
+        admit(args, "preflight", h100, record=recorded.append)
+    h200 = Platform.model_validate_json((PLATFORMS / "h200-flash-attn.json").read_text())
+    assert admit(args, "preflight", h200, record=recorded.append).backend == "flash_attn"
+    assert [(t["outcome"], t["reason"], t["backend"], t["stage"]) for t in recorded] == [
+        ("rejected", "memory", "flash_attn", "preflight"),
+        ("admitted", "ok", "flash_attn", "preflight"),
+    ]
