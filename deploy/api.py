@@ -98,6 +98,8 @@ class Body(BaseModel):
     timeout_s: float | None = Field(default=None, gt=0)
     # higher runs first under the deployment's "priority" policy (engine.policy); the other policies ignore it
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    # step caching: "off" or one of the deployment's tiers (engine.step_cache); None: the deployment's default
+    cache: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -151,6 +153,19 @@ class Body(BaseModel):
             raise ValueError(f"must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} (default 0), got {shown}")
         return priority
 
+    @field_validator("cache")
+    @classmethod
+    def _cache(cls, cache: str | None, info: ValidationInfo) -> str | None:
+        """One of the names the deployment offers (``context={"cache": [...]}``), checked before anything runs."""
+        if not isinstance(info.context, dict) or "cache" not in info.context:
+            raise TypeError(
+                "a body naming a cache tier is validated under the deployment's tiers: context={'cache': ...}"
+            )
+        allowed = info.context["cache"]
+        if cache is not None and cache not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, got {cache[:40]!r}")
+        return cache
+
     @field_validator("timeout_s")
     @classmethod
     def _timeout(cls, timeout_s: float | None, info: ValidationInfo) -> float | None:
@@ -162,13 +177,16 @@ class Body(BaseModel):
     def generation(self) -> dict[str, Any]:
         """The fields of a ``GenerationRequest`` this body sets."""
         width, height = parse_size(self.size) if self.size else (None, None)
-        return dict(
+        fields: dict[str, Any] = dict(
             prompt=self.prompt,
             width=width,
             height=height,
             seed=self.seed,
             num_inference_steps=self.num_inference_steps,
         )
+        if self.cache is not None:  # else the deployment's default tier
+            fields["cache"] = self.cache
+        return fields
 
 
 AnyBody = TypeVar("AnyBody", bound="Body")
@@ -405,6 +423,7 @@ class H3Ingress:
         log_through_serve()  # the ingress's own lines (request ids, job hand-backs) into Serve's replica log
         self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
         self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
+        self.cache_tiers, self.cache_default = args.cache_tiers, args.engine.step_cache.default
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
         store.check()  # an unusable store refuses to start, like a missing token
@@ -486,7 +505,8 @@ class H3Ingress:
             fields["references"] = parse_references(fields["references"])
         try:
             form = kind != "application/json" and bool(uploads)  # form fields arrive as text
-            return model.model_validate(fields, context={"limits": self.limits, "form": form})
+            context = {"limits": self.limits, "form": form, "cache": self.cache_tiers}
+            return model.model_validate(fields, context=context)
         except ValidationError as e:
             raise invalid(e) from None
 
@@ -692,7 +712,17 @@ class H3Ingress:
     async def models(self, request: Request):
         return {
             "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "h3serve"}],
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "h3serve",
+                    # what a generation request's `cache` field may name, and what it gets when it names none
+                    "cache_tiers": self.cache_tiers,
+                    "cache_default": self.cache_default,
+                }
+            ],
         }
 
     @app.get("/health")
@@ -737,7 +767,14 @@ class H3Ingress:
                 "POST /v1/videos": VideosBody,
             }
             public = PUBLIC_ROUTES if self.api_key is not None else None
-            self._openapi = document(base, bodies, self.limits, await self.rules(), public_routes=public)
+            self._openapi = document(
+                base,
+                bodies,
+                self.limits,
+                await self.rules(),
+                public_routes=public,
+                cache_tiers=(self.cache_tiers, self.cache_default),
+            )
         return self._openapi
 
     async def __del__(self):

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attention import Platform, Resolution
 from pipelines.h3 import TransformerGeometry, default_dtype, preset
+from pipelines.h3.step_cache import OFF
 from replicas import EngineLimits, ReplicaSpec
 
 
@@ -191,7 +192,24 @@ class DeployArgs(BaseModel):
                 f"checkpoint is required for model {self.model!r}: a directory holding the released "
                 "MiniMax-H3 layout (only tiny has a built-in checkpoint)"
             )
+        step_cache = self.engine.step_cache
+        if self.sp_degree > 1 and step_cache.default != OFF:
+            raise ValueError(
+                f"engine.step_cache.default={step_cache.default!r} needs sp_degree 1 (step caching does not run "
+                f"under Ulysses yet); this deployment sets sp_degree={self.sp_degree}: set the default to 'off'"
+            )
+        num_blocks = preset(self.model).transformer_config()["num_layers"]
+        for name, policy in step_cache.tiers.items():
+            try:
+                policy.check_blocks(num_blocks)
+            except ValueError as e:
+                raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
         return self
+
+    @property
+    def cache_tiers(self) -> list[str]:
+        """What a request's ``cache`` field may name here: 'off', and the tiers where step caching runs (sp 1)."""
+        return self.engine.step_cache.names if self.sp_degree == 1 else [OFF]
 
     @property
     def generation_slots(self) -> int:

@@ -82,7 +82,9 @@ REFERENCE_JSON = {
 }
 
 
-def field_docs(limits: RequestLimits, rules: ModelRules | None, form: bool) -> dict[str, dict]:
+def field_docs(
+    limits: RequestLimits, rules: ModelRules | None, form: bool, cache_tiers: tuple[list[str], str] = (["off"], "off")
+) -> dict[str, dict]:
     longest = limits.max_seconds if rules is None else min(limits.max_seconds, rules.max_seconds)
     seconds = {
         "type": "number",
@@ -130,6 +132,13 @@ def field_docs(limits: RequestLimits, rules: ModelRules | None, form: bool) -> d
             "description": "higher runs first when the deployment's engine.policy is 'priority' (a running request "
             "of lower priority pauses at a step boundary for it and resumes later); the other policies ignore it",
         },
+        "cache": {
+            "enum": cache_tiers[0],
+            "default": cache_tiers[1],
+            "description": "step caching for this request: 'off', or a tier of the deployment (engine.step_cache). "
+            "A cached step skips most transformer blocks when the request's first-block output barely changed "
+            "since its last computed step: faster, at some fidelity; decided per request, whatever shares its pack",
+        },
         "input_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the first frame (FL2VA)"},
         "last_reference": {**(UPLOAD_FORM if form else UPLOAD_JSON), "description": "the last frame (FL2VA)"},
         "references": {
@@ -154,10 +163,12 @@ def document(
     limits: RequestLimits,
     rules: ModelRules | None,
     public_routes: tuple[str, ...] | None = None,
+    cache_tiers: tuple[list[str], str] = (["off"], "off"),
 ) -> dict:
     """``base`` (FastAPI's document) with request bodies, query parameters and error responses filled in.
     ``public_routes``: with a bearer token configured, the routes that answer without it (every other
-    operation declares the bearer scheme, so Swagger's Authorize button sends the token)."""
+    operation declares the bearer scheme, so Swagger's Authorize button sends the token). ``cache_tiers``: the
+    values a request's ``cache`` field may take here, and its default."""
     doc = copy.deepcopy(base)
     components = doc.setdefault("components", {})
     components.setdefault("schemas", {}).update(Error=ERROR, Video=VIDEO)
@@ -167,7 +178,8 @@ def document(
         "description": "an error in OpenAI's shape",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
-    json_docs, form_docs = field_docs(limits, rules, form=False), field_docs(limits, rules, form=True)
+    json_docs = field_docs(limits, rules, form=False, cache_tiers=cache_tiers)
+    form_docs = field_docs(limits, rules, form=True, cache_tiers=cache_tiers)
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             operation["responses"].pop("422", None)  # FastAPI's validation shape; h3serve answers 400

@@ -16,6 +16,11 @@ Under ``srpt`` and ``priority`` a running request the scheduler leaves out at a 
 (a preemption): its latents and schedulers stay in its ``RequestState`` on the model's device, and it
 resumes where it stopped, with the same output as if never paused.
 
+Step caching (``limits.step_cache``): a request's ``cache`` tier resolves at submit to its First-Block-Cache
+policy (``pipelines/h3/step_cache.py``), or to a RequestError("cache") naming the tiers. Its state lives in its
+``RequestState``: kept while paused (it resumes deciding as if never paused), freed when its schedule finishes,
+and when it fails or is cancelled at the next step boundary (never under a forward that may still read it).
+
 Failures stay with the requests that cause them. A pack whose data fails (``PackFailed``: every rank
 finished, the group is healthy) is retried in halves, down to single requests, so only a request that
 fails on its own fails, and every other request of the pack still advances that step exactly once;
@@ -45,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState, StepStats
 from pipelines.h3.packing import Pack
+from pipelines.h3.step_cache import OFF, StepCachePolicy, StepCacheTiers, skipped_block_rows
 
 from . import scheduler
 from .scheduler import POLICIES as POLICIES  # the policies, re-exported where EngineLimits names them
@@ -143,6 +149,12 @@ class EngineLimits(BaseModel):
         description="requests the stage worker prepares ahead of the pack (text encoding, layout); "
         "each holds its prepared state in memory until it joins",
     )
+    step_cache: StepCacheTiers = Field(
+        default_factory=StepCacheTiers,
+        description="per-request step caching (First-Block-Cache, decided per request inside a pack): the tiers "
+        "a request may name in its `cache` field, and the default for one that names none ('off' unless set). "
+        "A caching request holds two [rows, hidden] residuals while it runs. Needs sp_degree 1",
+    )
 
     @property
     def capacity(self) -> int:
@@ -178,6 +190,7 @@ class EngineStats:
     failed_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # by reason
     preemptions: int = 0  # times an active request was paused at a step boundary for another
     forward_s: float = 0.0  # seconds spent in packed forwards
+    skipped_block_rows: int = 0  # rows x transformer blocks step caching skipped
     busy_s: float = 0.0  # seconds with any work submitted and not finished
 
     @property
@@ -201,6 +214,7 @@ class Ticket:
     ):
         self.id, self.request, self.rows, self.deadline_s = request_id, request, rows, deadline_s
         self.priority, self.order = priority, order  # order: the engine's submission sequence number
+        self.step_cache: StepCachePolicy | None = None  # its step-cache tier's policy (None: off)
         self.future: asyncio.Future[GeneratedMedia] = loop.create_future()
         self.state: RequestState | None = None
         self.forwards = 0  # how many packed forwards this request was part of
@@ -302,6 +316,33 @@ class Engine:
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
         self._stages = StageWorker(self._device)
+        self._check_step_cache()
+
+    def _check_step_cache(self) -> None:
+        """Refuse tiers this replica cannot run (the deploy args refuse them earlier, from the preset)."""
+        tiers = self.limits.step_cache
+        if self.group.sp_degree > 1 and tiers.default != OFF:
+            raise ValueError(
+                f"engine.step_cache.default={tiers.default!r} needs sp_degree 1; this replica runs "
+                f"sp_degree={self.group.sp_degree} (set it to 'off')"
+            )
+        if self.group.sp_degree > 1:
+            return  # requests naming a tier are refused at submit (step_cache_policy)
+        for name, policy in tiers.tiers.items():
+            try:
+                self.pipeline.check_step_cache(policy)
+            except ValueError as e:
+                raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
+
+    def step_cache_policy(self, request: GenerationRequest) -> StepCachePolicy | None:
+        """The policy of the request's ``cache`` tier (None: off), or RequestError("cache") naming what is allowed."""
+        if self.group.sp_degree > 1 and request.cache not in (None, OFF):
+            raise RequestError(
+                "cache",
+                f"cache must be {OFF!r} on this deployment: step caching needs sp_degree 1 and this replica runs "
+                f"sp_degree={self.group.sp_degree}; got {request.cache!r}",
+            )
+        return self.limits.step_cache.policy(request.cache)
 
     # -- API ------------------------------------------------------------------------------
     def submit(
@@ -324,6 +365,7 @@ class Engine:
             raise EngineStopped(self._stop_reason)
         check_priority(priority)
         rows = self.validate(request)
+        step_cache = self.step_cache_policy(request)
         if deadline_s is None:
             deadline_s = self.limits.default_deadline_s
         if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
@@ -342,6 +384,7 @@ class Engine:
         ticket = Ticket(
             request_id or f"req-{next(self._ids)}", request, rows, loop, deadline_s, priority, next(self._orders)
         )
+        ticket.step_cache = step_cache
         if deadline_s is not None:
             timer = loop.call_later(deadline_s, self._expire, ticket)
             ticket.future.add_done_callback(lambda _: timer.cancel())
@@ -362,6 +405,7 @@ class Engine:
         """About the rows the request adds to a pack; RequestError if the model or the budget cannot take it."""
         rows = self.pipeline.validate(request)
         self._check_budget(rows)
+        self.step_cache_policy(request)
         return rows
 
     def _check_budget(self, rows: int) -> None:
@@ -507,9 +551,16 @@ class Engine:
         """Model work on the engine's one thread."""
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _drop_finished_resident(self) -> None:
+        """At a step boundary (no forward in flight): failed or cancelled requests leave, their step caches freed."""
+        for ticket in self._resident:
+            if ticket.future.done() and ticket.state is not None:
+                ticket.state.free_step_cache()
+        self._resident = [t for t in self._resident if not t.future.done()]
+
     async def _run(self) -> None:
         while not self._stop_reason:
-            self._resident = [t for t in self._resident if not t.future.done()]
+            self._drop_finished_resident()
             if not self._resident:
                 self._stage_wake.set()  # room to prepare
                 self._account_busy()
@@ -573,7 +624,7 @@ class Engine:
                 self._resident.remove(ticket)
                 self._decoding.append(ticket)
                 self._stage_wake.set()
-        self._resident = [t for t in self._resident if not t.future.done()]
+        self._drop_finished_resident()
         self._stage_wake.set()  # a finished, failed or cancelled request may have freed room to prepare another
         self._account_busy()
         self._observe("on_duty_cycle", self.stats.duty_cycle)
@@ -619,7 +670,8 @@ class Engine:
         seconds = time.perf_counter() - started
         self._progress_at = time.monotonic()
         self.expected_step_s = seconds if self.expected_step_s is None else 0.8 * self.expected_step_s + 0.2 * seconds
-        stats = StepStats(len(states), pack.total_rows, pack.padding_rows)
+        stats = StepStats(len(states), pack.total_rows, pack.padding_rows, skipped_block_rows(pack))
+        self.stats.skipped_block_rows += stats.skipped_block_rows
         self.stats.forwards += 1
         self.stats.rows += stats.rows
         self.stats.padding_rows += stats.padding_rows
@@ -718,7 +770,7 @@ class Engine:
         self._preparing = ticket
         started = time.perf_counter()
         try:
-            state = await self._stages.run(self.pipeline.prepare, ticket.request)
+            state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache)
             self._check_budget(state.rows)  # the estimate at submit was short (keyframe vision tokens)
         except Exception as e:
             logger.warning("request %s: prepare failed", ticket.id, exc_info=True)

@@ -404,6 +404,30 @@ def test_a_priority_reaches_the_engine_with_the_request_and_stays_in_the_job_rec
         assert http.post("/v1/images/generations", json={**image, "num_inference_steps": 2, "priority": -10}).is_success
 
 
+def test_a_cache_tier_is_listed_validated_and_served(server):
+    """The deployment's step-cache tiers: listed by /v1/models and the OpenAPI document, a name outside them is a 400
+    naming the field and the allowed values, and a request on a tier is generated."""
+    allowed = ["off", "high", "low", "medium"]  # the built-in tiers; the deployment's default is off
+    with client(server.url) as http:
+        (model,) = http.get("/v1/models").json()["data"]
+        assert (model["cache_tiers"], model["cache_default"]) == (allowed, "off")
+        doc = http.get("/openapi.json").json()
+        for path in ("/v1/images/generations", "/v1/videos"):
+            cache = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+            assert (cache["cache"]["enum"], cache["cache"]["default"]) == (allowed, "off")
+        for path, kwargs in (
+            ("/v1/images/generations", {"json": {"prompt": "x", "cache": "ultra"}}),
+            ("/v1/videos", {"data": {"prompt": "x", "cache": "ultra"}}),
+        ):
+            error = error_of(http.post(path, **kwargs), 400)
+            assert error["param"] == "cache", error
+            assert "must be one of off, high, low, medium, got 'ultra'" in error["message"], error
+        still = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 6, "cache": "low"}
+        response = http.post("/v1/images/generations", json=still)
+        assert response.status_code == 200, response.text
+        assert response.json()["data"][0]["b64_json"]
+
+
 def embedded_document(page: str) -> tuple[dict, str]:
     """The OpenAPI document a docs page carries inline, and the page around it."""
     opening = '<script id="openapi-document" type="application/json">'

@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODA
 
 from .attention_processor import Documents, SequenceParallel, attending
 from .packing import Pack
+from .step_cache import PackCache, cached_blocks
 
 
 def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,13 +24,22 @@ def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple
 
 
 @torch.no_grad()
-def packed_forward(model, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def packed_forward(
+    model, pack: Pack, sp: SequenceParallel | None = None, cache: PackCache | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Velocities of every video and audio row of ``pack``, in the order of its video/audio indices.
 
     With ``sp``, this rank computes rows ``[rank*T/W, (rank+1)*T/W)`` and rank 0 returns the result
-    (other ranks return None). ``pack`` must already be on the model's device.
+    (other ranks return None). ``pack`` must already be on the model's device. With ``cache`` (one
+    entry per document), each document with a policy may skip the middle blocks (``step_cache``);
+    its state is updated only when the whole forward succeeded. Without one, nothing changes.
     """
     rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
+    if cache is not None and world > 1:
+        raise ValueError(
+            f"step caching runs on one rank only; this forward is sharded over sp_degree={world} ranks "
+            "(deploy with sp_degree 1 to use cache tiers)"
+        )
     if pack.total_rows % world:
         raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
     lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
@@ -59,14 +69,19 @@ def packed_forward(model, pack: Pack, sp: SequenceParallel | None = None) -> tup
     rotary_emb = model.rope(pack.position_ids[lo:hi])  # cos, sin: [T/W, 6 * rope_freq_dim]
 
     with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
-        for block in model.transformer_blocks:
-            hidden = block(hidden, temb, adaln_indices, rotary_emb)
+        if cache is None:
+            for block in model.transformer_blocks:
+                hidden = block(hidden, temb, adaln_indices, rotary_emb)
+        else:  # each document runs the middle blocks only when its first blocks' residual changed enough
+            hidden = cached_blocks(model.transformer_blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache)
     hidden = model.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(model.proj_out))[0]  # [T/W, hidden]
 
     # 4. Each head on its own modality's rows, on the rank that holds them.
     video_out = model.proj_out(hidden.index_select(0, video_at))  # [n_video here, C_video]
     audio_out = model.audio_proj_out(hidden.index_select(0, audio_at))  # [n_audio here, C_audio]
     if sp is None or world == 1:
+        if cache is not None:
+            cache.commit()  # the forward succeeded: every document's step enters its state
         return video_out, audio_out  # every row is here, already in the pack's video/audio order
 
     # 5. Rank 0 gathers the projected rows, not the hidden state: [T/W, max(C_video, C_audio)] per rank

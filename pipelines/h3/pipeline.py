@@ -34,6 +34,7 @@ from .forward import packed_forward
 from .packing import Document, Pack, pack_documents
 from .request import GenerationRequest, ModelRules
 from .stages import H3Stages
+from .step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, skipped_block_rows
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,12 @@ class H3Denoiser:
         return cls(models, backend, torch.device(device), directory)
 
     def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This rank's share of one packed forward; rank 0 gets every row's velocity back."""
-        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp)
+        """This rank's share of one packed forward; rank 0 gets every row's velocity back.
+
+        A ``CachedPack`` carries its documents' step caches into the forward (one rank only).
+        """
+        cache = pack.step_cache if isinstance(pack, CachedPack) else None
+        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp, cache)
 
 
 @dataclasses.dataclass
@@ -155,8 +160,11 @@ class RequestState:
         video: MiniMaxH3Scheduler,
         audio: MiniMaxH3Scheduler,
         device: torch.device,
+        step_cache: StepCachePolicy | None = None,
     ):
         self.request, self.state = request, state
+        # this request's First-Block-Cache state (None: it computes every block at every step)
+        self.step_cache: DocumentCache | None = DocumentCache(step_cache) if step_cache is not None else None
         self.partition = ckpt.PARTITIONS[request.task]
         self.video_rows: torch.Tensor = state.get("latents")  # [n_video, C*p] fp32, conditioning rows first
         self.audio_rows: torch.Tensor = state.get("audio_latents")  # [n_audio, C_audio] fp32
@@ -220,6 +228,13 @@ class RequestState:
             audio_velocity[na:].float(), t_audio, self.audio_rows[na:], return_dict=False
         )[0]
         self.step_index += 1
+        if self.done:
+            self.free_step_cache()  # decoding needs none of it
+
+    def free_step_cache(self) -> None:
+        """Drop the cached residuals (two [S, hidden] tensors); its counters stay for reporting."""
+        if self.step_cache is not None:
+            self.step_cache.free()
 
 
 @dataclasses.dataclass
@@ -227,6 +242,7 @@ class StepStats:
     requests: int
     rows: int
     padding_rows: int
+    skipped_block_rows: int = 0  # rows x transformer blocks step caching skipped in this forward
 
 
 class H3Pipeline:
@@ -282,9 +298,23 @@ class H3Pipeline:
         self.rules.check(request)
         return self.rules.rows(request, self.text_tokens(request.prompt))
 
+    def check_step_cache(self, policy: StepCachePolicy) -> None:
+        """ValueError unless ``policy`` fits every transformer partition and this pipeline runs on one rank."""
+        if self.row_multiple > 1:
+            raise ValueError(
+                f"step caching runs on one rank only; this pipeline runs over sp_degree={self.row_multiple} ranks"
+            )
+        for model in self.denoiser.transformers.values():
+            blocks = model.transformer_blocks
+            assert isinstance(blocks, torch.nn.ModuleList)
+            policy.check_blocks(len(blocks))
+
     @torch.no_grad()
-    def prepare(self, request: GenerationRequest) -> RequestState:
+    def prepare(self, request: GenerationRequest, step_cache: StepCachePolicy | None = None) -> RequestState:
+        """``step_cache``: the request's First-Block-Cache policy (None: every block at every step)."""
         self.rules.check(request)
+        if step_cache is not None:
+            self.check_step_cache(step_cache)
         state = self.stages.prepare(request, self.rules)
         return RequestState(
             request,
@@ -292,6 +322,7 @@ class H3Pipeline:
             MiniMaxH3Scheduler.from_config(self._schedulers["scheduler"].config),  # each request steps its own
             MiniMaxH3Scheduler.from_config(self._schedulers["audio_scheduler"].config),
             self.denoiser.device,
+            step_cache,
         )
 
     def _forward_alone(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,16 +341,21 @@ class H3Pipeline:
         groups: dict[str, list[RequestState]] = {}
         for state in states:
             groups.setdefault(state.partition, []).append(state)
-        return [
-            (group, pack_documents([s.document() for s in group], partition, self.row_multiple))
-            for partition, group in groups.items()
-        ]
+        packs: list[tuple[list[RequestState], Pack]] = []
+        for partition, group in groups.items():
+            pack = pack_documents([s.document() for s in group], partition, self.row_multiple)
+            if any(s.step_cache is not None for s in group):  # else exactly the pack of a deployment without caching
+                if self.row_multiple > 1:  # refused before any rank starts, never half-run
+                    raise ValueError(f"step caching runs on one rank only, not over sp_degree={self.row_multiple}")
+                pack = CachedPack.of(pack, PackCache([s.step_cache for s in group]))
+            packs.append((group, pack))
+        return packs
 
     def apply(self, states: Sequence[RequestState], pack: Pack, out: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
         """Advance every state of ``pack`` by one step from its packed forward's velocities."""
         for state, (video, audio) in zip(states, pack.split(*out), strict=True):
             state.advance(video, audio)
-        return StepStats(len(states), pack.total_rows, pack.padding_rows)
+        return StepStats(len(states), pack.total_rows, pack.padding_rows, skipped_block_rows(pack))
 
     @torch.no_grad()
     def step(self, states: Sequence[RequestState]) -> list[StepStats]:
@@ -327,9 +363,12 @@ class H3Pipeline:
         return [self.apply(group, pack, self.forward(pack)) for group, pack in self.packs(states)]
 
     def generate(
-        self, request: GenerationRequest, progress: Callable[[int, int], None] | None = None
+        self,
+        request: GenerationRequest,
+        progress: Callable[[int, int], None] | None = None,
+        step_cache: StepCachePolicy | None = None,
     ) -> GeneratedMedia:
-        state = self.prepare(request)
+        state = self.prepare(request, step_cache)
         while not state.done:
             self.step([state])
             if progress:

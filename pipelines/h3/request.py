@@ -62,6 +62,9 @@ class GenerationRequest(BaseModel):
     first_frame: bytes | None = None  # an encoded image the clip starts from
     last_frame: bytes | None = None  # an encoded image the clip ends on
     references: tuple[Reference, ...] = ()
+    # step caching: "off" or a tier name of the deployment's engine.step_cache (None: the deployment's default);
+    # the engine checks the name and resolves it to a policy (pipelines/h3/step_cache.py)
+    cache: str | None = Field(default=None, min_length=1)
 
     @property
     def task(self) -> Task:
