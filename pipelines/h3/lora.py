@@ -1,0 +1,473 @@
+"""LoRA adapters for MiniMax-H3, several in one packed forward, over base weights that are never modified.
+
+An adapter is a local directory in diffusers' LoRA format for MiniMax-H3 (what
+``MiniMaxH3LoraLoaderMixin.save_lora_weights`` writes; the non-diffusers layouts its ``lora_state_dict``
+converts load too). Ranks and alphas come from the adapter's own files exactly as diffusers derives
+them when it loads the adapter into peft (``LoraConfig`` from the file's metadata, else
+``get_peft_kwargs`` from the shapes: ``alpha == rank`` for alpha-less files). Every key must land on an
+``nn.Linear`` of the served transformer with matching shapes, or the adapter is refused by name.
+
+Several adapters in one pack, as vLLM's Punica path does for LLMs: ``adapting(model, adapters, slots)``
+installs forward hooks around one packed forward. Every adapted linear layer computes its base
+projection for all rows, then adds ``scale * B_a(A_a x)`` on the rows whose slot is adapter ``a``, for
+each adapter present; slot 0 (``BASE_SLOT``) rows get no delta and cost nothing extra. Which rows a
+layer sees depends on where it sits in ``packed_forward``, so each layer reads one stream of slots:
+
+==============  ===========================================================  ==============================
+stream          layers                                                       rows of the layer's input
+==============  ===========================================================  ==============================
+``rows``        ``transformer_blocks.*`` (attention, FFN)                    this rank's pack rows [T/W]
+``text``        ``context_embedder``, ``token_refiner.*``                    every text row of the pack
+``video``       ``proj_in``, ``proj_out``                                    this rank's video rows
+``audio``       ``audio_proj_in``, ``audio_proj_out``                        this rank's audio rows
+``timesteps``   ``time_embedder.*``, ``*.adaln_proj.linear``, ``norm_out``   the pack's distinct timesteps
+==============  ===========================================================  ==============================
+
+The timestep path computes one AdaLN table per distinct timestep, shared by every row at that
+timestep. When an adapter of the pack targets it, the timestep axis is widened to (slot group,
+timestep): ``time_proj``'s output is repeated once per slot group present, each group's copy gets
+its own adapter's deltas, and every block's ``adaln_indices`` and ``norm_out``'s ``timestep_indices``
+are shifted to the row's group. A pack whose adapters leave the timestep path alone runs it unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODALITY_NUM
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .packing import Pack
+from .request import RequestError
+
+BASE_SLOT = 0  # rows of documents served by the base model
+_LISTED = 5
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+_A_SUFFIX, _B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served with this transformer. The message names the directory and keys."""
+
+
+class LoraSpec(BaseModel):
+    """One adapter as the deploy args declare it: ``loras: {name: {path, scale, steps, shift}}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Path = Field(description="local directory holding the adapter in diffusers' LoRA format for MiniMax-H3")
+    scale: float = Field(default=1.0, allow_inf_nan=False, description="multiplies every delta B(A x)")
+    steps: int | None = Field(default=None, ge=1, description="the step count a few-step adapter was distilled for")
+    shift: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="the scheduler shift the adapter was distilled for"
+    )
+
+
+def check_request_steps(name: str, spec: LoraSpec, num_inference_steps: int | None) -> int:
+    """The steps a request on adapter ``name`` runs: the adapter's own when it gives none, else the same.
+
+    A few-step adapter produces noise at other step counts, so a request asking for others is refused
+    (``RequestError`` on ``num_inference_steps``, naming both counts), never silently run.
+    """
+    if num_inference_steps is None:
+        if spec.steps is None:
+            raise RequestError("num_inference_steps", f"adapter {name!r} declares no steps; give num_inference_steps")
+        return spec.steps
+    if spec.steps is not None and num_inference_steps != spec.steps:
+        raise RequestError(
+            "num_inference_steps",
+            f"adapter {name!r} was distilled for {spec.steps} steps; the request asks for {num_inference_steps}",
+        )
+    return num_inference_steps
+
+
+def validate_lora_name(name: str) -> str:
+    """An adapter name becomes part of a model id and a metric label: short, lowercase, no separators."""
+    if not _NAME.fullmatch(name):
+        raise LoraError(
+            f"adapter name {name!r} is not allowed: use 1-63 characters of a-z, 0-9, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+class LoraSpecs(BaseModel):
+    """The deploy args' ``loras`` mapping, names checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loras: dict[str, LoraSpec] = Field(default_factory=dict)
+
+    @field_validator("loras")
+    @classmethod
+    def _names(cls, loras: dict[str, LoraSpec]) -> dict[str, LoraSpec]:
+        for name in loras:
+            validate_lora_name(name)
+        return loras
+
+
+def stream_of(module: str) -> str:
+    """Which slots a linear layer's input rows carry (see the module docstring's table)."""
+    if module.startswith("time_embedder.") or module == "norm_out.linear" or module.endswith(".adaln_proj.linear"):
+        return "timesteps"
+    if module.startswith("transformer_blocks."):
+        return "rows"
+    if module == "context_embedder" or module.startswith("token_refiner."):
+        return "text"
+    if module in ("proj_in", "proj_out"):
+        return "video"
+    if module in ("audio_proj_in", "audio_proj_out"):
+        return "audio"
+    raise LoraError(f"h3serve does not know which rows reach {module!r}, so it cannot adapt it")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLayer:
+    """One adapted linear layer: delta(x) = scaling * up(down(x))."""
+
+    down: torch.Tensor  # [r, in_features] lora_A
+    up: torch.Tensor  # [out_features, r] lora_B
+    scaling: float  # peft's alpha / r (alpha / sqrt(r) with rsLoRA), the spec's scale not included
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter read from its directory and checked against one transformer partition."""
+
+    name: str
+    spec: LoraSpec
+    partition: str  # "transformer" or "transformer_ref"
+    layers: dict[str, LoraLayer]  # module name in the transformer -> its factors
+
+    @property
+    def directory(self) -> Path:
+        return self.spec.path
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return {module: layer.rank for module, layer in self.layers.items()}
+
+    @classmethod
+    def load(cls, name: str, spec: LoraSpec, transformer: torch.nn.Module, partition: str = "transformer"):
+        """Read ``spec.path`` with diffusers' own ``lora_state_dict`` and check it against ``transformer``.
+
+        ``partition`` is the transformer partition the adapter is served on; a file's ``transformer.``
+        keys go to ``transformer_ref`` when that is the partition and the file names no other, as
+        diffusers' ``load_into_transformer_ref`` routes them.
+        """
+        from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+        validate_lora_name(name)
+        directory = spec.path
+        if not directory.is_dir():
+            raise LoraError(f"adapter {name!r}: {directory} is not a directory")
+        try:
+            state_dict, metadata = MiniMaxH3LoraLoaderMixin.lora_state_dict(
+                str(directory), return_lora_metadata=True, local_files_only=True
+            )
+        except (OSError, ValueError, RuntimeError) as e:
+            raise LoraError(f"adapter {name!r}: {directory} cannot be read as a MiniMax-H3 LoRA: {e}") from None
+        if not state_dict:
+            raise LoraError(f"adapter {name!r}: {directory} holds no LoRA weights")
+
+        prefix = partition
+        if partition == "transformer_ref" and not any(k.startswith("transformer_ref.") for k in state_dict):
+            prefix = "transformer"
+        ours = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+        others = sorted(k for k in state_dict if not k.startswith(f"{prefix}."))
+        if others:
+            raise LoraError(_listed(name, directory, f"keys outside the {partition!r} partition", others))
+        config = _lora_config(name, directory, ours, metadata, prefix)
+        layers = _checked_layers(name, directory, ours, config, transformer)
+        return cls(name=name, spec=spec, partition=partition, layers=layers)
+
+    def placed_for(self, model: torch.nn.Module) -> LoraAdapter:
+        """Factors on each adapted layer's own device and dtype (bf16 body, fp32 boundary modules)."""
+        modules = dict(model.named_modules())
+        return dataclasses.replace(
+            self,
+            layers={
+                name: dataclasses.replace(layer, down=layer.down.to(weight), up=layer.up.to(weight))
+                for name, layer in self.layers.items()
+                for weight in [modules[name].weight]
+            },
+        )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LoraAdapter:
+        return dataclasses.replace(
+            self,
+            layers={
+                module: dataclasses.replace(layer, down=layer.down.to(device, dtype), up=layer.up.to(device, dtype))
+                for module, layer in self.layers.items()
+            },
+        )
+
+
+def _listed(name: str, directory: Path, what: str, keys: Sequence[str]) -> str:
+    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
+    return f"adapter {name!r} ({directory}) has {what}: {', '.join(keys[:_LISTED])}{more}"
+
+
+def _lora_config(name: str, directory: Path, state_dict: dict[str, torch.Tensor], metadata, prefix: str):
+    """peft's ``LoraConfig`` as diffusers' ``load_lora_adapter`` builds it for this state dict."""
+    from diffusers.utils.peft_utils import get_peft_kwargs
+    from peft import LoraConfig
+
+    if metadata is not None:
+        kwargs = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items() if k.startswith(f"{prefix}.")}
+    else:
+        # the same rank dict diffusers passes (`^`-anchored lora_B keys); alpha == rank for alpha-less files
+        rank = {f"^{k}": v.shape[1] for k, v in state_dict.items() if "lora_B" in k and v.ndim > 1}
+        kwargs = get_peft_kwargs(rank, network_alpha_dict=None, peft_state_dict=state_dict)
+    try:
+        config = LoraConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise LoraError(f"adapter {name!r} ({directory}): its LoRA config is not a peft LoraConfig: {e}") from None
+    for flag in ("use_dora", "lora_bias"):
+        if getattr(config, flag, False):
+            raise LoraError(f"adapter {name!r} ({directory}) sets {flag}; h3serve serves plain LoRA only")
+    return config
+
+
+def _checked_layers(
+    name: str, directory: Path, state_dict: dict[str, torch.Tensor], config, transformer: torch.nn.Module
+) -> dict[str, LoraLayer]:
+    from peft.utils.other import get_pattern_key
+
+    modules = dict(transformer.named_modules())
+    unexpected = sorted(k for k in state_dict if not k.endswith((_A_SUFFIX, _B_SUFFIX)))
+    if unexpected:
+        raise LoraError(_listed(name, directory, "keys that are not lora_A/lora_B weights", unexpected))
+    targets = sorted({k.removesuffix(_A_SUFFIX).removesuffix(_B_SUFFIX) for k in state_dict})
+    unknown = [
+        k
+        for k in sorted(state_dict)
+        if not isinstance(modules.get(k.removesuffix(_A_SUFFIX).removesuffix(_B_SUFFIX)), torch.nn.Linear)
+    ]
+    if unknown:
+        raise LoraError(_listed(name, directory, "unexpected keys (no nn.Linear of the transformer)", unknown))
+    missing = [k for t in targets for k in (t + _A_SUFFIX, t + _B_SUFFIX) if k not in state_dict]
+    if missing:
+        raise LoraError(_listed(name, directory, "missing keys (each adapted layer needs lora_A and lora_B)", missing))
+
+    layers, mismatched = {}, []
+    for target in targets:
+        linear = modules[target]
+        down, up = state_dict[target + _A_SUFFIX], state_dict[target + _B_SUFFIX]
+        # down [r, in_features], up [out_features, r]
+        if down.ndim != 2 or down.shape[1] != linear.in_features:
+            mismatched.append(f"{target}{_A_SUFFIX} {tuple(down.shape)} (expected [r, {linear.in_features}])")
+            continue
+        r = down.shape[0]
+        if up.shape != (linear.out_features, r):
+            mismatched.append(f"{target}{_B_SUFFIX} {tuple(up.shape)} (expected {(linear.out_features, r)})")
+            continue
+        # peft's own resolution of this module's rank and alpha from the config's patterns
+        declared_r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), target), config.lora_alpha)
+        if declared_r != r:
+            mismatched.append(f"{target}{_A_SUFFIX} rank {r} (its config declares rank {declared_r})")
+            continue
+        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
+        layers[target] = LoraLayer(down=down, up=up, scaling=float(scaling))
+    if mismatched:
+        raise LoraError(_listed(name, directory, "mismatched shapes", mismatched))
+    for target in layers:
+        stream_of(target)  # refuses a layer whose rows h3serve cannot attribute
+    return layers
+
+
+# ----------------------------------------------------------------------------- several adapters in one pack
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSlots:
+    """Each row's adapter slot, per stream, as this rank's modules see them (``BASE_SLOT`` = no adapter)."""
+
+    rows: torch.Tensor  # [T/W] int64 slot of each of this rank's pack rows (padding rows: BASE_SLOT)
+    text: torch.Tensor  # [N_text] every text row of the pack, in the pack's text order
+    video: torch.Tensor  # [n_video here] this rank's video rows, in the pack's video order
+    audio: torch.Tensor  # [n_audio here]
+    groups: torch.Tensor  # [G] the distinct slots of the whole pack, sorted: the widened timestep axis
+    row_groups: torch.Tensor  # [T/W] index into `groups` of each of this rank's rows
+    timesteps: int  # K, the pack's distinct timesteps
+
+    def stream(self, name: str) -> torch.Tensor:
+        if name == "timesteps":  # [G*K]: group g's copy of every timestep
+            return self.groups.repeat_interleave(self.timesteps)
+        return getattr(self, name)
+
+
+def pack_slots(pack: Pack, document_slots: Sequence[int], rank: int = 0, world: int = 1) -> PackSlots:
+    """The slots of ``pack``'s rows from each document's slot; the rows rank ``rank`` of ``world`` computes.
+
+    Every row of a document (text, condition, audio, video) carries the document's slot.
+    """
+    if len(document_slots) != len(pack.lengths):
+        raise ValueError(
+            f"document_slots has {len(document_slots)} entries for a pack of {len(pack.lengths)} documents"
+        )
+    if any(s < 0 for s in document_slots):
+        raise ValueError(f"document_slots must be >= 0 (0 is the base model), got {list(document_slots)}")
+    device = pack.position_ids.device
+    lengths = torch.tensor(pack.lengths + [pack.padding_rows], dtype=torch.long, device=device)
+    slots = torch.tensor(list(document_slots) + [BASE_SLOT], dtype=torch.long, device=device)
+    rows = slots.repeat_interleave(lengths)  # [T]
+    lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
+
+    def local(indices: torch.Tensor) -> torch.Tensor:  # the filter packed_forward's `_local` applies
+        return rows[indices[(indices >= lo) & (indices < hi)]]
+
+    groups = torch.unique(rows, sorted=True)  # [G]
+    return PackSlots(
+        rows=rows[lo:hi],
+        text=rows[pack.text_indices],
+        video=local(pack.video_indices),
+        audio=local(pack.audio_indices),
+        groups=groups,
+        row_groups=torch.searchsorted(groups, rows[lo:hi]),
+        timesteps=int(pack.timestep.numel()),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where one adapter layer's delta lands: a module and the columns of its output."""
+
+    module: torch.nn.Module
+    columns: slice  # the whole output, or the to_q / to_k / to_v third of a fused to_qkv
+
+
+def _resolve(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str) -> tuple[str, _Target]:
+    """The module the forward actually calls for ``name``: fused attention runs to_qkv, not to_q/k/v."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = modules.get(parent_name)
+    if leaf in ("to_q", "to_k", "to_v") and getattr(parent, "fused_projections", False):
+        fused = modules[f"{parent_name}.to_qkv"]
+        width = int(modules[name].out_features)  # type: ignore[arg-type]  # an nn.Linear, checked at load
+        third = ("to_q", "to_k", "to_v").index(leaf)
+        return f"{parent_name}.to_qkv", _Target(fused, slice(third * width, (third + 1) * width))
+    return name, _Target(modules[name], slice(None))
+
+
+_ACTIVE = "_h3serve_adapting"
+
+
+def _runs(values: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(value, first, end) of each run of equal values of ``values`` [n]: one small host read per stream."""
+    n = values.numel()
+    if n == 0:
+        return []
+    starts = (torch.nonzero(values[1:] != values[:-1]).squeeze(1) + 1).tolist()  # [runs - 1]
+    firsts = [0, *starts]
+    run_values = values[torch.tensor(firsts, device=values.device)].tolist()
+    return [(int(v), a, b) for v, a, b in zip(run_values, firsts, [*starts, n], strict=True) if v != BASE_SLOT]
+
+
+@contextlib.contextmanager
+def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter], slots: PackSlots) -> Iterator[None]:
+    """For the forward inside, every adapted linear adds each adapter's delta on its own rows only.
+
+    ``adapters_by_slot`` maps slot numbers (>= 1) to adapters already placed on the model
+    (``LoraAdapter.placed_for``: each layer's device and dtype); slots of the pack with no adapter listed
+    are refused. Base weights are never written: the deltas are added
+    to the layers' outputs by forward hooks, removed on exit.
+    """
+    if BASE_SLOT in adapters_by_slot:
+        raise ValueError(f"slot {BASE_SLOT} is the base model; adapters take slots >= 1")
+    present = [int(s) for s in slots.groups.tolist() if s != BASE_SLOT]
+    unknown = [s for s in present if s not in adapters_by_slot]
+    if unknown:
+        raise ValueError(f"the pack uses adapter slots {unknown} with no adapter; known: {sorted(adapters_by_slot)}")
+    if getattr(model, _ACTIVE, False):
+        raise RuntimeError("adapting() is already active on this model; packs run one at a time")
+
+    modules = dict(model.named_modules())
+    # stream -> [(slot, first row, end row)]: every document's rows are one run of its stream, so each
+    # adapter's rows are a few slices (one per document), found once per pack, not once per layer
+    runs_of = {stream: _runs(slots.stream(stream)) for stream in ("rows", "text", "video", "audio", "timesteps")}
+    # module actually called -> (module, [(first, end, layer, scale, columns)]) for each adapter present on it
+    work: dict[str, tuple[torch.nn.Module, list[tuple[int, int, LoraLayer, float, slice]]]] = {}
+    widen = False
+    for slot in present:
+        adapter = adapters_by_slot[slot]
+        for name, layer in adapter.layers.items():
+            stream = stream_of(name)
+            widen |= stream == "timesteps"
+            called, target = _resolve(model, modules, name)
+            scale = adapter.spec.scale * layer.scaling
+            for run_slot, first, end in runs_of[stream]:
+                if run_slot == slot:
+                    work.setdefault(called, (target.module, []))[1].append((first, end, layer, scale, target.columns))
+
+    def add_deltas(entries, expected_rows: int):
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            x = args[0].reshape(-1, args[0].shape[-1])  # [n, in_features]
+            out = output.view(-1, output.shape[-1])  # [n, out_features], the same storage as output
+            if x.shape[0] != expected_rows:
+                raise RuntimeError(
+                    f"an adapted layer saw {x.shape[0]} rows where the pack's slots have {expected_rows}"
+                )
+            for first, end, layer, scale, columns in entries:
+                down = x[first:end].to(layer.down.dtype) @ layer.down.T  # [rows of the run, r]
+                # out[run, columns] += scale * down @ up^T, in place, the add fused into the GEMM
+                out[first:end, columns].addmm_(down.to(out.dtype), layer.up.T.to(out.dtype), alpha=scale)
+            return output
+
+        return hook
+
+    handles = []
+    try:
+        setattr(model, _ACTIVE, True)
+        for called, (module, entries) in work.items():
+            stream = stream_of(called)
+            expected = slots.stream(stream).numel()
+            handles.append(module.register_forward_hook(add_deltas(entries, expected)))
+        if widen:
+            handles.extend(_widen_timesteps(model, slots))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        setattr(model, _ACTIVE, False)
+
+
+def _widen_timesteps(model: Any, slots: PackSlots) -> list[Any]:
+    """Give every slot group its own copy of the timestep path; point each row at its group's copy."""
+    k, groups = slots.timesteps, slots.groups.numel()
+    adaln_shift = slots.row_groups * (k * MINIMAX_H3_MODALITY_NUM)  # [T/W] table rows are (g*K + t)*3 + tag
+    norm_shift = slots.row_groups * k  # [T/W] norm_out's table rows are g*K + t
+
+    def repeat_timesteps(module, args, output: torch.Tensor) -> torch.Tensor:
+        if output.shape[0] != k:
+            raise RuntimeError(f"time_proj saw {output.shape[0]} timesteps where the pack has {k}")
+        return output.repeat(groups, 1)  # [K, freq] -> [G*K, freq]
+
+    def shifted(position: int, name: str, shift: torch.Tensor):
+        def pre_hook(module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+            if name in kwargs:
+                kwargs = {**kwargs, name: kwargs[name] + shift}
+            else:
+                args = (*args[:position], args[position] + shift, *args[position + 1 :])
+            return args, kwargs
+
+        return pre_hook
+
+    handles = [model.time_proj.register_forward_hook(repeat_timesteps)]
+    for block in model.transformer_blocks:
+        handles.append(block.register_forward_pre_hook(shifted(2, "adaln_indices", adaln_shift), with_kwargs=True))
+    handles.append(
+        model.norm_out.register_forward_pre_hook(shifted(2, "timestep_indices", norm_shift), with_kwargs=True)
+    )
+    return handles
