@@ -6,10 +6,11 @@ TORCH   ?= -r .ci/torch-cpu.txt
 CONFIG  ?= deploy/serve_config.yaml
 PYTEST_ARGS ?=
 EVAL_ARGS ?=
+DEMO_CHECKPOINT ?= checkpoints/minimax-h3-tiny-demo
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test test-fast lint setup weights eval bench clean
+.PHONY: serve test test-fast lint setup weights eval demo-checkpoint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +44,11 @@ weights: setup
 # judged per clip: an accuracy table per attribute. EVAL_ARGS="--checkpoint DIR --n 36 --json eval.json".
 eval: setup
 	$(BIN)/h3serve eval $(EVAL_ARGS)
+
+# Train the tiny MiniMax-H3 on the demo world (both VAEs, then the transformer on the training split), on
+# CPU with fixed seeds; its recipe, seeds and losses land in $(DEMO_CHECKPOINT)/training.json. ~45 min on 2 cores.
+demo-checkpoint: setup
+	$(BIN)/python -m demo.train $(DEMO_CHECKPOINT)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

@@ -1,0 +1,509 @@
+"""Train the tiny MiniMax-H3 on the demo world, on CPU, in one command: ``python -m demo.train OUT``.
+
+Three stages, each a library class trained in place and saved in the released layout at the end:
+
+1. **The video VAE** (``AutoencoderKLMiniMaxH3``) on short windows of every colour x shape x motion
+   clip (the autoencoders learn pixels, not prompts: the held-out split does not apply to them),
+   through the library's own ``encode`` / ``decode`` (temporal chunking included), in the pipeline's
+   ImageNet-normalised pixel space.
+2. **The audio VAE** (``AutoencoderKLMiniMaxH3Audio``) on one-second windows of every sound, as the
+   pipeline uses it (posterior mode, mono, the stereo channels as two batch items). Then both VAEs'
+   ``latents_mean`` / ``latents_std`` are set to their latents' statistics over the world, so the
+   transformer's clean rows have unit scale like its noise.
+3. **The transformer** by rectified flow on the training split only (``world.training_scenes``):
+   every training prompt goes through the pipeline's own ``prepare`` (Qwen3-VL ``hidden_states[50]``,
+   the packed layout), its clean rows are the VAEs' latents of the scene, and a step of ``batch``
+   documents runs through h3serve's ``packed_forward`` with gradients. The loss is the one the
+   scheduler implies: it steps ``x0 = x_t + (1 - t) v`` with ``x_t = (1 - t) noise + t x0``, so the
+   target velocity is ``x0 - noise``; video and audio draw their timesteps from one uniform ``u``
+   through their own shifts (12 and 3), as every inference step pairs them.
+
+The text encoder keeps its seeded weights (``checkpoint.keep_tokens_apart`` keeps the prompt's tokens
+apart at layer 50); the tokenizer, processor and schedulers are the tiny preset's. Everything is
+seeded; the recipe, its seeds, the command and the losses are written to ``OUT/training.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import world
+
+logger = logging.getLogger("demo.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    seed: int = 0
+    threads: int = 2
+    # video VAE: windows of 17 + 5 frames (the shortest the chunked encoder takes whole: 7 latent frames)
+    video_vae_steps: int = 150  # the encoder's backward is the costly part on CPU (~5 s a step)
+    video_vae_batch: int = 2
+    video_vae_lr: float = 2e-3
+    video_vae_kl: float = 1e-4
+    video_decoder_steps: int = 400  # then the decoder alone on the fixed encoder's latents
+    video_decoder_batch: int = 4
+    video_decoder_lr: float = 1e-3
+    # audio VAE: one-second windows of every sound, at random phases
+    audio_vae_steps: int = 200
+    audio_vae_batch: int = 8
+    audio_vae_seconds: float = 0.25
+    audio_vae_lr: float = 2e-3
+    # transformer: rectified flow on the training split
+    transformer_steps: int = 2500
+    transformer_batch: int = 8
+    transformer_lr: float = 1e-3
+    warmup_steps: int = 100
+
+    def scaled(self, factor: float) -> Recipe:
+        """The same recipe with every stage's steps times ``factor`` (a quick run for tests)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: max(2, round(getattr(self, f.name) * factor))
+                for f in dataclasses.fields(self)
+                if f.name.endswith("_steps")
+            },
+        )
+
+
+def _warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class _Progress:
+    """A log line every ``every`` seconds with the stage's step and running loss."""
+
+    def __init__(self, stage: str, total: int, every: float = 20.0):
+        self.stage, self.total, self.every = stage, total, every
+        self.start = self.last = time.monotonic()
+        self.losses: list[float] = []
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.losses.append(loss)
+        now = time.monotonic()
+        if now - self.last >= self.every or step + 1 == self.total:
+            self.last = now
+            recent = float(np.mean(self.losses[-50:]))
+            logger.info("%s step %d/%d loss %.4f (%.0f s)", self.stage, step + 1, self.total, recent, now - self.start)
+
+    def summary(self) -> dict[str, Any]:
+        tail = self.losses[-max(1, len(self.losses) // 10) :]
+        return {
+            "steps": len(self.losses),
+            "seconds": round(time.monotonic() - self.start, 1),
+            "final_loss": float(np.mean(tail)),
+        }
+
+
+# ----------------------------------------------------------------------------- the world's clips
+
+
+class WorldClips:
+    """Every colour x shape x motion clip in the checkpoint's format, rendered once (uint8, ~3 MB each)."""
+
+    def __init__(self, fmt: world.ClipFormat):
+        self.fmt = fmt
+        self.frames = {c: world.render_video(world.Scene(*c, sound="silence"), fmt) for c in world.COMBINATIONS}
+
+    def pixels(self, combination: tuple[str, str, str], start: int = 0, count: int | None = None) -> torch.Tensor:
+        """float32 [3, F, H, W] in [0, 1]: frames ``start .. start + count`` of one clip."""
+        frames = self.frames[combination][start : None if count is None else start + count]
+        return torch.from_numpy(frames).permute(3, 0, 1, 2).float().div(255.0)
+
+
+def _normalise_pixels(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """[B, 3, F, H, W] in [0, 1] -> the video VAE's ImageNet-normalised input."""
+    return (pixels - mean.view(1, 3, 1, 1, 1)) / std.view(1, 3, 1, 1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeWindows:
+    """The decode windows of a clip.
+
+    The video VAE encodes 17-frame chunks independently (causal in time within a chunk) into 5 latent
+    frames, and decodes windows of 5 + 2 latent frames into 17 + 5 pixel frames: latents ``5k .. 5k + 7``
+    of a whole clip are exactly the encoding of frames ``17k .. 17k + 22``, and the VAEs train on those.
+    """
+
+    frames_per_chunk: int  # 17
+    latents_per_chunk: int  # 5
+    count: int  # windows in a clip
+
+    @classmethod
+    def of(cls, rules, num_frames: int) -> DecodeWindows:
+        count = (num_frames - rules.latents_per_chunk) // rules.frames_per_chunk
+        return cls(rules.frames_per_chunk, rules.latents_per_chunk, count)
+
+    def __call__(self, k: int) -> tuple[slice, slice]:
+        """(pixel frames, latent frames) of window k."""
+        f, n = self.frames_per_chunk, self.latents_per_chunk
+        return slice(k * f, (k + 1) * f + n), slice(k * n, (k + 1) * n + 2)
+
+
+def _reconstruction_loss(recon: torch.Tensor, x: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """MSE in normalised pixels with the object weighted up: it covers ~5% of a frame, the background wins otherwise."""
+    foreground = (pixels - pixels.median()).abs().amax(dim=1, keepdim=True) > 0.1  # [B, 1, F, H, W]
+    return ((1.0 + 10.0 * foreground.float()) * (recon - x).pow(2)).mean()
+
+
+def train_video_vae(
+    vae, clips: WorldClips, recipe: Recipe, pixel_mean, pixel_std, windows: DecodeWindows
+) -> dict[str, Any]:
+    """Encoder and decoder together on decode windows of every combination: reconstruction + a small KL."""
+    rng = random.Random(recipe.seed + 1)
+    generator = torch.Generator("cpu").manual_seed(recipe.seed + 1)
+    mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=recipe.video_vae_lr, weight_decay=0.0)
+    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.video_vae_steps)
+    progress = _Progress("video vae", recipe.video_vae_steps)
+    vae.train()
+    for step in range(recipe.video_vae_steps):
+        pixels = []
+        for _ in range(recipe.video_vae_batch):
+            frames, _ = windows(rng.randrange(windows.count))
+            pixels.append(clips.pixels(rng.choice(world.COMBINATIONS))[:, frames])
+        batch = torch.stack(pixels)  # [B, 3, 22, H, W]
+        x = _normalise_pixels(batch, mean, std)
+        posterior = vae.encode(x).latent_dist
+        z = posterior.sample(generator=generator)  # [B, C, 7, h, w]
+        recon = vae.decode(z).sample  # [B, 3, 22, H, W]
+        loss = _reconstruction_loss(recon, x, batch) + recipe.video_vae_kl * posterior.kl().mean() / z[0].numel()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        progress(step, loss.item())
+    vae.eval()
+    return progress.summary()
+
+
+def train_video_decoder(
+    vae, clips: WorldClips, latents: dict, recipe: Recipe, pixel_mean, pixel_std, windows: DecodeWindows
+):
+    """The decoder alone on the (now fixed) encoder's latents of every combination: cheap, and it sharpens the
+    pictures the transformer's latents will be decoded into."""
+    rng = random.Random(recipe.seed + 6)
+    mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
+    parameters = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=recipe.video_decoder_lr, weight_decay=0.0)
+    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.video_decoder_steps)
+    progress = _Progress("video decoder", recipe.video_decoder_steps)
+    vae.decoder.train()
+    for step in range(recipe.video_decoder_steps):
+        pixels, zs = [], []
+        for _ in range(recipe.video_decoder_batch):
+            combination = rng.choice(world.COMBINATIONS)
+            frames, latent_frames = windows(rng.randrange(windows.count))
+            pixels.append(clips.pixels(combination)[:, frames])
+            zs.append(latents[combination][:, latent_frames])
+        batch = torch.stack(pixels)  # [B, 3, 22, H, W]
+        recon = vae.decode(torch.stack(zs)).sample
+        loss = _reconstruction_loss(recon, _normalise_pixels(batch, mean, std), batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        schedule.step()
+        progress(step, loss.item())
+    vae.decoder.eval()
+    return progress.summary()
+
+
+def _tone_windows(recipe: Recipe, sample_rate: int, rng: random.Random) -> torch.Tensor:
+    """[B, 1, S] mono windows of the world's sounds at random phases (the sounds' own renderer, shifted)."""
+    samples = round(recipe.audio_vae_seconds * sample_rate)
+    fmt = world.ClipFormat(64, 64, 1, 1, sample_rate)
+    windows = []
+    for _ in range(recipe.audio_vae_batch):
+        sound = rng.choice(world.SOUNDS)
+        offset = rng.randrange(sample_rate)  # any phase: a generated clip's tone starts anywhere
+        long = world.render_audio(world.Scene("red", "circle", "still", sound), dataclasses.replace(fmt, num_frames=3))
+        windows.append(torch.from_numpy(long[0, offset : offset + samples].copy()))
+    return torch.stack(windows)[:, None]
+
+
+def _spectral_loss(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Log-magnitude STFT distance at two resolutions: pitch is what the detectors and ears judge."""
+    loss = recon.new_zeros(())
+    for n_fft in (256, 1024):
+        window = torch.hann_window(n_fft, device=recon.device)
+        spec = [
+            torch.stft(x[:, 0], n_fft, n_fft // 4, window=window, return_complex=True).abs() for x in (recon, target)
+        ]
+        loss = (
+            loss
+            + (torch.log(spec[0] + 1e-4) - torch.log(spec[1] + 1e-4)).abs().mean()
+            + (spec[0] - spec[1]).abs().mean()
+        )
+    return loss
+
+
+def train_audio_vae(audio_vae, recipe: Recipe, sample_rate: int) -> dict[str, Any]:
+    rng = random.Random(recipe.seed + 2)
+    optimizer = torch.optim.AdamW(audio_vae.parameters(), lr=recipe.audio_vae_lr, weight_decay=0.0)
+    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.audio_vae_steps)
+    progress = _Progress("audio vae", recipe.audio_vae_steps)
+    audio_vae.train()
+    for step in range(recipe.audio_vae_steps):
+        target = _tone_windows(recipe, sample_rate, rng)  # [B, 1, S]
+        latents = audio_vae.encode(target).latent_dist.mode()  # [B, C, S / hop]
+        recon = audio_vae.decode(latents).sample[..., : target.shape[-1]]
+        loss = (recon - target).abs().mean() + _spectral_loss(recon, target) + 1e-3 * latents.pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(audio_vae.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        progress(step, loss.item())
+    audio_vae.eval()
+    return progress.summary()
+
+
+# ----------------------------------------------------------------------------- latents of the world
+
+
+@torch.no_grad()
+def encode_world(vae, audio_vae, clips: WorldClips, pixel_mean, pixel_std):
+    """Raw (unnormalised) latents: video [C, f, h, w] per combination, audio [2, C, n] per sound."""
+    mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
+    video: dict[tuple[str, str, str], torch.Tensor] = {}
+    for i in range(0, len(world.COMBINATIONS), 2):  # in pairs: torch's CPU conv3d is oneDNN's for a batch of 2,
+        pair = world.COMBINATIONS[i : i + 2]  # a slow reference kernel for some single clips
+        pixels = torch.stack([clips.pixels(c) for c in pair])
+        video.update(zip(pair, vae.encode(_normalise_pixels(pixels, mean, std)).latent_dist.mode(), strict=True))
+    audio = {}
+    for sound in world.SOUNDS:
+        stereo = torch.from_numpy(world.render_audio(world.Scene("red", "circle", "still", sound), clips.fmt))
+        audio[sound] = audio_vae.encode(stereo[:, None]).latent_dist.mode()  # [2, C, n]
+    return video, audio
+
+
+def latent_statistics(latents: list[torch.Tensor], channel_dim: int) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std over every latent (what ``latents_mean`` / ``latents_std`` normalise by)."""
+    flat = torch.cat([x.movedim(channel_dim, 0).reshape(x.shape[channel_dim], -1) for x in latents], dim=1)
+    return flat.mean(dim=1).tolist(), flat.std(dim=1).clamp_min(1e-3).tolist()
+
+
+# ----------------------------------------------------------------------------- the transformer
+
+
+def _shifted_sigma(u: float, shift: float) -> float:
+    """The schedulers' exponential shift of a uniform grid point (``MiniMaxH3Scheduler.set_timesteps``)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+class TrainingDocuments:
+    """Documents of the training split: the pipeline's layout and prompt of each scene, noised clean rows."""
+
+    def __init__(self, pipeline, video_rows: dict, audio_rows: dict, fmt: world.ClipFormat, seed: int):
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+
+        self.pipeline, self.video_rows, self.audio_rows, self.fmt = pipeline, video_rows, audio_rows, fmt
+        self.build_row_timesteps = MiniMaxH3SetTimestepsStep.build_row_timesteps
+        self.layouts: dict[str, dict[str, torch.Tensor]] = {}
+        self.generator = torch.Generator("cpu").manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.shifts = (
+            pipeline._schedulers["scheduler"].config.shift,
+            pipeline._schedulers["audio_scheduler"].config.shift,
+        )
+
+    def layout(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The prompt's conditioning and the clip's packed layout, by diffusers' blocks (cached per prompt)."""
+        from pipelines.h3 import GenerationRequest
+
+        if prompt not in self.layouts:
+            request = GenerationRequest(
+                prompt=prompt,
+                width=self.fmt.width,
+                height=self.fmt.height,
+                num_frames=self.fmt.num_frames,
+                num_inference_steps=2,
+            )
+            self.layouts[prompt] = self.pipeline.prepare(request).layout
+        return self.layouts[prompt]
+
+    def document(self, scene: world.Scene):
+        """(Document, target video velocity [n_video, Cp], target audio velocity [n_audio, C])."""
+        from pipelines.h3.packing import Document
+
+        layout = self.layout(scene.prompt)
+        x0_video, x0_audio = self.video_rows[scene.combination], self.audio_rows[scene.sound]
+        noise_video = torch.randn(x0_video.shape, generator=self.generator)
+        noise_audio = torch.randn(x0_audio.shape, generator=self.generator)
+        u = self.rng.random()
+        sigma_video, sigma_audio = (_shifted_sigma(u, s) for s in self.shifts)
+        timestep, timestep_indices = self.build_row_timesteps(
+            layout["video_indices"],
+            layout["audio_indices"],
+            0,
+            0,
+            layout["text_indices"].numel(),
+            1 - sigma_video,
+            1 - sigma_audio,
+            0.0,
+            0.0,
+        )
+        document = Document(
+            video_rows=sigma_video * noise_video + (1 - sigma_video) * x0_video,
+            audio_rows=sigma_audio * noise_audio + (1 - sigma_audio) * x0_audio,
+            timestep=timestep,
+            timestep_indices=timestep_indices,
+            **layout,
+        )
+        return document, x0_video - noise_video, x0_audio - noise_audio
+
+
+def train_transformer(pipeline, documents: TrainingDocuments, recipe: Recipe) -> dict[str, Any]:
+    from pipelines.h3.forward import packed_forward
+    from pipelines.h3.packing import pack_documents
+
+    forward = inspect.unwrap(packed_forward)  # the same computation, with gradients
+    model = pipeline.denoiser.transformers["transformer"]
+    scenes = world.training_scenes(recipe.seed + 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.transformer_lr, weight_decay=0.01)
+    schedule = _warmup_cosine(optimizer, recipe.warmup_steps, recipe.transformer_steps)
+    progress = _Progress("transformer", recipe.transformer_steps)
+    model.train()
+    for step in range(recipe.transformer_steps):
+        batch = [documents.document(next(scenes)) for _ in range(recipe.transformer_batch)]
+        pack = pack_documents([d for d, _, _ in batch])
+        video_out, audio_out = forward(model, pack)  # [N_video, Cp], [N_audio, C]
+        video_target = torch.cat([v for _, v, _ in batch])
+        audio_target = torch.cat([a for _, _, a in batch])
+        loss = F.mse_loss(video_out.float(), video_target) + F.mse_loss(audio_out.float(), audio_target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        progress(step, loss.item())
+    model.eval()
+    return progress.summary()
+
+
+# ----------------------------------------------------------------------------- the whole recipe
+
+
+def _rows(pipeline, video: dict, audio: dict) -> tuple[dict, dict]:
+    """Normalised latents as the transformer's rows: video patchified, audio channel-major."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+    vae, audio_vae = pipeline.stages.after.vae, pipeline.stages.after.audio_vae
+    v_mean = torch.tensor(vae.config.latents_mean).view(-1, 1, 1, 1)
+    v_std = torch.tensor(vae.config.latents_std).view(-1, 1, 1, 1)
+    a_mean = torch.tensor(audio_vae.config.latents_mean).view(1, -1, 1)
+    a_std = torch.tensor(audio_vae.config.latents_std).view(1, -1, 1)
+    patch = tuple(pipeline.stages.before.patch_size)
+    video_rows = {c: patchify_video_latents(((z - v_mean) / v_std)[None], patch) for c, z in video.items()}
+    audio_rows = {s: ((z - a_mean) / a_std).transpose(1, 2).reshape(-1, z.shape[1]) for s, z in audio.items()}
+    return video_rows, audio_rows
+
+
+def train(out: str | Path, recipe: Recipe, backend: str = "auto") -> dict[str, Any]:
+    from pipelines.h3 import H3Pipeline, preset
+    from pipelines.h3.checkpoint import save_checkpoint, tiny_components
+
+    torch.set_num_threads(recipe.threads)
+    started = time.monotonic()
+    out = Path(out)
+    components = tiny_components(recipe.seed)
+    pipeline_config = preset("tiny").pipeline_config
+    report: dict[str, Any] = {"recipe": dataclasses.asdict(recipe), "torch": torch.__version__}
+
+    with tempfile.TemporaryDirectory(prefix="h3-train-") as scratch:
+        # the format and pixel convention come from the pipeline's own blocks: load the untrained checkpoint once
+        save_checkpoint(components, Path(scratch) / "untrained", pipeline_config)
+        probe = H3Pipeline.load(Path(scratch) / "untrained", _resolve_backend(backend, Path(scratch) / "untrained"))
+        probe_rules = probe.rules
+        fmt = world.ClipFormat.of(probe_rules)
+        pixel_mean, pixel_std = probe.stages.after.pixel_mean, probe.stages.after.pixel_std
+        del probe
+        torch.manual_seed(recipe.seed)
+        clips, windows = WorldClips(fmt), DecodeWindows.of(probe_rules, fmt.num_frames)
+        vae, audio_vae = components["vae"], components["audio_vae"]
+        report["video_vae"] = train_video_vae(vae, clips, recipe, pixel_mean, pixel_std, windows)
+        report["audio_vae"] = train_audio_vae(audio_vae, recipe, fmt.sample_rate)
+        video, audio = encode_world(vae, audio_vae, clips, pixel_mean, pixel_std)
+        report["video_decoder"] = train_video_decoder(vae, clips, video, recipe, pixel_mean, pixel_std, windows)
+        v_mean, v_std = latent_statistics(list(video.values()), 0)
+        a_mean, a_std = latent_statistics(list(audio.values()), 1)
+        components["vae"].register_to_config(latents_mean=tuple(v_mean), latents_std=tuple(v_std))
+        components["audio_vae"].register_to_config(latents_mean=a_mean, latents_std=a_std)
+
+        save_checkpoint(components, Path(scratch) / "vaes", pipeline_config)
+        pipeline = H3Pipeline.load(Path(scratch) / "vaes", _resolve_backend(backend, Path(scratch) / "vaes"))
+        video_rows, audio_rows = _rows(pipeline, video, audio)
+        documents = TrainingDocuments(pipeline, video_rows, audio_rows, fmt, recipe.seed + 4)
+        torch.manual_seed(recipe.seed + 5)
+        report["transformer"] = train_transformer(pipeline, documents, recipe)
+        components["transformer"].load_state_dict(pipeline.denoiser.transformers["transformer"].state_dict())
+
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    save_checkpoint(components, staging, pipeline_config)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    report["command"] = "python -m demo.train " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("train.py") else None
+    (staging / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    return report
+
+
+def _resolve_backend(backend: str, checkpoint: Path) -> str:
+    """The attention backend admission picks for this CPU (training runs h3serve's own packed forward)."""
+    from attention import probe_platform, resolve
+    from pipelines.h3 import REQUIREMENTS, TransformerGeometry
+
+    geometry = TransformerGeometry.from_checkpoint(checkpoint)
+    resolution = resolve(
+        REQUIREMENTS, backend, probe_platform("cpu"), model=str(checkpoint), dtype="float32", head_dim=geometry.head_dim
+    )
+    return resolution.backend
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m demo.train", description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="directory to write the trained checkpoint to (replaced)")
+    parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (a quick run: 0.01)")
+    for field in dataclasses.fields(Recipe):
+        if field.name != "seed":
+            parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=None)
+    ns = parser.parse_args(argv)
+    overrides = {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(Recipe) if getattr(ns, f.name, None) is not None
+    }
+    recipe = Recipe(**overrides)
+    if ns.scale != 1.0:
+        recipe = recipe.scaled(ns.scale)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    report = train(ns.out, recipe)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("recipe", "command")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
