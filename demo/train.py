@@ -92,6 +92,16 @@ def _warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) ->
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _descend(loss: torch.Tensor, optimizer: torch.optim.Optimizer, schedule) -> float:
+    """One optimiser step on ``loss`` (gradients clipped to norm 1); returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 1.0)
+    optimizer.step()
+    schedule.step()
+    return loss.item()
+
+
 class _Progress:
     """A log line every ``every`` seconds with the stage's step and running loss."""
 
@@ -190,12 +200,7 @@ def train_video_vae(
         z = posterior.sample(generator=generator)  # [B, C, 7, h, w]
         recon = vae.decode(z).sample  # [B, 3, 22, H, W]
         loss = _reconstruction_loss(recon, x, batch) + recipe.video_vae_kl * posterior.kl().mean() / z[0].numel()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        progress(step, loss.item())
+        progress(step, _descend(loss, optimizer, schedule))
     vae.eval()
     return progress.summary()
 
@@ -222,12 +227,7 @@ def train_video_decoder(
         batch = torch.stack(pixels)  # [B, 3, 22, H, W]
         recon = vae.decode(torch.stack(zs)).sample
         loss = _reconstruction_loss(recon, _normalise_pixels(batch, mean, std), batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        progress(step, loss.item())
+        progress(step, _descend(loss, optimizer, schedule))
     vae.decoder.eval()
     return progress.summary()
 
@@ -272,12 +272,7 @@ def train_audio_vae(audio_vae, recipe: Recipe, sample_rate: int) -> dict[str, An
         latents = audio_vae.encode(target).latent_dist.mode()  # [B, C, S / hop]
         recon = audio_vae.decode(latents).sample[..., : target.shape[-1]]
         loss = (recon - target).abs().mean() + _spectral_loss(recon, target) + 1e-3 * latents.pow(2).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(audio_vae.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        progress(step, loss.item())
+        progress(step, _descend(loss, optimizer, schedule))
     audio_vae.eval()
     return progress.summary()
 
@@ -395,12 +390,7 @@ def train_transformer(pipeline, documents: TrainingDocuments, recipe: Recipe) ->
         video_target = torch.cat([v for _, v, _ in batch])
         audio_target = torch.cat([a for _, _, a in batch])
         loss = F.mse_loss(video_out.float(), video_target) + F.mse_loss(audio_out.float(), audio_target)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        progress(step, loss.item())
+        progress(step, _descend(loss, optimizer, schedule))
     model.eval()
     return progress.summary()
 

@@ -25,6 +25,7 @@ from pipelines.h3.step_cache import (
     StepCachePolicy,
     StepCacheTiers,
 )
+from tests.test_h3_forward import diffusers_forward
 
 STEPS = 8
 # Packed with other documents (or re-packed without some), GEMMs run over other row counts and round
@@ -93,21 +94,9 @@ def test_one_request_equals_diffusers_first_block_cache(tiny_pipeline):
     ours, theirs = tiny_pipeline.prepare(REQUESTS[0], policy), tiny_pipeline.prepare(REQUESTS[0])
     while not ours.done:
         doc = theirs.document()
-        with torch.no_grad(), reference.cache_context("fbc"):
-            video, audio = reference(
-                hidden_states=doc.video_rows[None],
-                audio_hidden_states=doc.audio_rows[None],
-                encoder_hidden_states=doc.prompt_embeds[None],
-                timestep=doc.timestep,
-                timestep_indices=doc.timestep_indices,
-                token_tags=doc.token_tags,
-                position_ids=doc.position_ids,
-                video_indices=doc.video_indices,
-                audio_indices=doc.audio_indices,
-                text_indices=doc.text_indices,
-                return_dict=False,
-            )
-        theirs.advance(video[0], audio[0])
+        with reference.cache_context("fbc"):
+            video, audio = diffusers_forward(reference, doc)
+        theirs.advance(video, audio)
         tiny_pipeline.step([ours])
         torch.testing.assert_close(ours.video_rows, theirs.video_rows, rtol=0, atol=1e-6)
         torch.testing.assert_close(ours.audio_rows, theirs.audio_rows, rtol=0, atol=1e-6)
