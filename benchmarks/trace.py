@@ -172,28 +172,31 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
 
 # -- the modes ------------------------------------------------------------------------------------
 async def engine_replay(group: WorkerGroup, trace: list[Arrival], limits: EngineLimits):
-    """Submit each request at its arrival time; (engine, done {i: (media, t)}, first step {i: t})."""
+    """Submit each request at its arrival time; (engine, done {i: (media, t)}, first step {i: t}, last step {i: t})."""
     engine, t0 = Engine(group, limits, StepLog()), now()
     done: dict[int, tuple] = {}
     first: dict[int, float] = {}
+    last: dict[int, float] = {}
 
     async def one(a: Arrival) -> None:
         await asyncio.sleep(max(0.0, t0 + a.at - now()))
         ticket = engine.submit(a.request, f"trace-{a.index}", priority=a.priority)
-        while ticket.forwards == 0 and not ticket.future.done():  # `changed` is set after each of its forwards
+        while not ticket.future.done():  # `changed` is set after each of its forwards
             changed = asyncio.ensure_future(ticket.changed.wait())
             waiters: list[asyncio.Future[Any]] = [changed, ticket.future]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             changed.cancel()
+            if ticket.changed.is_set():
+                first.setdefault(a.index, now() - t0)
+                last[a.index] = now() - t0
             ticket.changed.clear()
-        first[a.index] = now() - t0
         done[a.index] = (await ticket.future, now() - t0)
 
     try:
         await asyncio.gather(*(one(a) for a in trace))
     finally:
         await engine.close("trace replayed")
-    return engine, done, first
+    return engine, done, first, last
 
 
 def replay(mode: str, pipe: H3Pipeline, group: WorkerGroup, trace: list[Arrival], limits: EngineLimits) -> dict:
@@ -201,13 +204,16 @@ def replay(mode: str, pipe: H3Pipeline, group: WorkerGroup, trace: list[Arrival]
     if mode == REQUEST_LEVEL:
         done: dict[int, tuple] = {}
         first: dict[int, float] = {}
+        last: dict[int, float] = {}  # not recorded: one request's steps run back to back, then its decode
         scheduler = asyncio.run(sequential(pipe, [(a.at, a.request) for a in trace], done, first))
         busy = busy_seconds([(a.at, done[a.index][1]) for a in trace])
         forward_s, duty, preemptions, forwards = scheduler.forward_s, scheduler.forward_s / busy, 0, scheduler.forwards
         rows = scheduler.rows
     else:
         policy = mode.removeprefix("engine ")
-        engine, done, first = asyncio.run(engine_replay(group, trace, limits.model_copy(update={"policy": policy})))
+        engine, done, first, last = asyncio.run(
+            engine_replay(group, trace, limits.model_copy(update={"policy": policy}))
+        )
         stats = engine.stats
         forward_s, busy, duty = stats.forward_s, stats.busy_s, stats.duty_cycle
         preemptions, forwards, rows = stats.preemptions, stats.forwards, stats.rows
@@ -215,6 +221,7 @@ def replay(mode: str, pipe: H3Pipeline, group: WorkerGroup, trace: list[Arrival]
         "mode": mode,
         "done": done,
         "first": first,
+        "last": last,
         "forward_s": forward_s,
         "busy_s": busy,
         "duty_cycle": duty,
@@ -224,15 +231,27 @@ def replay(mode: str, pipe: H3Pipeline, group: WorkerGroup, trace: list[Arrival]
     }
 
 
-def idle_latency(group: WorkerGroup, sizes: Sizes, limits: EngineLimits) -> dict[str, float]:
-    """Each class alone on an idle engine (policy priority): submit to decoded, seconds."""
-    out = {}
+def idle_latency(group: WorkerGroup, sizes: Sizes, limits: EngineLimits) -> tuple[dict[str, float], dict[str, dict]]:
+    """Each class alone on an idle engine (policy priority): submit to decoded, seconds; and its timeline."""
+    out, timelines = {}, {}
     for cls in sizes.classes:
         request = make_request(cls, sizes.steps, seed=1, prompt=PROMPTS[0])
         trace = [Arrival(0, 0.0, cls.name, HIGH_PRIORITY, request)]
-        _, done, _ = asyncio.run(engine_replay(group, trace, limits.model_copy(update={"policy": "priority"})))
+        policy = limits.model_copy(update={"policy": "priority"})
+        _, done, first, last = asyncio.run(engine_replay(group, trace, policy))
         out[cls.name] = done[0][1]
-    return out
+        timelines[cls.name] = timeline(trace[0], done, first, last)
+    return out, timelines
+
+
+def timeline(a: Arrival, done: dict[int, tuple], first: dict[int, float], last: dict[int, float]) -> dict:
+    """Where one request's latency went: arrival to its first step's end (queue, prepare, a running forward or
+    stage to wait out, its first forward), its other steps, and its last step's end to decoded."""
+    return {
+        "to_first_step_s": first[a.index] - a.at,
+        "steps_s": last[a.index] - first[a.index],
+        "to_decoded_s": done[a.index][1] - last[a.index],
+    }
 
 
 def capacity(pipe: H3Pipeline, sizes: Sizes, rounds: int = 2) -> dict:
@@ -274,7 +293,7 @@ def stats_of(values: list[float]) -> dict:
     }
 
 
-def summarize(run: dict, trace: list[Arrival], idle: dict[str, float]) -> dict:
+def summarize(run: dict, trace: list[Arrival], idle: dict[str, float], idle_timelines: dict[str, dict]) -> dict:
     latency = {a.index: run["done"][a.index][1] - a.at for a in trace}
     ttfs = {a.index: run["first"][a.index] - a.at for a in trace}
     makespan = max(t for _, t in run["done"].values())  # the trace starts at 0 with its first arrival
@@ -289,6 +308,13 @@ def summarize(run: dict, trace: list[Arrival], idle: dict[str, float]) -> dict:
     }
     high = groups["high priority"]
     slowdown = [latency[a.index] / idle[a.kind] for a in high]  # each against its class alone on an idle engine
+    timelines = {  # the engine modes record each forward's end; request-level FCFS does not
+        str(a.index): dict(
+            timeline(a, run["done"], run["first"], run["last"]), kind=a.kind, idle=idle_timelines[a.kind]
+        )
+        for a in high
+        if run["last"]
+    }
     return {
         "mode": run["mode"],
         "requests": len(trace),
@@ -298,6 +324,7 @@ def summarize(run: dict, trace: list[Arrival], idle: dict[str, float]) -> dict:
         "per_class": per_class,
         "high_vs_idle_p99": percentile(slowdown, 99),
         "high_idle_p99_s": percentile([idle[a.kind] for a in high], 99),
+        "high_timelines": timelines,
         "duty_cycle": run["duty_cycle"],
         "forward_s": run["forward_s"],
         "busy_s": run["busy_s"],
@@ -368,6 +395,27 @@ def print_tables(load: float, rows: list[dict]) -> None:
         ],
         title=f"load {load:g}: latency (arrival to decoded) and time to first step (TTFS) per class",
     )
+    phases = ("to_first_step_s", "steps_s", "to_decoded_s")
+    table(
+        [
+            "mode",
+            "request",
+            "class",
+            "to 1st step s",
+            "steps s",
+            "to decoded s",
+            "idle: to 1st step",
+            "steps",
+            "decoded",
+        ],
+        [
+            [r["mode"], index, t["kind"], *(t[p] for p in phases), *(t["idle"][p] for p in phases)]
+            for r in rows
+            for index, t in r["high_timelines"].items()
+        ],
+        title=f"load {load:g}: where each high-priority request's latency went, beside its class alone on an idle "
+        "engine (arrival to its first forward's end; then to its last forward's end; then to decoded)",
+    )
 
 
 def judge(results: dict, sizes: Sizes) -> list[dict]:
@@ -435,7 +483,7 @@ def run(sizes: Sizes, group: WorkerGroup, seed: int = 0) -> dict:
     )
     warm_up(pipe, sizes)
     cap = capacity(pipe, sizes)
-    idle = idle_latency(group, sizes, limits)
+    idle, idle_timelines = idle_latency(group, sizes, limits)
     say(
         "capacity (request-level FCFS, two of each class back to back, best of two rounds): "
         + ", ".join(f"{k} {v:.2f} s" for k, v in cap["service_s"].items())
@@ -458,7 +506,7 @@ def run(sizes: Sizes, group: WorkerGroup, seed: int = 0) -> dict:
                 dict(compare_media(ran["done"][a.index][0], reference[a.index]), index=a.index) for a in trace
             ]
             comparisons_all += comparisons
-            row = summarize(ran, trace, idle)
+            row = summarize(ran, trace, idle, idle_timelines)
             row["agreement"] = summarize_agreement(comparisons)
             rows.append(row)
             say(
@@ -481,6 +529,7 @@ def run(sizes: Sizes, group: WorkerGroup, seed: int = 0) -> dict:
         "limits": limits.model_dump(),
         "capacity": cap,
         "idle_latency_s": idle,
+        "idle_timelines": idle_timelines,
         "trace": [
             {"index": i, "class": cls.name, "priority": priority, "seed": request.seed, "unit_gap": gap}
             for i, ((cls, priority, request), gap) in enumerate(zip(requests, gaps, strict=True))

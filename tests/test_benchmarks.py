@@ -91,6 +91,17 @@ def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(
     assert by_mode[trace.REQUEST_LEVEL]["forwards"] == 6 * (3 - 1)
     assert by_mode[trace.REQUEST_LEVEL]["preemptions"] == 0
     assert all(0 < by_mode[f"engine {p}"]["forwards"] <= 12 for p in trace.POLICY_MODES)
+    # each engine mode splits its high-priority request's latency into phases that add up to it
+    high = [i for i, r in enumerate(result["trace"]) if r["priority"] == trace.HIGH_PRIORITY]
+    assert by_mode[trace.REQUEST_LEVEL]["high_timelines"] == {}
+    for policy in trace.POLICY_MODES:
+        [(index, phases)] = by_mode[f"engine {policy}"]["high_timelines"].items()
+        assert [int(index)] == high
+        parts = [phases[k] for k in ("to_first_step_s", "steps_s", "to_decoded_s")]
+        assert min(parts) >= 0 and parts[0] > 0 and parts[2] > 0
+        latency = by_mode[f"engine {policy}"]["latency_by_request"][high[0]]
+        assert sum(parts) == pytest.approx(latency, abs=1e-6)
+        assert set(phases["idle"]) == {"to_first_step_s", "steps_s", "to_decoded_s"}
     assert result["agreement"]["agree"] and result["ok"]
     assert [t["target"].split(" (")[0] for t in result["targets"]] == [
         "duty cycle",
@@ -99,7 +110,15 @@ def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(
         "throughput / request-level FCFS's",
         "high-priority P99 of latency / idle",
     ]
-    for words in ("request-level FCFS", "engine srpt", "engine priority", "TTFS p99 s", "issue 23's targets", "AGREE"):
+    for words in (
+        "request-level FCFS",
+        "engine srpt",
+        "engine priority",
+        "TTFS p99 s",
+        "to 1st step s",
+        "issue 23's targets",
+        "AGREE",
+    ):
         assert words in out
 
 
