@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import ray
 
 from attention import AttentionSelectionError, DeviceType, Platform, Resolution, probe_platform
-from pipelines.h3 import DeploymentConfigError, validate_deployment
+from pipelines.h3 import DeploymentConfigError, preset, validate_deployment
 from pipelines.h3.admission import check_memory
-from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, memory_plan
+from pipelines.h3.lora import LoraError, check_adapters
+from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, checkpoint_partitions, memory_plan
 
 from .args import DeployArgs
 from .metrics import admission_recorder
@@ -62,6 +66,26 @@ def deployment_memory_plan(args: DeployArgs) -> MemoryPlan:
     )
 
 
+def transformer_configs(args: DeployArgs) -> dict[str, dict[str, Any]]:
+    """Each transformer partition's config as the replicas will build it: the checkpoint's config.json, else the
+    preset's (the built-in tiny checkpoint, or a checkpoint this node cannot read; the replicas check again)."""
+    partitions, _ = checkpoint_partitions(args.checkpoint)
+    released = preset(args.model).transformer_config()
+    configs = {}
+    for partition in partitions:
+        path = Path(args.checkpoint) / partition / "config.json" if args.checkpoint else None
+        configs[partition] = json.loads(path.read_text()) if path is not None and path.is_file() else released
+    return configs
+
+
+def check_loras(args: DeployArgs) -> str:
+    """Every adapter of ``args.loras`` against the served transformer's modules (meta device, no weights)."""
+    if not args.loras:
+        return "no adapters"
+    layers = check_adapters(args.lora_specs, transformer_configs(args))
+    return ", ".join(f"{args.served_model_name}:{name} ({count} layers)" for name, count in layers.items())
+
+
 def outcome_tags(
     args: DeployArgs, stage: str, resolution: Resolution | None = None, error: Exception | None = None
 ) -> dict[str, str]:
@@ -76,7 +100,7 @@ def outcome_tags(
     }
 
 
-ADMISSION_ERRORS = (AttentionSelectionError, DeploymentConfigError, PlatformProbeError)
+ADMISSION_ERRORS = (AttentionSelectionError, DeploymentConfigError, PlatformProbeError, LoraError)
 
 
 def record_in_ray(tags: dict[str, str]) -> None:
@@ -95,7 +119,8 @@ def admit(
     Runs once in the driver (the application builder) and in the pre-flights; the replicas receive
     the Resolution. Without ``platform`` it is learned from a probe task shaped like one SP rank.
     Checks the attention backend, the SP layout, then every rank role's device memory
-    (``pipelines.h3.memory``): a rank that does not fit is a ``MemoryBudgetError`` (reason "memory").
+    (``pipelines.h3.memory``): a rank that does not fit is a ``MemoryBudgetError`` (reason "memory"); then
+    every LoRA adapter against the transformer's modules: one that does not fit is a ``LoraError`` (reason "lora").
     """
     resolution, error = None, None
     try:
@@ -112,6 +137,7 @@ def admit(
         )
         # the rank roles' device memory at the row budget: refused (reason "memory") when a rank cannot fit
         logger.info("h3serve admission: memory: %s", check_memory(deployment_memory_plan(args), platform))
+        logger.info("h3serve admission: LoRA adapters: %s", check_loras(args))
     except ADMISSION_ERRORS as e:
         error = e
     record(outcome_tags(args, stage, resolution, error))

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.checkpoint import cache_dir
+from pipelines.h3.lora import check_request_steps
 from replicas import MAX_PRIORITY, MIN_PRIORITY
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
@@ -424,6 +425,9 @@ class H3Ingress:
         self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
         self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
         self.cache_tiers, self.cache_default = args.cache_tiers, args.engine.step_cache.default
+        # each LoRA adapter is a model id of its own: "<served_model_name>:<adapter name>"
+        self.loras = dict(args.loras)
+        self.adapter_ids = {f"{self.model_name}:{name}": name for name in self.loras}
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
         store.check()  # an unusable store refuses to start, like a missing token
@@ -460,8 +464,8 @@ class H3Ingress:
             error = e if isinstance(e, APIError) else http_error(e, f"request {request_id} ({route})")
             status = error.status
             return error.response()
-        finally:
-            self.metrics.observe(route, status, time.perf_counter() - started)
+        finally:  # a generation's model id once it was resolved (a bounded set: the config's), else ""
+            self.metrics.observe(route, status, time.perf_counter() - started, getattr(request.state, "model", ""))
 
     def _authorize(self, route: str, request: Request) -> None:
         if self.api_key is None or route in PUBLIC_ROUTES:
@@ -574,23 +578,52 @@ class H3Ingress:
             raise APIError(504, DEADLINE_MESSAGE, "timeout_s", kind="timeout")
         return left
 
-    def _check_model(self, model: str | None) -> None:
-        if model not in (None, "", self.model_name):
-            raise APIError(404, f"model {model!r} is not served here; available: {self.model_name}", "model")
+    @property
+    def model_ids(self) -> list[str]:
+        """The ids a request's ``model`` may name: the base model, then one per LoRA adapter."""
+        return [self.model_name, *self.adapter_ids]
+
+    def _adapter(self, request: Request, body: "Body") -> str | None:
+        """The LoRA adapter ``body.model`` names (None: the base model, also when omitted); 400 for another id."""
+        model = body.model
+        if model in (None, "", self.model_name):
+            request.state.model = self.model_name
+            return None
+        if model not in self.adapter_ids:
+            raise APIError(
+                400, f"model {model[:80]!r} is not served here; valid ids: {', '.join(self.model_ids)}", "model"
+            )
+        request.state.model = model
+        return self.adapter_ids[model]
+
+    def _fields(self, body: "Body", adapter: str | None) -> dict[str, Any]:
+        """The body's ``GenerationRequest`` fields on ``adapter``: its own steps unless the body gives some (a
+        few-step adapter refuses others: 400 naming both), then the deployment's default_steps."""
+        fields = body.generation()
+        if adapter is not None:
+            spec = self.loras[adapter]
+            given = "num_inference_steps" in body.model_fields_set
+            asked = body.num_inference_steps if given or spec.steps is None else None
+            fields["num_inference_steps"] = check_request_steps(adapter, spec, asked)
+        return fields
 
     # -- images: a still of the shortest clip ----------------------------------------------------
     @app.post("/v1/images/generations")
     @route("/v1/images/generations")
     async def images(self, request: Request):
         body = await self._parse(request, ImagesBody)
-        self._check_model(body.model)
-        base = body.generation()
+        adapter = self._adapter(request, body)
+        base = self._fields(body, adapter)
         request_id, deadline_s = request.state.request_id, self._deadline_s(request, body.timeout_s)
         with self._generation(request):
             # n images are n clips: the engine packs them into the same forwards
             calls = [
                 self.replica.generate_image.remote(
-                    GenerationRequest(**{**base, "seed": body.seed + i}), f"{request_id}-{i}", deadline_s, body.priority
+                    GenerationRequest(**{**base, "seed": body.seed + i}),
+                    f"{request_id}-{i}",
+                    deadline_s,
+                    body.priority,
+                    adapter,
                 )
                 for i in range(body.n)
             ]
@@ -613,8 +646,8 @@ class H3Ingress:
         rules = await self.rules()
         if body.fps is not None and body.fps != rules.fps:
             raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
-        self._check_model(body.model)
-        generation = body.generation()
+        adapter = self._adapter(request, body)
+        generation = self._fields(body, adapter)
         if body.seconds is not None:
             generation["num_frames"] = rules.frames_for_seconds(body.seconds)
         generation_request = GenerationRequest(
@@ -623,7 +656,7 @@ class H3Ingress:
             last_frame=body.last_reference,
             references=tuple(body.references),
         )
-        await self.replica.validate.remote(generation_request)  # refuse now, not in a failed job later
+        await self.replica.validate.remote(generation_request, adapter)  # refuse now, not in a failed job later
         num_frames = generation_request.num_frames or rules.min_frames
         width, height = generation_request.width, generation_request.height
         if not width:
@@ -631,7 +664,7 @@ class H3Ingress:
         video = {
             "id": f"video_{uuid.uuid4().hex}",
             "object": "video",
-            "model": self.model_name,
+            "model": request.state.model,
             "status": "queued",
             "progress": 0,
             "created_at": epoch_seconds(),
@@ -646,7 +679,7 @@ class H3Ingress:
         with self._generation(request):
             # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
             accepted = await self.videos.submit(
-                video, generation_request, request.state.request_id, deadline_s, body.priority
+                video, generation_request, request.state.request_id, deadline_s, body.priority, adapter
             )
         if not accepted:
             raise APIError(
@@ -710,20 +743,25 @@ class H3Ingress:
     @app.get("/v1/models")
     @route("/v1/models")
     async def models(self, request: Request):
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "h3serve",
-                    # what a generation request's `cache` field may name, and what it gets when it names none
-                    "cache_tiers": self.cache_tiers,
-                    "cache_default": self.cache_default,
-                }
-            ],
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "h3serve",
+            # what a generation request's `cache` field may name, and what it gets when it names none
+            "cache_tiers": self.cache_tiers,
+            "cache_default": self.cache_default,
         }
+        adapters = [
+            {
+                **base,
+                "id": model_id,
+                "parent": self.model_name,  # a LoRA adapter over the base model's weights, in the same packs
+                "num_inference_steps": self.loras[name].steps,  # its default (None: the deployment's)
+            }
+            for model_id, name in self.adapter_ids.items()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/health")
     @route("/health")
@@ -774,6 +812,7 @@ class H3Ingress:
                 await self.rules(),
                 public_routes=public,
                 cache_tiers=(self.cache_tiers, self.cache_default),
+                model_ids=self.model_ids,
             )
         return self._openapi
 

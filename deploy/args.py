@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attention import Platform, Resolution
 from pipelines.h3 import TransformerGeometry, default_dtype, preset
+from pipelines.h3.lora import LoraSpec, LoraSpecs
 from pipelines.h3.step_cache import OFF
 from replicas import EngineLimits, ReplicaSpec
 
@@ -177,11 +178,30 @@ class DeployArgs(BaseModel):
         default_factory=lambda fields: preset(fields["model"]).name,
         description="the id in /v1/models; default: the preset's",
     )
+    loras: dict[str, LoraSpec] = Field(
+        default_factory=dict,
+        description="LoRA adapters served beside the base model, several in one pack: {name: {path, scale, steps, "
+        "shift}}. path: a local directory in diffusers' LoRA format for MiniMax-H3 on the driver's and every "
+        "replica's node; scale multiplies the adapter's deltas; steps and shift: what a few-step adapter was "
+        "distilled for (a request on it gets its steps by default, another step count is refused; shift sets its "
+        "video schedule's shift). Each adapter is the model id '<served_model_name>:<name>'; checked against the "
+        "transformer's modules at deploy, before any replica starts",
+    )
     api_key_env: str | None = Field(
         default="H3SERVE_API_KEY",
         description="environment variable holding the bearer token every API call needs; "
         "an empty or unset variable refuses to start. null: open mode, no token (explicitly)",
     )
+
+    @field_validator("loras")
+    @classmethod
+    def _lora_names(cls, loras: dict[str, LoraSpec]) -> dict[str, LoraSpec]:
+        LoraSpecs(loras=loras)  # names become model ids and metric labels: checked there
+        return loras
+
+    @property
+    def lora_specs(self) -> LoraSpecs:
+        return LoraSpecs(loras=self.loras)
 
     @model_validator(mode="after")
     def _consistent(self) -> DeployArgs:
@@ -198,6 +218,12 @@ class DeployArgs(BaseModel):
                 f"engine.step_cache.default={step_cache.default!r} needs sp_degree 1 (step caching does not run "
                 f"under Ulysses yet); this deployment sets sp_degree={self.sp_degree}: set the default to 'off'"
             )
+        for name, lora in self.loras.items():
+            if lora.steps is not None and not 2 <= lora.steps <= self.limits.max_steps:
+                raise ValueError(
+                    f"loras.{name}.steps={lora.steps}: a request runs 2..limits.max_steps={self.limits.max_steps} "
+                    "steps (sigma grid points, the terminal zero included)"
+                )
         num_blocks = preset(self.model).transformer_config()["num_layers"]
         for name, policy in step_cache.tiers.items():
             try:
@@ -265,4 +291,5 @@ class DeployArgs(BaseModel):
             sp_degree=self.sp_degree,
             collective_timeout_s=self.collective_timeout_s,
             rank_resources=dict(self.rank_resources),
+            loras=self.lora_specs,
         )

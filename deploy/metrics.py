@@ -62,12 +62,19 @@ BUILD_FAILURES = MetricDef(
     ("backend", "reason"),
 )
 # "route", not "endpoint": the Prometheus Operator sets its own "endpoint" target label
-REQUESTS = MetricDef("h3serve_requests", "counter", "HTTP requests by route and status code.", ("route", "status"))
+# "model": a generation's model id, the base model's or "<base>:<adapter>" (a bounded set: the deploy args'
+# adapters; an unknown id is never a label); "" for other routes and requests refused before it was read
+REQUESTS = MetricDef(
+    "h3serve_requests",
+    "counter",
+    "HTTP requests by route, status code and model id (LoRA adapters: '<base>:<adapter>').",
+    ("route", "status", "model"),
+)
 REQUEST_LATENCY = MetricDef(
     "h3serve_request_latency_seconds",
     "histogram",
-    "End-to-end HTTP latency (video jobs: submit to finished).",
-    ("route",),
+    "End-to-end HTTP latency (video jobs: submit to finished), by route and model id.",
+    ("route", "model"),
     tuple(LATENCY_BUCKETS),
 )
 QUEUE_DEPTH = MetricDef("h3serve_queue_depth", "gauge", "Requests per replica engine, waiting or active.", ("state",))
@@ -240,7 +247,7 @@ class RequestMetrics:
     def __init__(self):
         self.requests, self.latency = make(REQUESTS), make(REQUEST_LATENCY)
 
-    def observe(self, route: str, status: int, seconds: float | None) -> None:
-        self.requests.inc(1, tags={"route": route, "status": str(status)})
+    def observe(self, route: str, status: int, seconds: float | None, model: str = "") -> None:
+        self.requests.inc(1, tags={"route": route, "status": str(status), "model": model})
         if seconds is not None:
-            self.latency.observe(seconds, tags={"route": route})
+            self.latency.observe(seconds, tags={"route": route, "model": model})

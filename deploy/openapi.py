@@ -83,7 +83,11 @@ REFERENCE_JSON = {
 
 
 def field_docs(
-    limits: RequestLimits, rules: ModelRules | None, form: bool, cache_tiers: tuple[list[str], str] = (["off"], "off")
+    limits: RequestLimits,
+    rules: ModelRules | None,
+    form: bool,
+    cache_tiers: tuple[list[str], str] = (["off"], "off"),
+    model_ids: list[str] | None = None,
 ) -> dict[str, dict]:
     longest = limits.max_seconds if rules is None else min(limits.max_seconds, rules.max_seconds)
     seconds = {
@@ -96,7 +100,13 @@ def field_docs(
         seconds["minimum"] = rules.min_seconds
     return {
         "prompt": {"type": "string", "minLength": 1, "maxLength": limits.max_prompt_chars},
-        "model": {"type": "string", "description": "the served model's id (GET /v1/models), or omitted"},
+        "model": {
+            "type": "string",
+            **({"enum": model_ids} if model_ids else {}),
+            "description": "the served model's id (GET /v1/models), or omitted: the base model; "
+            "'<base id>:<adapter>' runs a LoRA adapter of the deployment (its default num_inference_steps is the "
+            "adapter's); another id gets HTTP 400 listing these",
+        },
         "size": {
             "type": "string",
             "pattern": "^[0-9]{1,5}x[0-9]{1,5}$",
@@ -164,11 +174,12 @@ def document(
     rules: ModelRules | None,
     public_routes: tuple[str, ...] | None = None,
     cache_tiers: tuple[list[str], str] = (["off"], "off"),
+    model_ids: list[str] | None = None,
 ) -> dict:
     """``base`` (FastAPI's document) with request bodies, query parameters and error responses filled in.
     ``public_routes``: with a bearer token configured, the routes that answer without it (every other
     operation declares the bearer scheme, so Swagger's Authorize button sends the token). ``cache_tiers``: the
-    values a request's ``cache`` field may take here, and its default."""
+    values a request's ``cache`` field may take here, and its default. ``model_ids``: the ids ``model`` may name."""
     doc = copy.deepcopy(base)
     components = doc.setdefault("components", {})
     components.setdefault("schemas", {}).update(Error=ERROR, Video=VIDEO)
@@ -178,8 +189,8 @@ def document(
         "description": "an error in OpenAI's shape",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
-    json_docs = field_docs(limits, rules, form=False, cache_tiers=cache_tiers)
-    form_docs = field_docs(limits, rules, form=True, cache_tiers=cache_tiers)
+    json_docs = field_docs(limits, rules, form=False, cache_tiers=cache_tiers, model_ids=model_ids)
+    form_docs = field_docs(limits, rules, form=True, cache_tiers=cache_tiers, model_ids=model_ids)
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             operation["responses"].pop("422", None)  # FastAPI's validation shape; h3serve answers 400

@@ -159,9 +159,9 @@ class H3Replica:
         """What the served checkpoint generates (the ingress validates requests against it)."""
         return self.group.pipeline.rules
 
-    def validate(self, request: GenerationRequest) -> int:
+    def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
         """Check a request without queueing it (video jobs are validated before they are accepted)."""
-        return self.engine.validate(request)
+        return self.engine.validate(request, adapter)
 
     # -- generation --------------------------------------------------------------------------
     async def generate_image(
@@ -170,10 +170,12 @@ class H3Replica:
         request_id: str | None = None,
         deadline_s: float | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> bytes:
-        """One still as PNG bytes (the ingress sends request i of n as f"{id}-{i}"; no id: the engine makes one)."""
+        """One still as PNG bytes (the ingress sends request i of n as f"{id}-{i}"; no id: the engine makes one).
+        ``adapter``: the deployment's LoRA adapter it runs on (None: the base model)."""
         self._watch_for_stop()
-        ticket = self._submit(request, request_id, deadline_s, priority)
+        ticket = self._submit(request, request_id, deadline_s, priority, adapter)
         try:
             media = await ticket.future
             return await self._encode(media, "png", ticket.id)
@@ -189,12 +191,13 @@ class H3Replica:
         request_id: str | None = None,
         deadline_s: float | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ):
         """Stream {"queued": True, "progress": [0, total]} once the engine accepted the request (QueueFull,
         EngineDraining, RequestError... raise before it), {"progress": [done, total]} per step, then {"mp4": bytes}.
         """
         self._watch_for_stop()
-        ticket = self._submit(request, request_id, deadline_s, priority)
+        ticket = self._submit(request, request_id, deadline_s, priority, adapter)
         try:
             yield {"queued": True, "progress": list(ticket.progress)}
             while not ticket.future.done():
@@ -216,10 +219,15 @@ class H3Replica:
             self._release(ticket)
 
     def _submit(
-        self, request: GenerationRequest, request_id: str | None, deadline_s: float | None, priority: int
+        self,
+        request: GenerationRequest,
+        request_id: str | None,
+        deadline_s: float | None,
+        priority: int,
+        adapter: str | None = None,
     ) -> Ticket:
         # the engine logs it with its id; a priority out of range is its RequestError("priority") (HTTP 400)
-        ticket = self.engine.submit(request, request_id, deadline_s, priority)
+        ticket = self.engine.submit(request, request_id, deadline_s, priority, adapter)
         self.tickets[ticket.id] = ticket
         return ticket
 
@@ -295,6 +303,7 @@ class H3Replica:
                     "progress": list(ticket.progress),
                     "forwards": ticket.forwards,
                     "priority": ticket.priority,
+                    "adapter": ticket.adapter,
                 }
                 for request_id, ticket in self.tickets.items()
             },

@@ -55,16 +55,18 @@ class VideoJobs:
         request_id: str,
         deadline_s: float | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> bool:
         """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
         holds too many unfinished jobs. ``priority`` goes with it to every replica it is submitted to (a
-        re-submission after a drain keeps it) and is kept in the record.
+        re-submission after a drain keeps it) and is kept in the record; so does ``adapter`` (the LoRA adapter
+        it runs on, None: the base model).
 
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
         queued job that fails later."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        stream = await self._start(request, request_id, deadline_s, priority)
+        stream = await self._start(request, request_id, deadline_s, priority, adapter)
         try:
             runner = await self._io(self.store.create, video, request_id, priority)
         except BaseException:
@@ -75,15 +77,17 @@ class VideoJobs:
             return False
         logger.info("video job %s (request %s) queued", runner.job_id, request_id)
         self.runners[runner.job_id] = runner
-        job = self._run(runner, request, request_id, deadline, priority, stream)
+        job = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
         self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
         return True
 
     async def _start(
-        self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int
+        self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int, adapter: str | None
     ) -> DeploymentResponseGenerator:
         """The replica's progress stream, once its first event ({"queued": True, ...}) has arrived."""
-        stream = self.replica.options(stream=True).generate_video.remote(request, request_id, deadline_s, priority)
+        stream = self.replica.options(stream=True).generate_video.remote(
+            request, request_id, deadline_s, priority, adapter
+        )
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -141,6 +145,8 @@ class VideoJobs:
         deadline: float | None,
         priority: int,
         stream: DeploymentResponseGenerator,
+        adapter: str | None = None,
+        model: str = "",
     ) -> None:
         """Follow the job to its MP4; a replica that hands it back unstarted (it drains) gets it re-submitted."""
         started, code = time.perf_counter(), 500
@@ -161,7 +167,7 @@ class VideoJobs:
                         runner.job_id,
                         request_id,
                     )
-                    stream = await self._resubmit(runner, request, request_id, deadline, priority)
+                    stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
             code = 200
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
         except (JobGone, LeaseLost) as e:
@@ -183,7 +189,7 @@ class VideoJobs:
             heartbeat.cancel()
             self.tasks.pop(runner.job_id, None)
             self.runners.pop(runner.job_id, None)
-            self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started)
+            self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
 
     async def _follow(self, runner: JobRunner, stream: DeploymentResponseGenerator) -> None:
         """The replica's progress into the record, then its MP4 into the store."""
@@ -199,7 +205,13 @@ class VideoJobs:
         raise RuntimeError("the replica's stream ended without a video")
 
     async def _resubmit(
-        self, runner: JobRunner, request: GenerationRequest, request_id: str, deadline: float | None, priority: int
+        self,
+        runner: JobRunner,
+        request: GenerationRequest,
+        request_id: str,
+        deadline: float | None,
+        priority: int,
+        adapter: str | None = None,
     ) -> DeploymentResponseGenerator:
         """Queue a handed-back job on another replica with the same priority, waiting out full queues and draining
         replicas for up to RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease)."""
@@ -209,7 +221,7 @@ class VideoJobs:
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
             try:
-                stream = await self._start(request, request_id, remaining, priority)
+                stream = await self._start(request, request_id, remaining, priority, adapter)
             except Exception as e:
                 if not caused_by(e, RETRYABLE) or time.monotonic() + wait > give_up:
                     raise

@@ -215,6 +215,7 @@ class Ticket:
         self.id, self.request, self.rows, self.deadline_s = request_id, request, rows, deadline_s
         self.priority, self.order = priority, order  # order: the engine's submission sequence number
         self.step_cache: StepCachePolicy | None = None  # its step-cache tier's policy (None: off)
+        self.adapter: str | None = None  # the LoRA adapter it runs on (None: the base model)
         self.future: asyncio.Future[GeneratedMedia] = loop.create_future()
         self.state: RequestState | None = None
         self.forwards = 0  # how many packed forwards this request was part of
@@ -351,19 +352,23 @@ class Engine:
         request_id: str | None = None,
         deadline_s: float | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> Ticket:
         """Queue a request, or raise at once: RequestError (bad request), QueueFull, EngineDraining, EngineStopped.
 
         ``deadline_s``: seconds from now until the request fails with DeadlineExceeded wherever it is
         (waiting, being prepared, in the pack, being decoded); None: ``limits.default_deadline_s``.
         ``priority``: an int from MIN_PRIORITY to MAX_PRIORITY, higher first under the "priority" policy
-        (the other policies ignore it).
+        (the other policies ignore it). ``adapter``: the LoRA adapter of the deployment it runs on (None: the
+        base model); without ``num_inference_steps`` it runs the adapter's steps, and shares packs with requests
+        on the base model and on other adapters.
         """
         if self._draining:
             raise EngineDraining("this replica is draining; retry on another replica")
         if self._stop_reason:
             raise EngineStopped(self._stop_reason)
         check_priority(priority)
+        request = self.pipeline.with_adapter(request, adapter)
         rows = self.validate(request)
         step_cache = self.step_cache_policy(request)
         if deadline_s is None:
@@ -384,14 +389,21 @@ class Engine:
         ticket = Ticket(
             request_id or f"req-{next(self._ids)}", request, rows, loop, deadline_s, priority, next(self._orders)
         )
-        ticket.step_cache = step_cache
+        ticket.step_cache, ticket.adapter = step_cache, adapter
         if deadline_s is not None:
             timer = loop.call_later(deadline_s, self._expire, ticket)
             ticket.future.add_done_callback(lambda _: timer.cancel())
         self._waiting.append(ticket)
         if self._busy_since is None:  # busy time runs from the first submitted request to the last finished one
             self._busy_since = time.monotonic()
-        logger.info("request %s queued (%d rows, deadline %s s, priority %d)", ticket.id, rows, deadline_s, priority)
+        logger.info(
+            "request %s queued (%d rows, deadline %s s, priority %d, adapter %s)",
+            ticket.id,
+            rows,
+            deadline_s,
+            priority,
+            adapter or "none",
+        )
         self._report_queue()
         if self._task is None:
             # in contexts of their own: the loops serve every request, so they must not carry the first one's
@@ -401,8 +413,10 @@ class Engine:
         self._stage_wake.set()
         return ticket
 
-    def validate(self, request: GenerationRequest) -> int:
-        """About the rows the request adds to a pack; RequestError if the model or the budget cannot take it."""
+    def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
+        """About the rows the request adds to a pack; RequestError if the model, the adapter or the budget cannot
+        take it."""
+        request = self.pipeline.with_adapter(request, adapter)
         rows = self.pipeline.validate(request)
         self._check_budget(rows)
         self.step_cache_policy(request)
@@ -422,8 +436,9 @@ class Engine:
         request_id: str | None = None,
         deadline_s: float | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> GeneratedMedia:
-        ticket = self.submit(request, request_id, deadline_s, priority)
+        ticket = self.submit(request, request_id, deadline_s, priority, adapter)
         try:
             return await ticket.future
         except asyncio.CancelledError:  # the caller went away: leave the pack
@@ -770,7 +785,7 @@ class Engine:
         self._preparing = ticket
         started = time.perf_counter()
         try:
-            state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache)
+            state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
             self._check_budget(state.rows)  # the estimate at submit was short (keyframe vision tokens)
         except Exception as e:
             logger.warning("request %s: prepare failed", ticket.id, exc_info=True)

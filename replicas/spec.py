@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from attention import Resolution
+from pipelines.h3.lora import LoraSpecs
 
 
 class ReplicaSpec(BaseModel):
@@ -29,3 +30,5 @@ class ReplicaSpec(BaseModel):
     collective_timeout_s: float = Field(default=60.0, gt=0)
     # each SP rank's resources (DeployArgs.rank_resources); workers use them when reserving their own group
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    # LoRA adapters every rank loads onto every transformer partition, each in its slot (DeployArgs.loras)
+    loras: LoraSpecs = Field(default_factory=LoraSpecs)

@@ -102,6 +102,7 @@ def _load_kwargs(spec: ReplicaSpec) -> dict:
         device=spec.device,
         dtype=spec.dtype,
         expected=TransformerGeometry(num_heads=spec.num_heads, head_dim=spec.head_dim),
+        loras=spec.loras,
     )
 
 

@@ -178,7 +178,7 @@ IMAGE_ERRORS = [  # body, status, param, words in the message
     ({"prompt": "x", "num_inference_steps": 500}, 400, "num_inference_steps", "exceeds this server's limit"),
     ({"prompt": "x", "num_inference_steps": 1}, 400, "num_inference_steps", "greater than or equal to 2"),
     ({"prompt": "x", "response_format": "url"}, 400, "response_format", "b64_json"),
-    ({"prompt": "x", "model": "dall-e-3"}, 404, "model", "'dall-e-3' is not served here"),
+    ({"prompt": "x", "model": "dall-e-3"}, 400, "model", "'dall-e-3' is not served here; valid ids: minimax-h3-tiny"),
     ({"prompt": "x", "seed": -1}, 400, "seed", "seed: Input should be greater than or equal to 0"),
     ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed", "seed: must be at most 9223372036854775806 with n=2"),
     ({"prompt": "x", "seed": 2**63}, 400, "seed", "less than or equal to 9223372036854775807"),

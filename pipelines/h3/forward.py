@@ -8,11 +8,14 @@ the rows sharded over Ulysses ranks. For a pack of one document it computes what
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODALITY_NUM
 
 from .attention_processor import Documents, SequenceParallel, attending
+from .lora import LoraAdapter, adapting, pack_slots
 from .packing import Pack
 from .step_cache import PackCache, cached_blocks
 
@@ -25,7 +28,11 @@ def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple
 
 @torch.no_grad()
 def packed_forward(
-    model, pack: Pack, sp: SequenceParallel | None = None, cache: PackCache | None = None
+    model,
+    pack: Pack,
+    sp: SequenceParallel | None = None,
+    cache: PackCache | None = None,
+    adapters: Mapping[int, LoraAdapter] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Velocities of every video and audio row of ``pack``, in the order of its video/audio indices.
 
@@ -33,7 +40,19 @@ def packed_forward(
     (other ranks return None). ``pack`` must already be on the model's device. With ``cache`` (one
     entry per document), each document with a policy may skip the middle blocks (``step_cache``);
     its state is updated only when the whole forward succeeded. Without one, nothing changes.
+    ``adapters`` (slot -> adapter placed on ``model``) serve the documents whose ``pack.document_slots``
+    are not 0 (``lora.adapting``, this rank's rows); a pack of base documents only runs exactly as without.
     """
+    if not pack.adapted:
+        return _packed_forward(model, pack, sp, cache)
+    rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
+    with adapting(model, adapters or {}, pack_slots(pack, pack.document_slots, rank, world)):
+        return _packed_forward(model, pack, sp, cache)
+
+
+def _packed_forward(
+    model, pack: Pack, sp: SequenceParallel | None, cache: PackCache | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
     if cache is not None and world > 1:
         raise ValueError(

@@ -33,6 +33,7 @@ are shifted to the row's group. A pack whose adapters leave the timestep path al
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 import re
@@ -55,6 +56,8 @@ _A_SUFFIX, _B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
 
 class LoraError(ValueError):
     """An adapter that cannot be served with this transformer. The message names the directory and keys."""
+
+    reason = "lora"  # the admission-failure metric's reason label
 
 
 class LoraSpec(BaseModel):
@@ -111,6 +114,25 @@ class LoraSpecs(BaseModel):
         for name in loras:
             validate_lora_name(name)
         return loras
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """Each adapter's slot, 1, 2, ... in declaration order (0 is the base model): the same on every rank."""
+        return {name: slot for slot, name in enumerate(self.loras, BASE_SLOT + 1)}
+
+    def resolve(self, name: str | None, num_inference_steps: int | None) -> tuple[int, LoraSpec | None, int | None]:
+        """(slot, spec, steps) of a request on adapter ``name`` (None: the base model, steps as given).
+
+        RequestError("model") for a name this deployment does not serve, RequestError("num_inference_steps")
+        when the request's steps are not the adapter's (``check_request_steps``).
+        """
+        if name is None:
+            return BASE_SLOT, None, num_inference_steps
+        if name not in self.loras:
+            served = ", ".join(sorted(self.loras)) or "none"
+            raise RequestError("model", f"no adapter {name!r} on this deployment; its adapters: {served}")
+        spec = self.loras[name]
+        return self.slots[name], spec, check_request_steps(name, spec, num_inference_steps)
 
 
 def stream_of(module: str) -> str:
@@ -212,6 +234,26 @@ class LoraAdapter:
                 for module, layer in self.layers.items()
             },
         )
+
+
+def check_adapters(loras: LoraSpecs, transformer_configs: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+    """Every adapter of ``loras`` against every partition's transformer, built on the meta device from its config.
+
+    The driver's check before any replica starts: no weights are read or allocated, only the adapters' own
+    files. Raises LoraError naming the adapter and key; returns each adapter's adapted-layer count.
+    """
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    layers: dict[str, int] = {}
+    for partition, config in transformer_configs.items():
+        with torch.device("meta"):
+            model = MiniMaxH3Transformer3DModel.from_config(config)
+        for name, spec in loras.loras.items():
+            try:
+                layers[name] = len(LoraAdapter.load(name, spec, model, partition).layers)
+            except LoraError as e:
+                raise LoraError(f"{e} [checked against the {partition!r} transformer partition]") from None
+    return layers
 
 
 def _listed(name: str, directory: Path, what: str, keys: Sequence[str]) -> str:
@@ -362,6 +404,22 @@ def _resolve(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], nam
 
 
 _ACTIVE = "_h3serve_adapting"
+# the pack rows a block runs on when it runs on some documents only (step caching's sub-pack), else None
+_ROW_SUBSET: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("h3serve_row_subset", default=None)
+
+
+@contextlib.contextmanager
+def rows_subset(index: torch.Tensor) -> Iterator[None]:
+    """Blocks called inside run on the pack rows ``index`` [T_sub] only (in this order), not on all T/W rows.
+
+    ``step_cache`` wraps its sub-pack blocks in it, so that an active ``adapting`` adds each adapter's delta on
+    the sub-pack's rows of its documents; without ``adapting`` it changes nothing.
+    """
+    token = _ROW_SUBSET.set(index)
+    try:
+        yield
+    finally:
+        _ROW_SUBSET.reset(token)
 
 
 def _runs(values: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -375,6 +433,28 @@ def _runs(values: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(int(v), a, b) for v, a, b in zip(run_values, firsts, [*starts, n], strict=True) if v != BASE_SLOT]
 
 
+class _RowRuns:
+    """Each stream's adapter runs for this pack, and the ``rows`` stream's for each sub-pack seen (cached)."""
+
+    def __init__(self, slots: PackSlots):
+        self.slots = slots
+        # stream -> [(slot, first row, end row)]: every document's rows are one run of its stream, so each
+        # adapter's rows are a few slices (one per document), found once per pack, not once per layer
+        self.whole = {stream: _runs(slots.stream(stream)) for stream in ("rows", "text", "video", "audio", "timesteps")}
+        self.sizes = {stream: int(slots.stream(stream).numel()) for stream in self.whole}
+        self._subsets: dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]] = {}
+
+    def of(self, stream: str) -> tuple[list[tuple[int, int, int]], int]:
+        """(runs, rows) of ``stream`` for the layer being called now."""
+        subset = _ROW_SUBSET.get()
+        if stream != "rows" or subset is None:
+            return self.whole[stream], self.sizes[stream]
+        key = id(subset)
+        if key not in self._subsets:  # keeps ``subset`` alive, so its id is never reused within the pack
+            self._subsets[key] = (subset, _runs(self.slots.rows.index_select(0, subset)))
+        return self._subsets[key][1], int(subset.numel())
+
+
 @contextlib.contextmanager
 def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter], slots: PackSlots) -> Iterator[None]:
     """For the forward inside, every adapted linear adds each adapter's delta on its own rows only.
@@ -382,7 +462,8 @@ def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter]
     ``adapters_by_slot`` maps slot numbers (>= 1) to adapters already placed on the model
     (``LoraAdapter.placed_for``: each layer's device and dtype); slots of the pack with no adapter listed
     are refused. Base weights are never written: the deltas are added
-    to the layers' outputs by forward hooks, removed on exit.
+    to the layers' outputs by forward hooks, removed on exit. Blocks run under ``rows_subset`` (a
+    step-cache sub-pack) adapt the sub-pack's rows.
     """
     if BASE_SLOT in adapters_by_slot:
         raise ValueError(f"slot {BASE_SLOT} is the base model; adapters take slots >= 1")
@@ -394,11 +475,9 @@ def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter]
         raise RuntimeError("adapting() is already active on this model; packs run one at a time")
 
     modules = dict(model.named_modules())
-    # stream -> [(slot, first row, end row)]: every document's rows are one run of its stream, so each
-    # adapter's rows are a few slices (one per document), found once per pack, not once per layer
-    runs_of = {stream: _runs(slots.stream(stream)) for stream in ("rows", "text", "video", "audio", "timesteps")}
-    # module actually called -> (module, [(first, end, layer, scale, columns)]) for each adapter present on it
-    work: dict[str, tuple[torch.nn.Module, list[tuple[int, int, LoraLayer, float, slice]]]] = {}
+    row_runs = _RowRuns(slots)
+    # module actually called -> (module, its stream, slot -> [(layer, scale, columns)]) for each adapter present on it
+    work: dict[str, tuple[torch.nn.Module, str, dict[int, list[tuple[LoraLayer, float, slice]]]]] = {}
     widen = False
     for slot in present:
         adapter = adapters_by_slot[slot]
@@ -407,22 +486,23 @@ def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter]
             widen |= stream == "timesteps"
             called, target = _resolve(model, modules, name)
             scale = adapter.spec.scale * layer.scaling
-            for run_slot, first, end in runs_of[stream]:
-                if run_slot == slot:
-                    work.setdefault(called, (target.module, []))[1].append((first, end, layer, scale, target.columns))
+            entry = work.setdefault(called, (target.module, stream, {}))
+            entry[2].setdefault(slot, []).append((layer, scale, target.columns))
 
-    def add_deltas(entries, expected_rows: int):
+    def add_deltas(stream: str, by_slot: dict[int, list[tuple[LoraLayer, float, slice]]]):
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
             x = args[0].reshape(-1, args[0].shape[-1])  # [n, in_features]
             out = output.view(-1, output.shape[-1])  # [n, out_features], the same storage as output
+            runs, expected_rows = row_runs.of(stream)
             if x.shape[0] != expected_rows:
                 raise RuntimeError(
                     f"an adapted layer saw {x.shape[0]} rows where the pack's slots have {expected_rows}"
                 )
-            for first, end, layer, scale, columns in entries:
-                down = x[first:end].to(layer.down.dtype) @ layer.down.T  # [rows of the run, r]
-                # out[run, columns] += scale * down @ up^T, in place, the add fused into the GEMM
-                out[first:end, columns].addmm_(down.to(out.dtype), layer.up.T.to(out.dtype), alpha=scale)
+            for slot, first, end in runs:
+                for layer, scale, columns in by_slot.get(slot, ()):
+                    down = x[first:end].to(layer.down.dtype) @ layer.down.T  # [rows of the run, r]
+                    # out[run, columns] += scale * down @ up^T, in place, the add fused into the GEMM
+                    out[first:end, columns].addmm_(down.to(out.dtype), layer.up.T.to(out.dtype), alpha=scale)
             return output
 
         return hook
@@ -430,10 +510,8 @@ def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter]
     handles = []
     try:
         setattr(model, _ACTIVE, True)
-        for called, (module, entries) in work.items():
-            stream = stream_of(called)
-            expected = slots.stream(stream).numel()
-            handles.append(module.register_forward_hook(add_deltas(entries, expected)))
+        for module, stream, by_slot in work.values():
+            handles.append(module.register_forward_hook(add_deltas(stream, by_slot)))
         if widen:
             handles.extend(_widen_timesteps(model, slots))
         yield
@@ -454,8 +532,10 @@ def _widen_timesteps(model: Any, slots: PackSlots) -> list[Any]:
             raise RuntimeError(f"time_proj saw {output.shape[0]} timesteps where the pack has {k}")
         return output.repeat(groups, 1)  # [K, freq] -> [G*K, freq]
 
-    def shifted(position: int, name: str, shift: torch.Tensor):
+    def shifted(position: int, name: str, whole: torch.Tensor):
         def pre_hook(module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+            subset = _ROW_SUBSET.get()  # a step-cache sub-pack: its rows' shifts, in its order
+            shift = whole if subset is None else whole.index_select(0, subset)
             if name in kwargs:
                 kwargs = {**kwargs, name: kwargs[name] + shift}
             else:

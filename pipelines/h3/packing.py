@@ -59,6 +59,13 @@ class Pack:
     max_seqlen: int
     text_cu_seqlens: torch.Tensor  # [n_docs+1] int32 bounds of each document's text rows, for the token refiner
     text_max_seqlen: int
+    # each document's LoRA adapter slot (``pipelines.h3.lora``), 0 the base model; empty: every document on the base
+    document_slots: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def adapted(self) -> bool:
+        """Whether any document of the pack runs with an adapter (else the forward is exactly the base one)."""
+        return any(self.document_slots)
 
     @property
     def total_rows(self) -> int:
@@ -83,8 +90,15 @@ class Pack:
         return list(zip(video_out.split(self.video_counts), audio_out.split(self.audio_counts), strict=True))
 
 
-def pack_documents(documents: list[Document], partition: str = "transformer", row_multiple: int = 1) -> Pack:
+def pack_documents(
+    documents: list[Document],
+    partition: str = "transformer",
+    row_multiple: int = 1,
+    document_slots: list[int] | None = None,
+) -> Pack:
     """Concatenate documents; pad with one padding document to a multiple of ``row_multiple`` rows.
+
+    ``document_slots``: each document's adapter slot (None: every document on the base model).
 
     Every tensor of the pack lives on the documents' device (diffusers' layout blocks put them on the
     execution device): nothing here is created on torch's default device, which is the CPU even when
@@ -94,6 +108,11 @@ def pack_documents(documents: list[Document], partition: str = "transformer", ro
         raise ValueError("cannot pack zero documents")
     if row_multiple < 1:
         raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+    document_slots = [0] * len(documents) if document_slots is None else list(document_slots)
+    if len(document_slots) != len(documents) or any(s < 0 for s in document_slots):
+        raise ValueError(
+            f"document_slots must give a slot >= 0 to each of {len(documents)} documents: {document_slots}"
+        )
     device = documents[0].position_ids.device
     elsewhere = {
         f"document {i}: {f.name} on {t.device}"
@@ -148,4 +167,5 @@ def pack_documents(documents: list[Document], partition: str = "transformer", ro
         max_seqlen=max(b - a for a, b in itertools.pairwise(bounds)),
         text_cu_seqlens=torch.tensor([0, *itertools.accumulate(text_lengths)], dtype=torch.int32, device=device),
         text_max_seqlen=max(text_lengths),
+        document_slots=document_slots,
     )

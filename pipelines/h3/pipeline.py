@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from . import checkpoint as ckpt
 from .attention_processor import SequenceParallel, install
 from .config import TransformerGeometry
 from .forward import packed_forward
+from .lora import BASE_SLOT, LoraAdapter, LoraSpecs
 from .packing import Document, Pack, pack_documents
 from .request import GenerationRequest, ModelRules
 from .stages import H3Stages
@@ -84,12 +86,30 @@ def check_runs_here(backend: str, device: DeviceType, dtype: torch.dtype, head_d
 
 
 class H3Denoiser:
-    """The transformer partition(s) of a checkpoint, attending only through the admitted backend."""
+    """The transformer partition(s) of a checkpoint, attending only through the admitted backend.
+
+    With LoRA adapters (``load_adapters``), every partition holds each adapter in its slot, placed on the
+    partition's device and dtype; base weights are never modified.
+    """
 
     def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device, directory: Path):
         self.transformers, self.backend, self.device, self.directory = transformers, backend, device, directory
         for model in transformers.values():
             install(model, get_backend(backend).make_impl())
+        self.loras = LoraSpecs()
+        self.adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in transformers}
+
+    def load_adapters(self, loras: LoraSpecs) -> None:
+        """Read every adapter onto every partition (``LoraAdapter.load``: refused by name and key unless it fits)."""
+        adapters: dict[str, dict[int, LoraAdapter]] = {}
+        for partition, model in self.transformers.items():
+            adapters[partition] = {
+                loras.slots[name]: LoraAdapter.load(name, spec, model, partition).placed_for(model)
+                for name, spec in loras.loras.items()
+            }
+        self.loras, self.adapters = loras, adapters
+        if loras.loras:
+            logger.info("LoRA adapters served in slots %s", loras.slots)
 
     @classmethod
     def load(
@@ -100,12 +120,14 @@ class H3Denoiser:
         device: DeviceType = "cpu",
         dtype: str | torch.dtype = "float32",
         expected: TransformerGeometry | None = None,
+        loras: LoraSpecs | None = None,
     ) -> H3Denoiser:
         """Build with exactly ``backend`` (the driver's choice); never re-resolve.
 
         ``checkpoint`` None is the built-in tiny checkpoint. Raises AdmissionError for an incapable
         backend (before reading anything), BackendUnavailable when this node cannot run it,
-        CheckpointError when the checkpoint does not fit or is not what the deployment was admitted for.
+        CheckpointError when the checkpoint does not fit or is not what the deployment was admitted for,
+        LoraError for an adapter of ``loras`` that does not fit a partition.
         """
         check_capable(backend, str(checkpoint or "the built-in checkpoint"))
         _quiet_libraries()
@@ -119,7 +141,10 @@ class H3Denoiser:
         torch_dtype = parse_dtype(dtype)
         check_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
         models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}
-        return cls(models, backend, torch.device(device), directory)
+        denoiser = cls(models, backend, torch.device(device), directory)
+        if loras is not None:
+            denoiser.load_adapters(loras)
+        return denoiser
 
     def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's share of one packed forward; rank 0 gets every row's velocity back.
@@ -127,7 +152,8 @@ class H3Denoiser:
         A ``CachedPack`` carries its documents' step caches into the forward (one rank only).
         """
         cache = pack.step_cache if isinstance(pack, CachedPack) else None
-        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp, cache)
+        adapters = self.adapters[pack.partition] if pack.adapted else None
+        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp, cache, adapters)
 
 
 @dataclasses.dataclass
@@ -161,8 +187,11 @@ class RequestState:
         audio: MiniMaxH3Scheduler,
         device: torch.device,
         step_cache: StepCachePolicy | None = None,
+        adapter_slot: int = BASE_SLOT,
     ):
+        """``video`` must already carry the request's shift (an adapter's; ``H3Pipeline.prepare`` sets it)."""
         self.request, self.state = request, state
+        self.adapter_slot = adapter_slot  # its documents' slot in every pack (0: the base model)
         # this request's First-Block-Cache state (None: it computes every block at every step)
         self.step_cache: DocumentCache | None = DocumentCache(step_cache) if step_cache is not None else None
         self.partition = ckpt.PARTITIONS[request.task]
@@ -255,6 +284,7 @@ class H3Pipeline:
     ):
         self.denoiser, self.stages, self.tokenizer, self.name = denoiser, stages, tokenizer, name
         self._schedulers = schedulers
+        self._preparing = threading.Lock()  # one prepare at a time: an adapter's shift is set on a shared scheduler
         self.rules: ModelRules = stages.rules()
         self.row_multiple = 1  # a worker group sets its SP degree here: packs split evenly over its ranks
         self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = self._forward_alone
@@ -269,9 +299,10 @@ class H3Pipeline:
         dtype: str | torch.dtype = "float32",
         expected: TransformerGeometry | None = None,
         name: str | None = None,
+        loras: LoraSpecs | None = None,
     ) -> H3Pipeline:
-        """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``."""
-        denoiser = H3Denoiser.load(checkpoint, backend, device=device, dtype=dtype, expected=expected)
+        """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``, and ``loras``."""
+        denoiser = H3Denoiser.load(checkpoint, backend, device=device, dtype=dtype, expected=expected, loras=loras)
         index = ckpt.CheckpointIndex(denoiser.directory)
         torch_dtype = parse_dtype(dtype)
         components = dict(denoiser.transformers)
@@ -309,20 +340,56 @@ class H3Pipeline:
             assert isinstance(blocks, torch.nn.ModuleList)
             policy.check_blocks(len(blocks))
 
+    def with_adapter(self, request: GenerationRequest, adapter: str | None) -> GenerationRequest:
+        """``request`` as it runs on ``adapter`` (None: the base model): a request that sets no
+        ``num_inference_steps`` gets the adapter's; RequestError("model") for an adapter not served here,
+        RequestError("num_inference_steps") for steps the adapter was not distilled for."""
+        declared = self.denoiser.loras.loras[adapter].steps if adapter in self.denoiser.loras.loras else None
+        given = "num_inference_steps" in request.model_fields_set
+        # a request that gives no steps runs the adapter's; on an adapter without steps, the request's default
+        asked = request.num_inference_steps if given or declared is None else None
+        _, _, steps = self.denoiser.loras.resolve(adapter, asked)
+        if steps is None or steps == request.num_inference_steps:
+            return request
+        return request.model_copy(update={"num_inference_steps": steps})
+
     @torch.no_grad()
-    def prepare(self, request: GenerationRequest, step_cache: StepCachePolicy | None = None) -> RequestState:
-        """``step_cache``: the request's First-Block-Cache policy (None: every block at every step)."""
+    def prepare(
+        self, request: GenerationRequest, step_cache: StepCachePolicy | None = None, adapter: str | None = None
+    ) -> RequestState:
+        """``step_cache``: the request's First-Block-Cache policy (None: every block at every step).
+
+        ``adapter``: the LoRA adapter it runs on (None: the base model); ``request`` must already carry its
+        steps (``with_adapter``). Its video schedule uses the adapter's ``shift`` when it declares one.
+        """
         self.rules.check(request)
         if step_cache is not None:
             self.check_step_cache(step_cache)
-        state = self.stages.prepare(request, self.rules)
+        slot, spec, _ = self.denoiser.loras.resolve(adapter, request.num_inference_steps)  # checked again
+        video = MiniMaxH3Scheduler.from_config(self._schedulers["scheduler"].config)  # each request steps its own
+        shift = spec.shift if spec is not None and spec.shift is not None else None
+        # diffusers' timesteps block plans the rows' schedule with the pipeline's own scheduler: an adapter's
+        # shift is set there for its prepare and put back; the lock keeps any other prepare from seeing it
+        with self._preparing:
+            if shift is None:
+                state = self.stages.prepare(request, self.rules)
+            else:
+                planner = self._schedulers["scheduler"]
+                released = planner.shift
+                planner.set_shift(shift)
+                try:
+                    state = self.stages.prepare(request, self.rules)
+                finally:
+                    planner.set_shift(released)
+                video.set_shift(shift)
         return RequestState(
             request,
             state,
-            MiniMaxH3Scheduler.from_config(self._schedulers["scheduler"].config),  # each request steps its own
+            video,
             MiniMaxH3Scheduler.from_config(self._schedulers["audio_scheduler"].config),
             self.denoiser.device,
             step_cache,
+            slot,
         )
 
     def _forward_alone(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,7 +410,8 @@ class H3Pipeline:
             groups.setdefault(state.partition, []).append(state)
         packs: list[tuple[list[RequestState], Pack]] = []
         for partition, group in groups.items():
-            pack = pack_documents([s.document() for s in group], partition, self.row_multiple)
+            slots = [s.adapter_slot for s in group]
+            pack = pack_documents([s.document() for s in group], partition, self.row_multiple, slots)
             if any(s.step_cache is not None for s in group):  # else exactly the pack of a deployment without caching
                 if self.row_multiple > 1:  # refused before any rank starts, never half-run
                     raise ValueError(f"step caching runs on one rank only, not over sp_degree={self.row_multiple}")
@@ -367,8 +435,9 @@ class H3Pipeline:
         request: GenerationRequest,
         progress: Callable[[int, int], None] | None = None,
         step_cache: StepCachePolicy | None = None,
+        adapter: str | None = None,
     ) -> GeneratedMedia:
-        state = self.prepare(request, step_cache)
+        state = self.prepare(self.with_adapter(request, adapter), step_cache, adapter)
         while not state.done:
             self.step([state])
             if progress:

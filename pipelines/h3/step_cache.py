@@ -19,6 +19,10 @@ A document without a policy always computes and keeps no state. State changes ar
 once the whole forward succeeded (``PackCache.commit``), so a failed pack retried in halves sees the
 same state it saw the first time.
 
+LoRA adapters (``lora.adapting``) follow their documents' rows into a sub-pack: its blocks run under
+``lora.rows_subset``, so each adapter's delta and timestep-table shift land on the sub-pack's rows of its
+documents.
+
 Only one rank (sp_degree 1) is supported: under Ulysses the rows of a document are split over ranks,
 and the decision would need a cross-rank reduction and a re-padded sub-pack. A deployment refuses a
 cache policy with sp_degree > 1 (``deploy.args``) and ``packed_forward`` refuses one with ``sp`` set.
@@ -33,6 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .attention_processor import Documents, attending
+from .lora import rows_subset
 from .packing import Pack
 from .request import RequestError
 
@@ -295,7 +300,7 @@ class _SubPack:
 
     def run(self, block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """``block`` on these rows only; the other rows of ``hidden`` [1, T, hidden] pass through unchanged."""
-        with attending(self.documents):
+        with attending(self.documents), rows_subset(self.index):  # an adapter's delta follows its rows here too
             out = block(hidden.index_select(1, self.index), temb, self.adaln_indices, self.rotary_emb)
         return hidden.index_copy(1, self.index, out)  # [1, T, hidden]
 

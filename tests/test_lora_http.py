@@ -1,0 +1,94 @@
+"""LoRA adapters over HTTP against a running `h3serve serve`: listed as model ids, picked by a request's `model`,
+their steps by default, refused ids and steps as 400s in the API's error shape, counted by model id."""
+
+import time
+
+import pytest
+from peft import LoraConfig
+
+from tests.harness import (
+    ServeProcess,
+    client,
+    default_config,
+    error_of,
+    free_port,
+    requests_counted,
+    wait_for,
+    write_config,
+)
+from tests.test_lora import ADAPTERS, lora_state_dict, save
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+BASE_ID = "minimax-h3-tiny"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_checkpoint, tmp_path_factory):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    tmp = tmp_path_factory.mktemp("lora-http")
+    base = MiniMaxH3Transformer3DModel.from_pretrained(tiny_checkpoint / "transformer").eval()
+    loras = {}
+    for seed, (name, (kwargs, scale)) in enumerate(ADAPTERS.items()):
+        config = LoraConfig(**kwargs)
+        directory = save(tmp / name, lora_state_dict(base, config, seed), config)
+        loras[name] = {"path": str(directory), "scale": scale, **({"steps": 3} if name == "turbo" else {})}
+    config = default_config()
+    config["applications"][0]["args"].update(loras=loras, jobs={"store": str(tmp / "videos")})
+    port = free_port()
+    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
+    try:
+        process.wait_serving()
+        process.metrics_port = ray_cluster.metrics_port
+        yield process
+    finally:
+        process.stop()
+
+
+def test_adapters_are_model_ids_and_a_request_picks_one(server):
+    with client(server.url) as http:
+        models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        ids = list(models)  # the base model first, then the adapters in the config's order
+        assert ids[0] == BASE_ID and sorted(ids[1:]) == [f"{BASE_ID}:style", f"{BASE_ID}:turbo"]
+        assert [models[f"{BASE_ID}:{n}"]["parent"] for n in ("turbo", "style")] == [BASE_ID, BASE_ID]
+        assert [models[f"{BASE_ID}:{n}"]["num_inference_steps"] for n in ("turbo", "style")] == [3, None]
+        assert "parent" not in models[BASE_ID]
+        doc = http.get("/openapi.json").json()
+        for path in ("/v1/images/generations", "/v1/videos"):
+            fields = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+            assert fields["model"]["enum"] == ids
+
+        error = error_of(http.post("/v1/images/generations", json={"prompt": "x", "model": f"{BASE_ID}:anime"}), 400)
+        assert error["param"] == "model" and f"valid ids: {', '.join(ids)}" in error["message"], error
+        error = error_of(http.post("/v1/videos", data={"prompt": "x", "model": "dall-e-3"}), 400)
+        assert error["param"] == "model", error
+        body = {"prompt": "x", "model": f"{BASE_ID}:turbo", "num_inference_steps": 12}
+        error = error_of(http.post("/v1/images/generations", json=body), 400)
+        assert error["param"] == "num_inference_steps", error
+        assert "distilled for 3 steps; the request asks for 12" in error["message"], error
+
+        def generated(model: str, **fields) -> int:
+            response = http.post(
+                "/v1/images/generations", json={"prompt": "a bell", "size": "64x64", "model": model, **fields}
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["data"][0]["b64_json"]
+            return 1
+
+        before = {m: requests_counted(server.metrics_port, route="/v1/images/generations", model=m) for m in ids}
+        generated(f"{BASE_ID}:turbo")  # its own 3 steps, though the deployment's default is 50
+        generated(f"{BASE_ID}:style", num_inference_steps=3)
+        generated(BASE_ID, num_inference_steps=3)
+
+        video = http.post("/v1/videos", data={"prompt": "a bell", "size": "64x64", "model": f"{BASE_ID}:turbo"})
+        assert video.status_code == 200, video.text
+        assert video.json()["model"] == f"{BASE_ID}:turbo"
+
+    def counted():
+        now = {m: requests_counted(server.metrics_port, route="/v1/images/generations", model=m) for m in ids}
+        return now if all(now[m] - before[m] >= 1 for m in ids) else None
+
+    wait_for(counted, timeout=60, what="request counters labelled by model id")
+    time.sleep(3)
+    after = {m: requests_counted(server.metrics_port, route="/v1/images/generations", model=m) for m in ids}
+    assert {m: after[m] - before[m] for m in ids} == dict.fromkeys(ids, 1)
