@@ -2,7 +2,7 @@
 
     python -m benchmarks.run_all [--smoke] [--json-dir DIR]
 
-packing, admission, serving, sp, trace, default_clip; then gpu_kernels and gpu_pipeline when CUDA is
+packing, admission, serving, sp, trace, default_clip, step_cache; then gpu_kernels and gpu_pipeline when CUDA is
 visible (otherwise their commands, and the one-command GPU session script, are printed). Exits
 non-zero if any benchmark's correctness check failed.
 """
@@ -19,7 +19,7 @@ import torch
 
 from .common import say, table
 
-CPU_BENCHMARKS = ("packing", "admission", "serving", "sp", "trace", "default_clip")
+CPU_BENCHMARKS = ("packing", "admission", "serving", "sp", "trace", "default_clip", "step_cache")
 GPU_BENCHMARKS = ("gpu_kernels", "gpu_pipeline")
 
 

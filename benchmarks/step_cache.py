@@ -1,6 +1,6 @@
 """Step-cache tiers against no caching on the same requests (CPU, tiny checkpoint).
 
-    python -m benchmarks.step_cache --quick [--json PATH] [--checkpoint DIR]
+    python -m benchmarks.step_cache [--quick | --smoke] [--json PATH] [--checkpoint DIR]
 
 Each request of a fixed set runs alone under every tier of the deployment default (``off``, ``high``,
 ``medium``, ``low``: ``pipelines.h3.step_cache.BUILTIN_TIERS``), the tiers interleaved rep by rep so
@@ -21,6 +21,7 @@ here in torch: no image-quality library is a dependency of h3serve.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -36,14 +37,23 @@ from .common import machine, median, now, say, table, write_json
 TIERS: list[str] = [OFF, "high", "medium", "low"]
 
 
-def requests(quick: bool) -> list[GenerationRequest]:
-    steps = 16 if quick else 40
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    requests: int
+    steps: int
+    reps: int
+
+
+FULL, QUICK = Sizes(requests=4, steps=40, reps=3), Sizes(requests=3, steps=16, reps=2)
+SMOKE = Sizes(requests=2, steps=10, reps=1)  # run_all --smoke: every table, a fraction of a minute
+
+
+def requests(sizes: Sizes) -> list[GenerationRequest]:
     prompts = ["a red kite over the dunes", "rain on a tin roof", "a ferry horn in fog", "a lighthouse at dusk"]
-    sizes = [(128, 64), (64, 64), (64, 128), (96, 64)]
-    count = 3 if quick else 4
+    canvases = [(128, 64), (64, 64), (64, 128), (96, 64)]
     return [
-        GenerationRequest(prompt=p, width=w, height=h, seed=i, num_inference_steps=steps)
-        for i, (p, (w, h)) in enumerate(zip(prompts[:count], sizes[:count], strict=True))
+        GenerationRequest(prompt=p, width=w, height=h, seed=i, num_inference_steps=sizes.steps)
+        for i, (p, (w, h)) in enumerate(zip(prompts[: sizes.requests], canvases[: sizes.requests], strict=True))
     ]
 
 
@@ -98,11 +108,11 @@ def snr_db(signal: np.ndarray, test: np.ndarray) -> float:
     return math.inf if noise == 0 else 10 * math.log10(float(np.sum(signal.astype(np.float64) ** 2)) / noise)
 
 
-def run(quick: bool, checkpoint: str | None = None) -> dict:
+def run(sizes: Sizes, checkpoint: str | None = None) -> dict:
     torch.manual_seed(0)
     pipeline = H3Pipeline.load(checkpoint or random_tiny_checkpoint(), "torch_sdpa")
-    reqs = requests(quick)
-    reps = 2 if quick else 3
+    reqs = requests(sizes)
+    reps = sizes.reps
     say(f"{len(reqs)} requests x {reqs[0].num_inference_steps} steps, {reps} interleaved reps per tier")
 
     # 1. each request alone under each tier, tiers interleaved per rep
@@ -230,13 +240,17 @@ def run(quick: bool, checkpoint: str | None = None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 requests x 16 steps, 2 reps: a few minutes on a loaded CPU")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick", action="store_true", help="3 requests x 16 steps, 2 reps: a few minutes on a loaded CPU"
+    )
+    size.add_argument("--smoke", action="store_true", help="2 requests x 10 steps, 1 rep (run_all --smoke)")
     ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--checkpoint", metavar="DIR", help="a tiny checkpoint directory (default: random tiny weights)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = run(args.quick, args.checkpoint)
+    result = run(SMOKE if args.smoke else QUICK if args.quick else FULL, args.checkpoint)
     write_json(args.json, result)
     return 0 if result["ok"] else 1
 

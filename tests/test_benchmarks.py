@@ -7,6 +7,7 @@ import importlib
 import importlib.metadata
 import itertools
 import json
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -26,12 +27,14 @@ from benchmarks import (
     run_all,
     serving,
     sp,
+    step_cache,
     trace,
 )
 from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.step_cache import BUILTIN_TIERS, OFF
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +227,19 @@ def test_build_transformer_keeps_diffusers_fp32_modules():
     assert fp32 == {"proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"}
     assert model.rope.inv_freq.dtype == torch.float32 and not model.rope.inv_freq.is_meta
     assert {p.dtype for n, p in model.named_parameters() if n.startswith("transformer_blocks.")} == {torch.bfloat16}
+
+
+def test_step_cache_smoke_reports_every_tier_and_a_mixed_pack_equal_to_its_parts(tmp_path):
+    assert step_cache.main(["--smoke", "--json", str(tmp_path / "step_cache.json")]) == 0
+    result = json.loads((tmp_path / "step_cache.json").read_text())
+    tiers = {t["tier"]: t for t in result["tiers"]}
+    assert list(tiers) == [OFF, *BUILTIN_TIERS]
+    assert tiers[OFF]["skipped_block_rows_fraction"] == 0
+    assert all(r["psnr_db"] == math.inf for r in tiers[OFF]["requests"])  # off against itself
+    skipped = [tiers[t]["skipped_block_rows_fraction"] for t in BUILTIN_TIERS]
+    assert skipped == sorted(skipped) and skipped[-1] > 0  # looser thresholds skip more, and something is skipped
+    mixed = result["mixed"]
+    assert mixed["tiers"] == [OFF, "high"] and mixed["each_equals_alone"] == [True, True] and result["ok"]
 
 
 def test_run_all_commands_name_runnable_benchmarks(tmp_path):
