@@ -14,6 +14,7 @@ from .admission import ADMISSION_ERRORS, admit
 from .api import H3Ingress, ingress_options
 from .args import DeployArgs
 from .replica import H3Replica
+from .stages import H3Conditioner, H3Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,12 @@ def build_app(args: DeployArgs) -> Application:
     except (*ADMISSION_ERRORS, ValidationError) as e:
         raise DeploymentRefused(f"h3serve refused the deployment: {type(e).__name__}: {e}") from e
     replica = serve.deployment(H3Replica, **H3Replica.deployment_options(args))
-    replica = replica.bind(args.replica_spec(resolution), args.engine)
+    stages = []  # with args.stages: the conditioner and decoder deployments, shared by every H3Replica
+    for role, stage in ((H3Conditioner.role, H3Conditioner), (H3Decoder.role, H3Decoder)):
+        if role in args.stage_deployments():
+            deployment = serve.deployment(stage, **stage.deployment_options(args))
+            stages.append(deployment.bind(args.checkpoint, args.device, args.dtype))
+    replica = replica.bind(args.replica_spec(resolution), args.engine, *stages)
     # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations
     ingress = H3Ingress.options(**ingress_options(args))  # type: ignore[attr-defined]  # a Serve deployment
     return ingress.bind(replica, args)

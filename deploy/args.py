@@ -110,6 +110,47 @@ class JobStoreArgs(BaseModel):
     )
 
 
+class StageDeploymentArgs(BaseModel):
+    """One stage deployment (H3Conditioner or H3Decoder): how many replicas, and what each one reserves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(
+        default=1, ge=1, description="replicas of this stage, shared by every H3Replica (Serve routes between them)"
+    )
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray options of each replica (num_cpus, num_gpus, resources, accelerator_type, memory...); "
+        "default: {num_cpus: 1} on cpu, {num_cpus: 4, num_gpus: 1} on cuda. On cuda it must reserve num_gpus >= 1 "
+        "(it loads its models on the replica's GPU)",
+    )
+    max_ongoing_requests: int = Field(
+        default=4,
+        ge=1,
+        description="requests one replica of this stage works on at once (each holds one request's tensors); "
+        "more wait in the calling H3Replica's handle",
+    )
+
+
+class StagesArgs(BaseModel):
+    """Conditioning and decoding in deployments of their own, shared by every H3Replica (issue 27).
+
+    The conditioner loads the tokenizer, processor, text encoder, both VAEs (their encoders read keyframes and
+    references) and diffusers' blocks before the loop, and returns each request's prepared state as host tensors
+    through the object store; the decoder loads both VAEs and runs the blocks after the loop and the PNG/MP4
+    encoding. Neither loads a transformer. The denoiser (H3Replica) still loads them too in this version (its
+    warm-up prepares in process); they run only there when this section is absent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    conditioner: StageDeploymentArgs = Field(
+        default_factory=StageDeploymentArgs, description="the H3Conditioner deployment (text encoder, VAE encoders)"
+    )
+    decoder: StageDeploymentArgs = Field(
+        default_factory=StageDeploymentArgs, description="the H3Decoder deployment (VAE decoders, PNG/MP4 encoding)"
+    )
+
+
 class DeployArgs(BaseModel):
     """Everything the driver needs to admit and build one MiniMax-H3 application."""
 
@@ -187,6 +228,12 @@ class DeployArgs(BaseModel):
         "video schedule's shift). Each adapter is the model id '<served_model_name>:<name>'; checked against the "
         "transformer's modules at deploy, before any replica starts",
     )
+    stages: StagesArgs | None = Field(
+        default=None,
+        description="conditioner and decoder deployments of their own, shared by every H3Replica: "
+        "{conditioner: {num_replicas, ray_actor_options, max_ongoing_requests}, decoder: {...}}. "
+        "null (the default): each H3Replica prepares and decodes in process, as one deployment",
+    )
     api_key_env: str | None = Field(
         default="H3SERVE_API_KEY",
         description="environment variable holding the bearer token every API call needs; "
@@ -224,6 +271,15 @@ class DeployArgs(BaseModel):
                     f"loras.{name}.steps={lora.steps}: a request runs 2..limits.max_steps={self.limits.max_steps} "
                     "steps (sigma grid points, the terminal zero included)"
                 )
+        for role, stage in self.stage_deployments().items():
+            gpus = stage.ray_actor_options.get("num_gpus", 0)
+            if self.device == "cuda" and not gpus >= 1:
+                raise ValueError(
+                    f"stages.{role}.ray_actor_options must reserve num_gpus >= 1 on device cuda (its models load on "
+                    f"the replica's GPU), got {stage.ray_actor_options}"
+                )
+            if self.device == "cpu" and gpus:
+                raise ValueError(f"stages.{role}.ray_actor_options reserves num_gpus={gpus} on device cpu: remove it")
         num_blocks = preset(self.model).transformer_config()["num_layers"]
         for name, policy in step_cache.tiers.items():
             try:
@@ -231,6 +287,17 @@ class DeployArgs(BaseModel):
             except ValueError as e:
                 raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
         return self
+
+    def stage_deployments(self) -> dict[str, StageDeploymentArgs]:
+        """The configured stage deployments by role, each with its device's default ray_actor_options filled in;
+        empty without ``stages``."""
+        if self.stages is None:
+            return {}
+        default = {"num_cpus": 4.0, "num_gpus": 1.0} if self.device == "cuda" else {"num_cpus": 1.0}
+        return {
+            role: stage.model_copy(update={"ray_actor_options": dict(stage.ray_actor_options or default)})
+            for role, stage in (("conditioner", self.stages.conditioner), ("decoder", self.stages.decoder))
+        }
 
     @property
     def cache_tiers(self) -> list[str]:

@@ -6,6 +6,7 @@ python -m deploy.config_reference > docs/CONFIG.md     (tests/test_config_refere
 from __future__ import annotations
 
 import sys
+import typing
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -60,6 +61,10 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         cells = (f"`{key}`", f"`{_type(field)}`", f"`{_default(field)}`", field.description or "")
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
         annotation = field.annotation
+        # an optional section (``stages: StagesArgs | None``) documents its fields as a required one does
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1 and type(None) in typing.get_args(annotation):
+            annotation = models[0]
         if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation.model_fields:
             nested.append((key, annotation))
     for key, annotation in nested:

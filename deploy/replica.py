@@ -36,9 +36,17 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from attention import selector_calls
-from pipelines.h3 import GeneratedMedia, GenerationRequest, ModelRules
+from pipelines.h3 import (
+    DecodeHandoff,
+    EncodedMedia,
+    GeneratedMedia,
+    GenerationRequest,
+    ModelRules,
+    PreparedState,
+)
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 
 from .args import DeployArgs
@@ -69,6 +77,33 @@ def log_through_serve(packages: tuple[str, ...] = H3SERVE_PACKAGES) -> None:
             if handler not in package.handlers:
                 package.addHandler(handler)
         package.propagate = False  # once, through Serve's handlers
+
+
+class ServeStages:
+    """The engine's ``StageClient`` over the stage deployments' handles (``deploy/stages.py``); ``caller`` is this
+    H3Replica's replica id, which the stages count their work by."""
+
+    def __init__(self, conditioner: DeploymentHandle, decoder: DeploymentHandle, caller: str):
+        self.conditioner, self.decoder, self.caller = conditioner, decoder, caller
+
+    async def prepare(self, request: GenerationRequest, shift: float | None) -> PreparedState:
+        try:
+            return await self.conditioner.prepare.remote(request, shift, self.caller)
+        except ray.exceptions.RayTaskError as e:
+            raise _stage_error(e) from None
+
+    async def decode(self, handoff: DecodeHandoff, output: str | None) -> GeneratedMedia | EncodedMedia:
+        try:
+            return await self.decoder.decode.remote(handoff, output, self.caller)
+        except ray.exceptions.RayTaskError as e:
+            raise _stage_error(e) from None
+
+
+def _stage_error(error: ray.exceptions.RayTaskError) -> Exception:
+    """The stage's own exception (a RequestError stays one, as if it had run in process); the wrapper when its
+    cause is not an ordinary exception."""
+    cause = error.cause
+    return cause if isinstance(cause, Exception) else error
 
 
 class DrainWatch:
@@ -124,7 +159,14 @@ class H3Replica:
             graceful_shutdown_wait_loop_s=1.0,
         )
 
-    def __init__(self, spec: ReplicaSpec, limits: EngineLimits):
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        limits: EngineLimits,
+        conditioner: DeploymentHandle | None = None,
+        decoder: DeploymentHandle | None = None,
+    ):
+        """``conditioner``, ``decoder``: the stage deployments' handles (``args.stages``); None: in process."""
         log_through_serve()
         self.spec = spec
         backend = spec.resolution.backend
@@ -138,7 +180,10 @@ class H3Replica:
         except Exception as e:
             self._record_build_failure(backend, e)
             raise
-        self.engine = Engine(self.group, limits, self.metrics)
+        remote = None
+        if conditioner is not None and decoder is not None:
+            remote = ServeStages(conditioner, decoder, serve.get_replica_context().replica_id.unique_id)
+        self.engine = Engine(self.group, limits, self.metrics, remote)
         if limits.warmup:
             try:
                 seconds = self.engine.warm_up()
@@ -175,7 +220,7 @@ class H3Replica:
         """One still as PNG bytes (the ingress sends request i of n as f"{id}-{i}"; no id: the engine makes one).
         ``adapter``: the deployment's LoRA adapter it runs on (None: the base model)."""
         self._watch_for_stop()
-        ticket = self._submit(request, request_id, deadline_s, priority, adapter)
+        ticket = self._submit(request, request_id, deadline_s, priority, adapter, "png")
         try:
             media = await ticket.future
             return await self._encode(media, "png", ticket.id)
@@ -197,7 +242,7 @@ class H3Replica:
         EngineDraining, RequestError... raise before it), {"progress": [done, total]} per step, then {"mp4": bytes}.
         """
         self._watch_for_stop()
-        ticket = self._submit(request, request_id, deadline_s, priority, adapter)
+        ticket = self._submit(request, request_id, deadline_s, priority, adapter, "mp4")
         try:
             yield {"queued": True, "progress": list(ticket.progress)}
             while not ticket.future.done():
@@ -225,9 +270,10 @@ class H3Replica:
         deadline_s: float | None,
         priority: int,
         adapter: str | None = None,
+        output: str | None = None,
     ) -> Ticket:
         # the engine logs it with its id; a priority out of range is its RequestError("priority") (HTTP 400)
-        ticket = self.engine.submit(request, request_id, deadline_s, priority, adapter)
+        ticket = self.engine.submit(request, request_id, deadline_s, priority, adapter, output)
         self.tickets[ticket.id] = ticket
         return ticket
 
@@ -236,8 +282,11 @@ class H3Replica:
         if self.tickets.get(ticket.id) is ticket:
             del self.tickets[ticket.id]
 
-    async def _encode(self, media: GeneratedMedia, kind: str, request_id: str) -> bytes:
-        """PNG or MP4 bytes off the event loop, timed as stage "encode"."""
+    async def _encode(self, media: GeneratedMedia | EncodedMedia, kind: str, request_id: str) -> bytes:
+        """PNG or MP4 bytes off the event loop, timed as stage "encode" (a decoder stage encoded them already)."""
+        if isinstance(media, EncodedMedia):
+            assert media.kind == kind, (media.kind, kind)
+            return media.data
         started = time.perf_counter()
         data = await asyncio.to_thread(media.png if kind == "png" else media.mp4)
         seconds = time.perf_counter() - started
@@ -293,6 +342,8 @@ class H3Replica:
             "waiting": waiting,
             "active": active,
             "forwards": self.engine.stats.forwards,
+            "stages": self.engine.remote is not None,  # conditioner and decoder deployments of their own
+            "handoff_bytes": dict(self.engine.stats.handoff_bytes),
             "policy": self.engine.limits.policy,
             "preemptions": self.engine.stats.preemptions,
             "duty_cycle": self.engine.stats.duty_cycle,

@@ -15,6 +15,7 @@ from .engine import (
     EngineStats,
     EngineStopped,
     QueueFull,
+    StageClient,
     Ticket,
 )
 from .spec import ReplicaSpec
@@ -37,6 +38,7 @@ __all__ = [
     "PackFailed",
     "QueueFull",
     "ReplicaSpec",
+    "StageClient",
     "Ticket",
     "WorkerGroup",
     "WorkerGroupBroken",

@@ -12,6 +12,13 @@ a step. The stage worker prepares ahead of the pack for at most ``limits.max_pre
 prepared states held at once (ready, running or paused) are at most ``max_active + max_prepared``; at that
 bound a waiting request that outranks a ready one that never stepped takes its room (that one waits again).
 
+With stages of their own (``remote``: a ``StageClient``, deploy's Serve handles of a shared conditioner and
+decoder) the stage worker keeps its place and order, but hands the work over: the conditioner returns the
+prepared state as host tensors (``PreparedState``), which ``H3Pipeline.admit`` places on the model's device;
+a finished request's rows go to the decoder on the host (``DecodeHandoff``), which returns the media, or its
+PNG/MP4 bytes when ``submit`` named an ``output``. A stage's error fails that request alone (reason ``prepare``
+or ``decode``); ``stats.handoff_bytes`` counts what crossed.
+
 Under ``srpt`` and ``priority`` a running request the scheduler leaves out at a step boundary is paused
 (a preemption): its latents and schedulers stay in its ``RequestState`` on the model's device, and it
 resumes where it stopped, with the same output as if never paused.
@@ -48,8 +55,18 @@ from typing import Any, Protocol, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState, StepStats
+from pipelines.h3 import (
+    DecodeHandoff,
+    EncodedMedia,
+    GeneratedMedia,
+    GenerationRequest,
+    PreparedState,
+    RequestError,
+    RequestState,
+    StepStats,
+)
 from pipelines.h3.packing import Pack
+from pipelines.h3.pipeline import payload_bytes
 from pipelines.h3.step_cache import OFF, StepCachePolicy, StepCacheTiers, skipped_block_rows
 
 from . import scheduler
@@ -162,6 +179,16 @@ class EngineLimits(BaseModel):
         return self.max_active + self.max_queue
 
 
+class StageClient(Protocol):
+    """Conditioner and decoder stages of their own (deploy wires this to Serve deployment handles): the engine
+    hands a request over to them instead of preparing or decoding it on its stage worker. Their errors are the
+    request's (RequestError stays a RequestError), never the engine's."""
+
+    async def prepare(self, request: GenerationRequest, shift: float | None) -> PreparedState: ...
+
+    async def decode(self, handoff: DecodeHandoff, output: str | None) -> GeneratedMedia | EncodedMedia: ...
+
+
 class EngineObserver(Protocol):
     """Where the engine reports what it does (deploy wires this to Prometheus)."""
 
@@ -192,6 +219,9 @@ class EngineStats:
     forward_s: float = 0.0  # seconds spent in packed forwards
     skipped_block_rows: int = 0  # rows x transformer blocks step caching skipped
     busy_s: float = 0.0  # seconds with any work submitted and not finished
+    # with stages of their own (``StageClient``): bytes handed over, by direction: "prepared" (conditioner ->
+    # denoiser), "latents" (denoiser -> decoder), "media" (decoder -> replica, encoded or raw)
+    handoff_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def duty_cycle(self) -> float:
@@ -216,7 +246,8 @@ class Ticket:
         self.priority, self.order = priority, order  # order: the engine's submission sequence number
         self.step_cache: StepCachePolicy | None = None  # its step-cache tier's policy (None: off)
         self.adapter: str | None = None  # the LoRA adapter it runs on (None: the base model)
-        self.future: asyncio.Future[GeneratedMedia] = loop.create_future()
+        self.output: str | None = None  # "png"/"mp4": a decoder stage encodes it (the future holds EncodedMedia)
+        self.future: asyncio.Future[GeneratedMedia | EncodedMedia] = loop.create_future()
         self.state: RequestState | None = None
         self.forwards = 0  # how many packed forwards this request was part of
         self.running = False  # in the batch of the current (or last) step
@@ -292,8 +323,15 @@ class StageWorker:
 
 
 class Engine:
-    def __init__(self, group: WorkerGroup, limits: EngineLimits | None = None, observer: EngineObserver | None = None):
-        self.group, self.pipeline, self.observer = group, group.pipeline, observer
+    def __init__(
+        self,
+        group: WorkerGroup,
+        limits: EngineLimits | None = None,
+        observer: EngineObserver | None = None,
+        remote: StageClient | None = None,
+    ):
+        """``remote``: conditioner and decoder stages of their own; None: prepare and decode run here."""
+        self.group, self.pipeline, self.observer, self.remote = group, group.pipeline, observer, remote
         self.limits = limits or EngineLimits()
         self.stats = EngineStats()
         self._waiting: list[Ticket] = []  # submitted, not yet prepared
@@ -353,6 +391,7 @@ class Engine:
         deadline_s: float | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        output: str | None = None,
     ) -> Ticket:
         """Queue a request, or raise at once: RequestError (bad request), QueueFull, EngineDraining, EngineStopped.
 
@@ -361,8 +400,11 @@ class Engine:
         ``priority``: an int from MIN_PRIORITY to MAX_PRIORITY, higher first under the "priority" policy
         (the other policies ignore it). ``adapter``: the LoRA adapter of the deployment it runs on (None: the
         base model); without ``num_inference_steps`` it runs the adapter's steps, and shares packs with requests
-        on the base model and on other adapters.
+        on the base model and on other adapters. ``output`` ("png", "mp4"): with a decoder stage (``remote``) the
+        future holds ``EncodedMedia`` encoded there; without one, or None, ``GeneratedMedia``.
         """
+        if output not in (None, "png", "mp4"):
+            raise ValueError(f"output must be 'png', 'mp4' or None, got {output!r}")
         if self._draining:
             raise EngineDraining("this replica is draining; retry on another replica")
         if self._stop_reason:
@@ -389,7 +431,7 @@ class Engine:
         ticket = Ticket(
             request_id or f"req-{next(self._ids)}", request, rows, loop, deadline_s, priority, next(self._orders)
         )
-        ticket.step_cache, ticket.adapter = step_cache, adapter
+        ticket.step_cache, ticket.adapter, ticket.output = step_cache, adapter, output
         if deadline_s is not None:
             timer = loop.call_later(deadline_s, self._expire, ticket)
             ticket.future.add_done_callback(lambda _: timer.cancel())
@@ -440,7 +482,9 @@ class Engine:
     ) -> GeneratedMedia:
         ticket = self.submit(request, request_id, deadline_s, priority, adapter)
         try:
-            return await ticket.future
+            media = await ticket.future
+            assert isinstance(media, GeneratedMedia)  # no output asked: never encoded by a decoder stage
+            return media
         except asyncio.CancelledError:  # the caller went away: leave the pack
             self.cancel(ticket)
             raise
@@ -785,7 +829,10 @@ class Engine:
         self._preparing = ticket
         started = time.perf_counter()
         try:
-            state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
+            if self.remote is None:
+                state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
+            else:
+                state = await self._prepare_remote(ticket)
             self._check_budget(state.rows)  # the estimate at submit was short (keyframe vision tokens)
         except Exception as e:
             logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
@@ -803,13 +850,41 @@ class Engine:
         self._report_queue()
         self._wake.set()
 
+    async def _prepare_remote(self, ticket: Ticket) -> RequestState:
+        """The conditioner stage prepares it; its host tensors become this pipeline's state on the stage worker."""
+        _, shift = self.pipeline.check_prepare(ticket.request, ticket.step_cache, ticket.adapter)  # refuse before
+        assert self.remote is not None
+        prepared = await self.remote.prepare(ticket.request, shift)
+        self.stats.handoff_bytes["prepared"] += prepared.nbytes
+        logger.info("request %s: %d prepared bytes from the conditioner stage", ticket.id, prepared.nbytes)
+        return await self._stages.run(self.pipeline.admit, ticket.request, prepared, ticket.step_cache, ticket.adapter)
+
+    async def _decode_remote(self, ticket: Ticket) -> GeneratedMedia | EncodedMedia:
+        """The decoder stage decodes (and encodes, for ``ticket.output``) its latents, copied to the host once."""
+        assert self.remote is not None
+        handoff = await self._stages.run(self.pipeline.decode_handoff, ticket.prepared)
+        self.stats.handoff_bytes["latents"] += handoff.nbytes
+        media = await self.remote.decode(handoff, ticket.output)
+        media_bytes = len(media.data) if isinstance(media, EncodedMedia) else payload_bytes(media)
+        self.stats.handoff_bytes["media"] += media_bytes
+        logger.info(
+            "request %s: %d latent bytes to the decoder stage, %d media bytes back",
+            ticket.id,
+            handoff.nbytes,
+            media_bytes,
+        )
+        return media
+
     async def _decode(self, ticket: Ticket) -> None:
         if ticket.future.done():
             return
         self._decoding_now = ticket
         started = time.perf_counter()
         try:
-            media = await self._stages.run(self.pipeline.decode, ticket.prepared)
+            if self.remote is None:
+                media: GeneratedMedia | EncodedMedia = await self._stages.run(self.pipeline.decode, ticket.prepared)
+            else:
+                media = await self._decode_remote(ticket)
         except Exception as e:
             logger.error("request %s: decode failed", ticket.id, exc_info=True)
             self._fail(ticket, e, "decode")

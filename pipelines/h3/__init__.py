@@ -3,20 +3,37 @@
 from .admission import DeploymentConfigError, validate_deployment
 from .checkpoint import CheckpointError, VisionUnavailable
 from .config import PRESETS, H3Preset, TransformerGeometry, default_dtype, preset
-from .pipeline import REQUIREMENTS, GeneratedMedia, H3Denoiser, H3Pipeline, RequestState, StepStats
+from .pipeline import (
+    REQUIREMENTS,
+    STAGE_ROLES,
+    DecodeHandoff,
+    EncodedMedia,
+    GeneratedMedia,
+    H3Denoiser,
+    H3Pipeline,
+    H3StageModels,
+    PreparedState,
+    RequestState,
+    StepStats,
+)
 from .request import GenerationRequest, ModelRules, Reference, RequestError
 
 __all__ = [
     "CheckpointError",
+    "DecodeHandoff",
     "DeploymentConfigError",
+    "EncodedMedia",
     "GeneratedMedia",
     "GenerationRequest",
     "H3Denoiser",
     "H3Pipeline",
+    "H3StageModels",
     "H3Preset",
     "ModelRules",
     "PRESETS",
+    "PreparedState",
     "REQUIREMENTS",
+    "STAGE_ROLES",
     "Reference",
     "RequestError",
     "RequestState",

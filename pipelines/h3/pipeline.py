@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from .forward import packed_forward
 from .lora import BASE_SLOT, LoraAdapter, LoraSpecs
 from .packing import Document, Pack, pack_documents
 from .request import GenerationRequest, ModelRules
-from .stages import H3Stages
+from .stages import DECODE_KEYS, PREPARED_KEYS, H3Stages
 from .step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, skipped_block_rows
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,170 @@ class GeneratedMedia:
         from .media import encode_mp4
 
         return encode_mp4(self.frames, self.fps, self.audio, self.sample_rate)
+
+
+@dataclasses.dataclass
+class EncodedMedia:
+    """A decoder stage's answer when asked for an encoding: the PNG or MP4 bytes, never the raw frames."""
+
+    kind: str  # "png" | "mp4"
+    data: bytes
+
+
+def move_tensors(value: Any, device: torch.device | str) -> Any:
+    """``value`` with every tensor in it (through tuples and lists: the row-timestep plan) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(move_tensors(v, device) for v in value)
+    return value
+
+
+def payload_bytes(value: Any) -> int:
+    """The bytes of the tensors, arrays and byte strings in ``value``: what a stage hand-off moves."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(payload_bytes(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(payload_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(payload_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+@dataclasses.dataclass
+class PreparedState:
+    """A conditioner stage's answer: the values of diffusers' pipeline state that ``RequestState`` reads
+    (``PREPARED_KEYS``), every tensor on the host, so it crosses the Ray object store once."""
+
+    values: dict[str, Any]
+
+    @classmethod
+    def of(cls, state: PipelineState) -> PreparedState:
+        return cls({key: move_tensors(state.get(key), "cpu") for key in PREPARED_KEYS})
+
+    def pipeline_state(self, device: torch.device) -> PipelineState:
+        """A diffusers ``PipelineState`` holding these values on ``device`` (the denoiser's)."""
+        state = PipelineState()
+        for key, value in self.values.items():
+            state.set(key, move_tensors(value, device))
+        return state
+
+    @property
+    def nbytes(self) -> int:
+        return payload_bytes(self.values)
+
+
+@dataclasses.dataclass
+class DecodeHandoff:
+    """What a decoder stage needs of a finished request: its rows after the last step and the layout sizes."""
+
+    video_rows: torch.Tensor  # [n_video, C*p] fp32 on the host, conditioning rows first
+    audio_rows: torch.Tensor  # [n_audio, C_audio] fp32 on the host
+    layout: dict[str, Any]  # DECODE_KEYS
+
+    @property
+    def nbytes(self) -> int:
+        return payload_bytes([self.video_rows, self.audio_rows])
+
+
+def prepare_shifted(
+    stages: H3Stages,
+    planner: MiniMaxH3Scheduler,
+    lock: threading.Lock,
+    request: GenerationRequest,
+    rules: ModelRules,
+    shift: float | None,
+) -> PipelineState:
+    """diffusers' blocks before the loop for ``request``, its rows' schedule planned with ``shift`` (None: the
+    released one). The timesteps block plans with the pipeline's own scheduler (``planner``): an adapter's shift
+    is set there for this prepare and put back; ``lock`` keeps any other prepare from seeing it."""
+    with lock:
+        if shift is None:
+            return stages.prepare(request, rules)
+        released = planner.shift
+        planner.set_shift(shift)
+        try:
+            return stages.prepare(request, rules)
+        finally:
+            planner.set_shift(released)
+
+
+STAGE_ROLES = ("conditioner", "decoder")
+
+
+class H3StageModels:
+    """A stage deployment's share of a checkpoint, without any transformer partition.
+
+    ``conditioner``: tokenizer, processor, Qwen3-VL through the layer H3 reads, both VAEs (their encoders read
+    keyframes and references) and diffusers' blocks before the loop; ``prepare`` returns a ``PreparedState``.
+    ``decoder``: both VAEs and the blocks after the loop; ``decode`` returns the media, or its PNG/MP4 bytes.
+    The text encoder is not loaded by a decoder. Outputs equal ``H3Pipeline.prepare``/``decode`` on the same
+    checkpoint, device and dtype (the same diffusers blocks on the same weights).
+    """
+
+    def __init__(self, role: str, stages: H3Stages, schedulers: dict[str, MiniMaxH3Scheduler], device: torch.device):
+        self.role, self.stages, self.device = role, stages, device
+        self._schedulers = schedulers
+        self._preparing = threading.Lock()
+        self.rules: ModelRules = stages.rules()
+
+    @classmethod
+    def load(
+        cls,
+        role: str,
+        checkpoint: str | Path | None,
+        *,
+        device: DeviceType = "cpu",
+        dtype: str | torch.dtype = "float32",
+    ) -> H3StageModels:
+        if role not in STAGE_ROLES:
+            raise ValueError(f"stage role must be one of {', '.join(STAGE_ROLES)}, got {role!r}")
+        _quiet_libraries()
+        index = ckpt.CheckpointIndex(ckpt.resolve_checkpoint(checkpoint))
+        components: dict[str, Any] = dict(
+            vae=ckpt.load_model(index, "vae", torch.float32, device),  # the VAEs run in fp32
+            audio_vae=ckpt.load_model(index, "audio_vae", torch.float32, device),
+            tokenizer=ckpt.load_tokenizer(index),
+            processor=ckpt.load_processor(index),
+        )
+        if role == "conditioner":
+            components["text_encoder"] = ckpt.load_model(index, "text_encoder", parse_dtype(dtype), "cpu")
+        schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
+        stages = H3Stages({**components, **schedulers}, index.pipeline_config)
+        if role == "conditioner":  # as H3Pipeline.load: trimmed to the layer H3 reads before it moves
+            ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
+            components["text_encoder"].to(device)
+        return cls(role, stages, schedulers, torch.device(device))
+
+    @torch.no_grad()
+    def prepare(self, request: GenerationRequest, shift: float | None = None) -> PreparedState:
+        """The conditioner's work for one request (the denoiser checked it and chose ``shift``: its adapter's)."""
+        if self.role != "conditioner":
+            raise RuntimeError(f"a {self.role} stage does not prepare requests")
+        self.rules.check(request)
+        state = prepare_shifted(self.stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
+        return PreparedState.of(state)
+
+    @torch.no_grad()
+    def decode(self, handoff: DecodeHandoff, output: str | None = None) -> GeneratedMedia | EncodedMedia:
+        """Both VAE decoders for one finished request; ``output`` "png"/"mp4": encoded here, None: the media."""
+        layout = PipelineState()
+        for key, value in handoff.layout.items():
+            layout.set(key, value)
+        video_rows, audio_rows = handoff.video_rows.to(self.device), handoff.audio_rows.to(self.device)
+        frames, audio, sample_rate = self.stages.finish(layout, video_rows, audio_rows)
+        media = GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
+        if output is None:
+            return media
+        if output not in ("png", "mp4"):
+            raise ValueError(f"output must be 'png', 'mp4' or None, got {output!r}")
+        return EncodedMedia(output, media.png() if output == "png" else media.mp4())
 
 
 class RequestState:
@@ -365,23 +530,45 @@ class H3Pipeline:
         self.rules.check(request)
         if step_cache is not None:
             self.check_step_cache(step_cache)
+        slot, shift = self.check_prepare(request, step_cache, adapter)
+        state = prepare_shifted(self.stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
+        return self._request_state(request, state, step_cache, slot, shift)
+
+    def check_prepare(
+        self, request: GenerationRequest, step_cache: StepCachePolicy | None, adapter: str | None
+    ) -> tuple[int, float | None]:
+        """The request's adapter slot and its video schedule's shift (None: the released one), or the error that
+        refuses it (RequestError for the model's rules and the adapter, ValueError for the step cache)."""
+        self.rules.check(request)
+        if step_cache is not None:
+            self.check_step_cache(step_cache)
         slot, spec, _ = self.denoiser.loras.resolve(adapter, request.num_inference_steps)  # checked again
+        return slot, spec.shift if spec is not None and spec.shift is not None else None
+
+    @torch.no_grad()
+    def admit(
+        self,
+        request: GenerationRequest,
+        prepared: PreparedState,
+        step_cache: StepCachePolicy | None = None,
+        adapter: str | None = None,
+    ) -> RequestState:
+        """A request prepared by a conditioner stage (``H3StageModels.prepare`` with ``check_prepare``'s shift)
+        as this pipeline's ``RequestState``: its host tensors move to the denoiser's device once."""
+        slot, shift = self.check_prepare(request, step_cache, adapter)
+        return self._request_state(request, prepared.pipeline_state(self.denoiser.device), step_cache, slot, shift)
+
+    def _request_state(
+        self,
+        request: GenerationRequest,
+        state: PipelineState,
+        step_cache: StepCachePolicy | None,
+        slot: int,
+        shift: float | None,
+    ) -> RequestState:
         video = MiniMaxH3Scheduler.from_config(self._schedulers["scheduler"].config)  # each request steps its own
-        shift = spec.shift if spec is not None and spec.shift is not None else None
-        # diffusers' timesteps block plans the rows' schedule with the pipeline's own scheduler: an adapter's
-        # shift is set there for its prepare and put back; the lock keeps any other prepare from seeing it
-        with self._preparing:
-            if shift is None:
-                state = self.stages.prepare(request, self.rules)
-            else:
-                planner = self._schedulers["scheduler"]
-                released = planner.shift
-                planner.set_shift(shift)
-                try:
-                    state = self.stages.prepare(request, self.rules)
-                finally:
-                    planner.set_shift(released)
-                video.set_shift(shift)
+        if shift is not None:
+            video.set_shift(shift)
         return RequestState(
             request,
             state,
@@ -401,6 +588,14 @@ class H3Pipeline:
     def decode(self, state: RequestState) -> GeneratedMedia:
         frames, audio, sample_rate = self.stages.finish(state.state, state.video_rows, state.audio_rows)
         return GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
+
+    def decode_handoff(self, state: RequestState) -> DecodeHandoff:
+        """What a decoder stage needs of a finished request: its latents rows and layout sizes, on the host."""
+        return DecodeHandoff(
+            video_rows=state.video_rows.cpu(),
+            audio_rows=state.audio_rows.cpu(),
+            layout={key: state.state.get(key) for key in DECODE_KEYS},
+        )
 
     # -- many requests, one step each ------------------------------------------------------------
     def packs(self, states: Sequence[RequestState]) -> list[tuple[list[RequestState], Pack]]:

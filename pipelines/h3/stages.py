@@ -70,6 +70,31 @@ def _blocks_after_loop() -> SequentialPipelineBlocks:
     )
 
 
+# The layout sizes the blocks after the loop read (besides the latents rows)
+DECODE_KEYS = (
+    "num_condition_video_rows",
+    "num_condition_audio_rows",
+    "num_latent_frames",
+    "latent_height",
+    "latent_width",
+    "num_audio_latents",
+)
+# What the engine reads of a prepared request (``RequestState``) besides DECODE_KEYS: the noised rows, the
+# row-timestep plan and schedule, the prompt embeddings and the packed layout
+PREPARED_KEYS = (
+    "latents",
+    "audio_latents",
+    "row_timestep_plan",
+    "timesteps",
+    "prompt_embeds",
+    "position_ids",
+    "token_tags",
+    "video_indices",
+    "audio_indices",
+    "text_indices",
+    *DECODE_KEYS,
+)
+
 # Keyframes and image references are resized to a canvas of at most ~1M pixels; a larger upload is refused
 # before it is decoded (a few KB of PNG can declare billions of pixels: a decompression bomb).
 MAX_UPLOAD_PIXELS = 4096 * 4096
@@ -168,16 +193,8 @@ class H3Stages:
 
     def decode(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> PipelineState:
         """After the loop, by diffusers' blocks: latents, ``videos`` [1, F, 3, H, W] in [0, 1], ``audio`` [1, 2, S]."""
-        keys = (
-            "num_condition_video_rows",
-            "num_condition_audio_rows",
-            "num_latent_frames",
-            "latent_height",
-            "latent_width",
-            "num_audio_latents",
-        )
         return self.after(
-            latents=video_rows, audio_latents=audio_rows, output_type="pt", **{k: state.get(k) for k in keys}
+            latents=video_rows, audio_latents=audio_rows, output_type="pt", **{k: state.get(k) for k in DECODE_KEYS}
         )
 
     def finish(

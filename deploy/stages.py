@@ -1,0 +1,88 @@
+"""Conditioner and decoder stage deployments, shared by every H3Replica (issue 27; ``args.stages``).
+
+The builder binds ``H3Conditioner`` and ``H3Decoder`` beside ``H3Replica`` when the deploy args have a
+``stages`` section, and passes their handles to every H3Replica. Its engine then hands each request over:
+``H3Conditioner.prepare`` returns the request's prepared state (``PreparedState``: host tensors, through the
+object store), the denoiser steps it in its packs, and ``H3Decoder.decode`` gets its latents rows
+(``DecodeHandoff``) and returns the PNG/MP4 bytes. The client sees one request. A stage's error is the
+request's error (a RequestError stays one, an HTTP 400); a stage replica that dies fails the requests it held,
+never the H3Replica, and Serve replaces it.
+
+Each stage counts what it served per caller (``report``): the calling H3Replica's replica id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+from ray import serve
+
+from pipelines.h3 import DecodeHandoff, EncodedMedia, GeneratedMedia, GenerationRequest, H3StageModels, PreparedState
+
+from .args import DeployArgs, StageDeploymentArgs
+from .replica import log_through_serve
+
+logger = logging.getLogger(__name__)
+
+
+class StageReplica:
+    """What both stages share: the models of one role, loaded once, and counters by caller."""
+
+    role = ""
+
+    @classmethod
+    def deployment_options(cls, args: DeployArgs) -> dict[str, Any]:
+        stage: StageDeploymentArgs = args.stage_deployments()[cls.role]
+        return dict(
+            name=cls.__name__,
+            num_replicas=stage.num_replicas,
+            ray_actor_options=stage.ray_actor_options,
+            max_ongoing_requests=stage.max_ongoing_requests,
+            health_check_period_s=5,
+        )
+
+    def __init__(self, checkpoint: str | None, device: str, dtype: str):
+        log_through_serve()
+        self.models = H3StageModels.load(self.role, checkpoint, device=device, dtype=dtype)  # type: ignore[arg-type]
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.calls: collections.Counter[str] = collections.Counter()  # caller's replica id -> requests served
+        self.failures = 0
+        logger.info("%s stage ready (replica %s)", self.role, self.replica_id)
+
+    def report(self) -> dict[str, Any]:
+        """This stage replica's id and the requests it served, by calling H3Replica (and how many failed)."""
+        return {"replica_id": self.replica_id, "calls": dict(self.calls), "failures": self.failures}
+
+    async def _run(self, caller: str, what: str, fn, *args):
+        self.calls[caller] += 1
+        started = time.perf_counter()
+        try:
+            result = await asyncio.to_thread(fn, *args)  # off the event loop: report() and health stay answered
+        except Exception:
+            self.failures += 1
+            logger.warning("%s for %s failed", what, caller, exc_info=True)
+            raise
+        logger.info("%s for %s in %.2f s", what, caller, time.perf_counter() - started)
+        return result
+
+
+class H3Conditioner(StageReplica):
+    """Tokenizer, processor, text encoder, VAE encoders and diffusers' blocks before the loop; no transformer."""
+
+    role = "conditioner"
+
+    async def prepare(self, request: GenerationRequest, shift: float | None, caller: str) -> PreparedState:
+        return await self._run(caller, "prepare", self.models.prepare, request, shift)
+
+
+class H3Decoder(StageReplica):
+    """Both VAE decoders, diffusers' blocks after the loop and the PNG/MP4 encoding; no transformer."""
+
+    role = "decoder"
+
+    async def decode(self, handoff: DecodeHandoff, output: str | None, caller: str) -> GeneratedMedia | EncodedMedia:
+        return await self._run(caller, "decode", self.models.decode, handoff, output)
