@@ -2,10 +2,13 @@
 
 Three stages, each a library class trained in place and saved in the released layout at the end:
 
-1. **The video VAE** (``AutoencoderKLMiniMaxH3``) on short windows of every colour x shape x motion
-   clip (the autoencoders learn pixels, not prompts: the held-out split does not apply to them),
-   through the library's own ``encode`` / ``decode`` (temporal chunking included), in the pipeline's
-   ImageNet-normalised pixel space.
+1. **The video VAE** (``AutoencoderKLMiniMaxH3``): its encoder keeps its seeded random weights and its
+   decoder, wider than the tiny preset's (``Recipe.video_decoder_*``; the checkpoint carries its own
+   config), learns to invert it on decode windows of every colour x shape x motion clip (the
+   autoencoders learn pixels, not prompts: the held-out split does not apply to them), through the
+   library's own ``decode`` (temporal chunking included), in the pipeline's ImageNet-normalised pixel
+   space. A random convolutional encoder keeps the colours apart; training it jointly with the decoder
+   for the steps a CPU affords collapsed them (docs/BENCHMARKS.md section 8).
 2. **The audio VAE** (``AutoencoderKLMiniMaxH3Audio``) on one-second windows of every sound, as the
    pipeline uses it (posterior mode, mono, the stereo channels as two batch items). Then both VAEs'
    ``latents_mean`` / ``latents_std`` are set to their latents' statistics over the world, so the
@@ -52,14 +55,15 @@ logger = logging.getLogger("demo.train")
 class Recipe:
     seed: int = 0
     threads: int = 2
-    # video VAE: windows of 17 + 5 frames (the shortest the chunked encoder takes whole: 7 latent frames)
-    video_vae_steps: int = 150  # the encoder's backward is the costly part on CPU (~5 s a step)
-    video_vae_batch: int = 2
-    video_vae_lr: float = 2e-3
-    video_vae_kl: float = 1e-4
-    video_decoder_steps: int = 400  # then the decoder alone on the fixed encoder's latents
+    # video VAE: the decoder alone on the seeded encoder's latents, windows of 17 + 5 frames (7 latent frames)
+    video_decoder_steps: int = 4000
     video_decoder_batch: int = 4
-    video_decoder_lr: float = 1e-3
+    video_decoder_lr: float = 2e-3
+    # its width: a latent token becomes a 4 x 16 x 16 pixel block through one linear layer of this many features
+    # (the tiny preset's 2 heads x 16 cannot draw a shape's edge inside a block)
+    video_decoder_heads: int = 4
+    video_decoder_head_dim: int = 32
+    video_decoder_ffn_mult: int = 4
     # audio VAE: one-second windows of every sound, at random phases
     audio_vae_steps: int = 200
     audio_vae_batch: int = 8
@@ -178,38 +182,28 @@ def _reconstruction_loss(recon: torch.Tensor, x: torch.Tensor, pixels: torch.Ten
     return ((1.0 + 10.0 * foreground.float()) * (recon - x).pow(2)).mean()
 
 
-def train_video_vae(
-    vae, clips: WorldClips, recipe: Recipe, pixel_mean, pixel_std, windows: DecodeWindows
-) -> dict[str, Any]:
-    """Encoder and decoder together on decode windows of every combination: reconstruction + a small KL."""
-    rng = random.Random(recipe.seed + 1)
-    generator = torch.Generator("cpu").manual_seed(recipe.seed + 1)
-    mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=recipe.video_vae_lr, weight_decay=0.0)
-    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.video_vae_steps)
-    progress = _Progress("video vae", recipe.video_vae_steps)
-    vae.train()
-    for step in range(recipe.video_vae_steps):
-        pixels = []
-        for _ in range(recipe.video_vae_batch):
-            frames, _ = windows(rng.randrange(windows.count))
-            pixels.append(clips.pixels(rng.choice(world.COMBINATIONS))[:, frames])
-        batch = torch.stack(pixels)  # [B, 3, 22, H, W]
-        x = _normalise_pixels(batch, mean, std)
-        posterior = vae.encode(x).latent_dist
-        z = posterior.sample(generator=generator)  # [B, C, 7, h, w]
-        recon = vae.decode(z).sample  # [B, 3, 22, H, W]
-        loss = _reconstruction_loss(recon, x, batch) + recipe.video_vae_kl * posterior.kl().mean() / z[0].numel()
-        progress(step, _descend(loss, optimizer, schedule))
-    vae.eval()
-    return progress.summary()
+def demo_video_vae(recipe: Recipe):
+    """The tiny preset's video VAE with the recipe's wider decoder, seeded (its encoder is never trained)."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    from pipelines.h3 import preset
+
+    torch.manual_seed(recipe.seed + 1)
+    return AutoencoderKLMiniMaxH3(
+        **{
+            **preset("tiny").components["vae"],
+            "decoder_num_attention_heads": recipe.video_decoder_heads,
+            "decoder_attention_head_dim": recipe.video_decoder_head_dim,
+            "decoder_ffn_mult": recipe.video_decoder_ffn_mult,
+        }
+    )
 
 
 def train_video_decoder(
     vae, clips: WorldClips, latents: dict, recipe: Recipe, pixel_mean, pixel_std, windows: DecodeWindows
 ):
-    """The decoder alone on the (now fixed) encoder's latents of every combination: cheap, and it sharpens the
-    pictures the transformer's latents will be decoded into."""
+    """The decoder alone on the (fixed) encoder's latents of every combination: ~0.1 s a step on 2 cores, where a
+    step through the encoder's backward costs seconds."""
     rng = random.Random(recipe.seed + 6)
     mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
     parameters = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
@@ -434,8 +428,8 @@ def train(out: str | Path, recipe: Recipe, backend: str = "auto") -> dict[str, A
         del probe
         torch.manual_seed(recipe.seed)
         clips, windows = WorldClips(fmt), DecodeWindows.of(probe_rules, fmt.num_frames)
-        vae, audio_vae = components["vae"], components["audio_vae"]
-        report["video_vae"] = train_video_vae(vae, clips, recipe, pixel_mean, pixel_std, windows)
+        vae, audio_vae = demo_video_vae(recipe), components["audio_vae"]
+        components["vae"] = vae
         report["audio_vae"] = train_audio_vae(audio_vae, recipe, fmt.sample_rate)
         video, audio = encode_world(vae, audio_vae, clips, pixel_mean, pixel_std)
         report["video_decoder"] = train_video_decoder(vae, clips, video, recipe, pixel_mean, pixel_std, windows)

@@ -73,7 +73,8 @@ def test_latent_statistics_are_per_channel():
 def test_recipe_scaling_keeps_every_stage():
     quick = Recipe().scaled(0.0001)
     assert (
-        quick.transformer_steps == quick.video_vae_steps == 2 and quick.transformer_batch == Recipe().transformer_batch
+        quick.transformer_steps == quick.video_decoder_steps == 2
+        and quick.transformer_batch == Recipe().transformer_batch
     )
 
 
@@ -81,14 +82,11 @@ def test_recipe_scaling_keeps_every_stage():
 @pytest.mark.timeout(1800)  # encoding every clip of the world is ~3 min on 2 free cores, far more on a loaded machine
 def test_a_short_run_writes_a_servable_checkpoint_with_its_record(tmp_path):
     out = tmp_path / "demo"
-    recipe = Recipe(
-        video_vae_steps=2, video_decoder_steps=2, audio_vae_steps=2, transformer_steps=3, transformer_batch=2
-    )
+    recipe = Recipe(video_decoder_steps=2, audio_vae_steps=2, transformer_steps=3, transformer_batch=2)
     report = train(out, recipe)
     record = json.loads((out / "training.json").read_text())
     assert record["recipe"]["transformer_steps"] == 3 and record == json.loads(json.dumps(report))
-    assert {s: record[s]["steps"] for s in ("video_vae", "video_decoder", "audio_vae", "transformer")} == {
-        "video_vae": 2,
+    assert {s: record[s]["steps"] for s in ("video_decoder", "audio_vae", "transformer")} == {
         "video_decoder": 2,
         "audio_vae": 2,
         "transformer": 3,
@@ -96,5 +94,8 @@ def test_a_short_run_writes_a_servable_checkpoint_with_its_record(tmp_path):
     trained = H3Pipeline.load(out, "torch_sdpa")
     vae = trained.stages.after.vae.config
     assert list(vae.latents_std) != [1.0] * 8  # the latents' own statistics, not the preset's identity
+    # the checkpoint carries its own, wider decoder; the encoder is the tiny preset's
+    assert (vae.decoder_num_attention_heads, vae.decoder_attention_head_dim) == (4, 32)
+    assert tuple(vae.block_out_channels) == tuple(preset("tiny").components["vae"]["block_out_channels"])
     media = trained.generate(GenerationRequest(prompt="a red circle moving left", num_inference_steps=2, seed=1))
     assert media.frames.shape[1:] == (64, 128, 3) and media.audio.shape[0] == 2
