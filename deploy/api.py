@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.checkpoint import cache_dir
-from pipelines.h3.lora import check_request_steps
+from pipelines.h3.lora import asked_steps, check_request_steps
 from replicas import MAX_PRIORITY, MIN_PRIORITY
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
@@ -602,8 +602,7 @@ class H3Ingress:
         fields = body.generation()
         if adapter is not None:
             spec = self.loras[adapter]
-            given = "num_inference_steps" in body.model_fields_set
-            asked = body.num_inference_steps if given or spec.steps is None else None
+            asked = asked_steps(spec, body.num_inference_steps, "num_inference_steps" in body.model_fields_set)
             fields["num_inference_steps"] = check_request_steps(adapter, spec, asked)
         return fields
 

@@ -73,6 +73,12 @@ class LoraSpec(BaseModel):
     )
 
 
+def asked_steps(spec: LoraSpec | None, num_inference_steps: int | None, given: bool) -> int | None:
+    """The steps a request asks of adapter ``spec`` (None: the base model): what it set, or None (the adapter's
+    own) when it set none and the adapter declares some; on an adapter without steps, the request's default."""
+    return num_inference_steps if given or spec is None or spec.steps is None else None
+
+
 def check_request_steps(name: str, spec: LoraSpec, num_inference_steps: int | None) -> int:
     """The steps a request on adapter ``name`` runs: the adapter's own when it gives none, else the same.
 

@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from .attention_processor import SequenceParallel, install
 from .config import TransformerGeometry
 from .forward import packed_forward
-from .lora import BASE_SLOT, LoraAdapter, LoraSpecs
+from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, asked_steps
 from .packing import Document, Pack, pack_documents
 from .request import GenerationRequest, ModelRules
 from .stages import DECODE_KEYS, PREPARED_KEYS, H3Stages
@@ -509,10 +509,9 @@ class H3Pipeline:
         """``request`` as it runs on ``adapter`` (None: the base model): a request that sets no
         ``num_inference_steps`` gets the adapter's; RequestError("model") for an adapter not served here,
         RequestError("num_inference_steps") for steps the adapter was not distilled for."""
-        declared = self.denoiser.loras.loras[adapter].steps if adapter in self.denoiser.loras.loras else None
+        spec = self.denoiser.loras.loras.get(adapter) if adapter is not None else None
         given = "num_inference_steps" in request.model_fields_set
-        # a request that gives no steps runs the adapter's; on an adapter without steps, the request's default
-        asked = request.num_inference_steps if given or declared is None else None
+        asked = asked_steps(spec, request.num_inference_steps, given)
         _, _, steps = self.denoiser.loras.resolve(adapter, asked)
         if steps is None or steps == request.num_inference_steps:
             return request
