@@ -13,8 +13,8 @@ import ray
 from attention import AttentionSelectionError, DeviceType, Platform, Resolution, probe_platform
 from pipelines.h3 import DeploymentConfigError, preset, validate_deployment
 from pipelines.h3.admission import check_memory
-from pipelines.h3.lora import LoraError, check_adapters
-from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, checkpoint_partitions, memory_plan
+from pipelines.h3.lora import AdapterFootprint, LoraError, check_adapters
+from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, checkpoint_partitions, gib, memory_plan
 
 from .args import DeployArgs
 from .metrics import admission_recorder
@@ -53,8 +53,10 @@ def target_platform(args: DeployArgs) -> Platform:
     return args.assumed_platform or Platform(device_type=args.device, source="assumed")
 
 
-def deployment_memory_plan(args: DeployArgs) -> MemoryPlan:
-    """Each rank role's device memory for these args: weights, a full pack's activations, the reserve."""
+def deployment_memory_plan(args: DeployArgs, adapters: dict[str, AdapterFootprint] | None = None) -> MemoryPlan:
+    """Each rank role's device memory for these args: weights (LoRA adapters included), a full pack's activations
+    (with step caches when a tier is offered), the reserve. ``adapters``: ``check_loras``'s, else checked here."""
+    adapters = check_loras(args) if adapters is None else adapters
     return memory_plan(
         model=args.model,
         checkpoint=args.checkpoint,
@@ -63,6 +65,8 @@ def deployment_memory_plan(args: DeployArgs) -> MemoryPlan:
         max_rows=args.engine.max_rows_per_step,
         # the reserve is the CUDA context, workspaces and the caching allocator's slack: none of it on CPU
         reserve_bytes=DEFAULT_RESERVE_BYTES if args.device == "cuda" else 0,
+        adapters={name: footprint.bytes for name, footprint in adapters.items()},
+        step_cache=args.sp_degree == 1 and bool(args.engine.step_cache.tiers),
     )
 
 
@@ -78,12 +82,21 @@ def transformer_configs(args: DeployArgs) -> dict[str, dict[str, Any]]:
     return configs
 
 
-def check_loras(args: DeployArgs) -> str:
+def check_loras(args: DeployArgs) -> dict[str, AdapterFootprint]:
     """Every adapter of ``args.loras`` against the served transformer's modules (meta device, no weights)."""
     if not args.loras:
-        return "no adapters"
-    layers = check_adapters(args.lora_specs, transformer_configs(args))
-    return ", ".join(f"{args.served_model_name}:{name} ({count} layers)" for name, count in layers.items())
+        return {}
+    return check_adapters(args.lora_specs, transformer_configs(args), args.dtype)
+
+
+def describe_adapters(args: DeployArgs, adapters: dict[str, AdapterFootprint]) -> str:
+    return (
+        ", ".join(
+            f"{args.served_model_name}:{name} ({footprint.layers} layers, {gib(footprint.bytes)} a rank)"
+            for name, footprint in adapters.items()
+        )
+        or "no adapters"
+    )
 
 
 def outcome_tags(
@@ -118,9 +131,10 @@ def admit(
 
     Runs once in the driver (the application builder) and in the pre-flights; the replicas receive
     the Resolution. Without ``platform`` it is learned from a probe task shaped like one SP rank.
-    Checks the attention backend, the SP layout, then every rank role's device memory
-    (``pipelines.h3.memory``): a rank that does not fit is a ``MemoryBudgetError`` (reason "memory"); then
-    every LoRA adapter against the transformer's modules: one that does not fit is a ``LoraError`` (reason "lora").
+    Checks the attention backend, the SP layout, every LoRA adapter against the transformer's modules (one
+    that does not fit is a ``LoraError``, reason "lora"), then every rank role's device memory with the
+    adapters' weights (``pipelines.h3.memory``): a rank that does not fit is a ``MemoryBudgetError`` (reason
+    "memory").
     """
     resolution, error = None, None
     try:
@@ -135,9 +149,10 @@ def admit(
             sp_degree=args.sp_degree,
             ranking=args.attention_ranking,
         )
+        adapters = check_loras(args)
+        logger.info("h3serve admission: LoRA adapters: %s", describe_adapters(args, adapters))
         # the rank roles' device memory at the row budget: refused (reason "memory") when a rank cannot fit
-        logger.info("h3serve admission: memory: %s", check_memory(deployment_memory_plan(args), platform))
-        logger.info("h3serve admission: LoRA adapters: %s", check_loras(args))
+        logger.info("h3serve admission: memory: %s", check_memory(deployment_memory_plan(args, adapters), platform))
     except ADMISSION_ERRORS as e:
         error = e
     record(outcome_tags(args, stage, resolution, error))

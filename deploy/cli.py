@@ -77,6 +77,7 @@ def cmd_admit(ns: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry, Counter, push_to_gateway, write_to_textfile
 
     from attention import Platform, probe_platform
+    from pipelines.h3.lora import LoraError
 
     from .admission import ADMISSION_ERRORS, admit, deployment_memory_plan
     from .metrics import ADMISSION_DECISIONS, ADMISSION_FAILURES
@@ -118,8 +119,13 @@ def cmd_admit(ns: argparse.Namespace) -> None:
             refused.append(f"application {name!r}: {e}")
         else:
             print(f"h3serve: application {name!r} admitted: {resolution.describe()}")
-        # each rank role's device memory, admitted or not: what an operator sizes GPUs with
-        print(f"h3serve: application {name!r} " + deployment_memory_plan(args).table(platform.device_memory_bytes))
+        # each rank role's device memory, admitted or not: what an operator sizes GPUs with (without the adapters
+        # when one was refused)
+        try:
+            plan = deployment_memory_plan(args)
+        except LoraError:
+            plan = deployment_memory_plan(args, adapters={})
+        print(f"h3serve: application {name!r} " + plan.table(platform.device_memory_bytes))
     if ns.textfile:
         write_to_textfile(ns.textfile, registry)
     if ns.pushgateway:
@@ -221,6 +227,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         default_dtype,
     )
     from pipelines.h3.checkpoint import resolve_checkpoint
+    from pipelines.h3.step_cache import StepCacheTiers
 
     if ns.threads:
         import torch
@@ -256,13 +263,24 @@ def cmd_generate(ns: argparse.Namespace) -> None:
             last_frame=last,
         )
         pipeline.validate(request)
+        step_cache = StepCacheTiers().policy(ns.cache)
+        if step_cache is not None:
+            pipeline.check_step_cache(step_cache)
     except (AttentionSelectionError, CheckpointError, ValueError, ValidationError, OSError) as e:
         fail(EXIT_REFUSED, str(e))  # RequestError is a ValueError: it names the field
+    forwards: list = []
     with tqdm(total=ns.steps - 1, desc=f"minimax-h3 ({backend})", unit="step") as bar:
-        media = pipeline.generate(request, progress=lambda done, total: bar.update(done - bar.n))
+        media = pipeline.generate(
+            request, progress=lambda done, total: bar.update(done - bar.n), step_cache=step_cache, stats=forwards
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(media.mp4() if out.suffix.lower() == ".mp4" else media.png())
     print(f"h3serve: wrote {out} ({out.stat().st_size} bytes)")
+    if step_cache is not None:
+        blocks = len(pipeline.denoiser.transformers["transformer"].transformer_blocks)
+        ran = sum(f.rows - f.padding_rows for f in forwards) * blocks
+        skipped = sum(f.skipped_block_rows for f in forwards)
+        print(f"h3serve: step cache {ns.cache!r} skipped {skipped} of {ran} block-rows ({skipped / ran:.0%})")
 
 
 def cmd_eval(ns: argparse.Namespace) -> None:
@@ -357,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first-frame", help="an image the clip starts from (FL2VA)")
     p.add_argument("--last-frame", help="an image the clip ends on (FL2VA)")
+    p.add_argument(
+        "--cache",
+        default="off",
+        help="step caching: 'off' or a built-in tier (high, medium, low: more steps skipped, less fidelity)",
+    )
     p.add_argument("--checkpoint", help="checkpoint directory in the released layout (default: the built-in tiny)")
     p.add_argument(
         "--threads",

@@ -1,6 +1,7 @@
 """The local command, as a user runs it: `h3serve generate`, `weights`, `probe` (no Ray)."""
 
 import json
+import re
 
 import pytest
 
@@ -42,9 +43,23 @@ def test_generate_refuses_an_incapable_backend(tmp_path, tiny_checkpoint):
     assert "does not implement packed varlen attention" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_generate_with_a_step_cache_tier_skips_block_rows(tmp_path, tiny_checkpoint):
+    out = tmp_path / "cached.png"
+    result = h3serve(
+        "generate", "a red fox", "-o", str(out), "--size", "64x64", "--steps", "12", "--cache", "low",
+        "--checkpoint", str(tiny_checkpoint),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert probe_media(out.read_bytes()).container == "png"
+    line = next(x for x in result.stdout.splitlines() if "step cache" in x)
+    skipped, ran = (int(v) for v in re.search(r"skipped (\d+) of (\d+) block-rows", line).groups())
+    assert 0 < skipped < ran, line
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
+        (["--cache", "fast"], "cache must be one of off, high, low, medium, got 'fast'"),
         (["--size", "100x64"], "multiples of 32"),
         (["--seconds", "3"], "seconds=3 is outside what the model generates: 5.16667 to 14.375 s"),
         (["-o", "x.gif"], "--output must end in .mp4"),

@@ -218,6 +218,7 @@ def test_admission_checks_adapters_against_the_served_transformer_before_any_rep
     }
     result = h3serve("admit", write_adapter_config(tmp_path, good))
     assert result.returncode == 0, result.stderr
+    assert "lora turbo" in result.stdout and "lora style" in result.stdout  # in the memory plan's weights
 
     state_dict = lora_state_dict(base, LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"]), seed=5)
     state_dict["transformer_blocks.1.attn.to_v.lora_B.weight"] = torch.zeros(95, 4)
@@ -231,6 +232,26 @@ def test_admission_checks_adapters_against_the_served_transformer_before_any_rep
     families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
     failures = families["h3serve_admission_failures"].samples
     assert [(s.labels["reason"], s.value) for s in failures if s.name.endswith("_total")] == [("lora", 1.0)]
+
+
+def test_the_memory_plan_holds_every_adapter_on_every_rank(loras, tiny_checkpoint):
+    """An adapter's bytes are its lora_A and lora_B tensors as read from its file (float32 here), on each rank."""
+    from safetensors.torch import load_file
+
+    from deploy.admission import deployment_memory_plan
+    from deploy.args import DeployArgs
+
+    fields = {name: {"path": str(s.path), "scale": s.scale} for name, s in loras.loras.items()}
+    args = DeployArgs(checkpoint=str(tiny_checkpoint), sp_degree=2, loras=fields)
+    plan, bare = deployment_memory_plan(args), deployment_memory_plan(args.model_copy(update={"loras": {}}))
+    stored = {
+        name: sum(t.numel() * 4 for t in load_file(next(adapter.path.glob("*.safetensors"))).values())
+        for name, adapter in loras.loras.items()
+    }
+    for name, nbytes in stored.items():
+        assert [rank.weights[f"lora {name}"] for rank in plan.ranks] == [nbytes, nbytes]
+    added = sum(stored.values())
+    assert [p.weight_bytes - b.weight_bytes for p, b in zip(plan.ranks, bare.ranks, strict=True)] == [added, added]
 
 
 def test_deploy_args_check_adapter_names_and_fields(tmp_path):

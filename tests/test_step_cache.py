@@ -187,6 +187,37 @@ def test_a_finished_request_frees_its_residuals(tiny_pipeline):
     assert state.step_cache.first_residual is None and state.step_cache.middle_residual is None
 
 
+def test_the_memory_plan_counts_the_residuals_a_caching_request_holds(tiny_pipeline):
+    """The plan's per-row step-cache cost is what a running request's DocumentCache holds between steps."""
+    from pipelines.h3.memory import activation_row_cost, memory_plan
+
+    states = [tiny_pipeline.prepare(r, SKIPPING) for r in REQUESTS]
+    tiny_pipeline.step(states)  # every document computes its first step (warm-up) and keeps both residuals
+    held = sum(s.step_cache.first_residual.nbytes + s.step_cache.middle_residual.nbytes for s in states)
+    rows = sum(s.rows for s in states)
+    config = transformer(tiny_pipeline).config
+    assert activation_row_cost(config, "float32", step_cache=True).step_cache * rows == held
+    for state in states:
+        state.free_step_cache()
+
+    plans = [
+        memory_plan(model="tiny", checkpoint=None, dtype="float32", sp_degree=1, max_rows=1024, step_cache=cached)
+        for cached in (False, True)
+    ]
+    assert plans[1].ranks[0].activation_bytes - plans[0].ranks[0].activation_bytes == 1024 * held // rows
+    assert any("keeps its step cache" in note for note in plans[1].notes)
+
+
+def test_a_deployment_plans_step_caches_only_where_a_request_can_cache():
+    from deploy.admission import deployment_memory_plan
+    from deploy.args import DeployArgs
+
+    offered = deployment_memory_plan(DeployArgs()).row_cost.step_cache
+    assert offered > 0  # the built-in tiers are offered by default
+    assert deployment_memory_plan(DeployArgs(engine={"step_cache": {"tiers": {}}})).row_cost.step_cache == 0
+    assert deployment_memory_plan(DeployArgs(sp_degree=2)).row_cost.step_cache == 0  # refused under Ulysses
+
+
 def test_policies_that_leave_no_block_to_skip_are_refused(tiny_pipeline):
     blocks = len(transformer(tiny_pipeline).transformer_blocks)
     with pytest.raises(ValueError, match="leave no block to skip"):

@@ -242,24 +242,42 @@ class LoraAdapter:
         )
 
 
-def check_adapters(loras: LoraSpecs, transformer_configs: Mapping[str, dict[str, Any]]) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class AdapterFootprint:
+    """What one adapter adds to every rank: its adapted layers and its factors' bytes, over every partition."""
+
+    layers: int  # adapted layers, summed over the partitions
+    bytes: int  # lora_A + lora_B at each layer's served dtype (fp32 in diffusers' _keep_in_fp32_modules)
+
+
+def check_adapters(
+    loras: LoraSpecs, transformer_configs: Mapping[str, dict[str, Any]], dtype: str | torch.dtype = "float32"
+) -> dict[str, AdapterFootprint]:
     """Every adapter of ``loras`` against every partition's transformer, built on the meta device from its config.
 
     The driver's check before any replica starts: no weights are read or allocated, only the adapters' own
-    files. Raises LoraError naming the adapter and key; returns each adapter's adapted-layer count.
+    files. Raises LoraError naming the adapter and key; returns each adapter's footprint at ``dtype``.
     """
     from diffusers import MiniMaxH3Transformer3DModel
 
-    layers: dict[str, int] = {}
+    from .memory import served_itemsize
+
+    layers: dict[str, int] = dict.fromkeys(loras.loras, 0)
+    nbytes: dict[str, int] = dict.fromkeys(loras.loras, 0)
     for partition, config in transformer_configs.items():
         with torch.device("meta"):
             model = MiniMaxH3Transformer3DModel.from_config(config)
         for name, spec in loras.loras.items():
             try:
-                layers[name] = len(LoraAdapter.load(name, spec, model, partition).layers)
+                adapter = LoraAdapter.load(name, spec, model, partition)
             except LoraError as e:
                 raise LoraError(f"{e} [checked against the {partition!r} transformer partition]") from None
-    return layers
+            layers[name] += len(adapter.layers)
+            nbytes[name] += sum(
+                (layer.down.numel() + layer.up.numel()) * served_itemsize(model, module, dtype)
+                for module, layer in adapter.layers.items()
+            )
+    return {name: AdapterFootprint(layers[name], nbytes[name]) for name in loras.loras}
 
 
 def _listed(name: str, directory: Path, what: str, keys: Sequence[str]) -> str:

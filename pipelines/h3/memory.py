@@ -88,6 +88,8 @@ Live bytes of one packed forward at its peak, per rank, no grad; the peak is the
                         + 4*2*6r      rotary cos, sin (fp32)
                         + 8 + 8       AdaLN row index, the row's position in its modality (int64)
                         + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank) )
+  step caching (sp_degree 1, when the deployment offers a tier): + T * 2*s*d, every row's two [rows, hidden]
+               residuals (First-Block-Cache's h_Fn - h_0 and the middle blocks'), kept between steps
 A budget takes each computed row at its dearer variant and N = T (nothing caps a pack's prompt rows yet).
 Released dims: SwiGLU 78848 elements, attention 60928 (W = 1) / 75264 (W > 1); tiny: 1408, 1088 / 1344."""
 
@@ -105,19 +107,20 @@ class RowCost:
     refiner_text: float  # refiner phase, per prompt row of the pack: every rank refines every prompt
     per_pack_row: float  # both phases, per row of the pack: its inputs, on every rank
     text_share: float | None = None
+    step_cache: float = 0.0  # both phases, per row of a step-caching request: its two residuals, held across steps
 
     def bytes_for(self, rows: int, sp_degree: int) -> int:
         """Activation bytes on one rank for a pack of ``rows`` split over ``sp_degree`` ranks."""
         local_rows = -(-rows // sp_degree)  # padding makes T divisible by W
         text_rows = rows * (1.0 if self.text_share is None else self.text_share)
         block = self.local * local_rows + self.kept_text * text_rows
-        return int(self.per_pack_row * rows + max(block, self.refiner_text * text_rows))
+        return int((self.per_pack_row + self.step_cache) * rows + max(block, self.refiner_text * text_rows))
 
     def per_row(self, sp_degree: int) -> float:
         """Bytes per pack row on one rank (the pack's padding aside)."""
         share = 1.0 if self.text_share is None else self.text_share
         block = self.local / sp_degree + self.kept_text * share
-        return self.per_pack_row + max(block, self.refiner_text * share)
+        return self.per_pack_row + self.step_cache + max(block, self.refiner_text * share)
 
     def rows_that_fit(self, free_bytes: int, sp_degree: int) -> int:
         """The most pack rows whose activations fit in ``free_bytes`` on one rank (0 if none)."""
@@ -149,12 +152,14 @@ def activation_row_cost(
     text_fraction: float | None = None,
     sp_degree: int = 1,
     phase: str | None = None,
+    step_cache: bool = False,
 ) -> RowCost:
     """``ACTIVATION_FORMULA`` for a transformer config at ``dtype`` over ``sp_degree`` ranks.
 
     ``text_fraction`` (share of the pack's rows that are prompt rows) gives the exact mix, as the
     benchmark measures it; None takes each row at its dearer variant, which is what a budget needs.
     ``phase`` ("swiglu" or "attention") takes that phase's peak; None the larger of the two.
+    ``step_cache``: every row may belong to a step-caching request (its residuals live across steps).
     """
     s = dtype_bytes(dtype)
     d, f, r, e = config["hidden_size"], config["ffn_dim"], config["rope_freq_dim"], config["text_dim"]
@@ -177,6 +182,7 @@ def activation_row_cost(
         refiner_text=float(s * (4 * d + 4 * f)),
         per_pack_row=float(inputs),
         text_share=text_fraction,
+        step_cache=float(2 * s * d) if step_cache else 0.0,
     )
 
 
@@ -195,14 +201,19 @@ def _read_config(checkpoint: Path | None, folder: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def served_itemsize(model: torch.nn.Module, name: str, dtype: str | torch.dtype) -> int:
+    """Bytes per element of the transformer's parameter or module ``name`` as served: diffusers keeps its
+    ``_keep_in_fp32_modules`` in fp32, the rest at the served dtype."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return 4 if keep & set(name.split(".")) else dtype_bytes(dtype)
+
+
 def _transformer_bytes(config: dict[str, Any], dtype: str) -> int:
     from diffusers import MiniMaxH3Transformer3DModel
 
     with _quiet(), torch.device("meta"):
         model = MiniMaxH3Transformer3DModel.from_config(config)
-    keep = set(model._keep_in_fp32_modules or [])
-    size = dtype_bytes(dtype)
-    return sum(p.numel() * (4 if keep & set(name.split(".")) else size) for name, p in model.named_parameters())
+    return sum(p.numel() * served_itemsize(model, name, dtype) for name, p in model.named_parameters())
 
 
 def _vae_bytes(cls_name: str, config: dict[str, Any] | None) -> int:
@@ -330,10 +341,14 @@ def memory_plan(
     max_rows: int,
     partitions: tuple[str, ...] | None = None,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    adapters: dict[str, int] | None = None,
+    step_cache: bool = False,
 ) -> MemoryPlan:
     """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
 
     ``partitions``: the transformer partitions every rank holds; None reads them from the checkpoint.
+    ``adapters``: each LoRA adapter's bytes on one rank (``lora.check_adapters``): every rank holds every one.
+    ``step_cache``: the deployment offers a step-cache tier, so every pack row may hold two residuals.
     """
     notes: tuple[str, ...] = ()
     if partitions is None:
@@ -342,9 +357,19 @@ def memory_plan(
     # Prepare and decode run between forwards on rank 0; their transient tensors are in the reserve, not here.
     notes += (NOT_COUNTED,)
     weights = _component_bytes(model, checkpoint, dtype, tuple(partitions))
-    row_cost = activation_row_cost(preset(model).transformer_config(), dtype, sp_degree=sp_degree)
+    row_cost = activation_row_cost(
+        preset(model).transformer_config(), dtype, sp_degree=sp_degree, step_cache=step_cache
+    )
+    if step_cache:
+        notes += (
+            f"a request paused under srpt or priority keeps its step cache: {2 * dtype_bytes(dtype)} x hidden_size "
+            "bytes per row each, beyond the pack's",
+        )
     activations = row_cost.bytes_for(max_rows, sp_degree)
-    transformers = {p: weights[p] for p in partitions}
+    transformers = {
+        **{p: weights[p] for p in partitions},
+        **{f"lora {name}": nbytes for name, nbytes in (adapters or {}).items()},
+    }
     rank0 = RankPlan(
         "rank 0",
         {

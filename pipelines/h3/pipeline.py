@@ -630,10 +630,14 @@ class H3Pipeline:
         progress: Callable[[int, int], None] | None = None,
         step_cache: StepCachePolicy | None = None,
         adapter: str | None = None,
+        stats: list[StepStats] | None = None,
     ) -> GeneratedMedia:
+        """One request alone, start to finish; ``stats`` (when given) gets every forward's StepStats appended."""
         state = self.prepare(self.with_adapter(request, adapter), step_cache, adapter)
         while not state.done:
-            self.step([state])
+            forwards = self.step([state])
+            if stats is not None:
+                stats.extend(forwards)
             if progress:
                 progress(*state.progress)
         return self.decode(state)
