@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError
+from pipelines.h3.step_cache import OFF, StepCacheTiers
 
 from .detectors import judge
 from .world import ClipFormat, Scene, held_out_scenes, render
@@ -48,11 +49,13 @@ class EvalSettings:
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str | None = None  # None: pipelines.h3.default_dtype(device)
     backend: str = "auto"
+    cache: str = OFF  # every clip's step-cache tier: "off" or a built-in tier (StepCacheTiers' defaults)
 
     def __post_init__(self):
         for field, value, least in (("n", self.n, 1), ("pack", self.pack, 1), ("steps", self.steps, 2)):
             if value < least:
                 raise RequestError(field, f"{field} must be at least {least}, got {value}")
+        StepCacheTiers().policy(self.cache)  # RequestError("cache") naming the tiers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,7 @@ def requests_for(scenes: list[Scene], fmt: ClipFormat, settings: EvalSettings) -
             num_frames=fmt.num_frames,
             num_inference_steps=settings.steps,
             seed=settings.seed + i,
+            cache=settings.cache,
         )
         for i, scene in enumerate(scenes)
     ]

@@ -9,8 +9,9 @@ Three stages, each a library class trained in place and saved in the released la
    library's own ``decode`` (temporal chunking included), in the pipeline's ImageNet-normalised pixel
    space. A random convolutional encoder keeps the colours apart; training it jointly with the decoder
    for the steps a CPU affords collapsed them (docs/BENCHMARKS.md section 8).
-2. **The audio VAE** (``AutoencoderKLMiniMaxH3Audio``) on one-second windows of every sound, as the
-   pipeline uses it (posterior mode, mono, the stereo channels as two batch items). Then both VAEs'
+2. **The audio VAE** (``AutoencoderKLMiniMaxH3Audio``) the same way: its encoder keeps its seeded
+   weights and its decoder learns to invert them on crops of each sound's whole-clip latents (mono, as
+   the pipeline decodes the stereo channels as two batch items). Then both VAEs'
    ``latents_mean`` / ``latents_std`` are set to their latents' statistics over the world, so the
    transformer's clean rows have unit scale like its noise.
 3. **The transformer** by rectified flow on the training split only (``world.training_scenes``):
@@ -64,11 +65,11 @@ class Recipe:
     video_decoder_heads: int = 4
     video_decoder_head_dim: int = 32
     video_decoder_ffn_mult: int = 4
-    # audio VAE: one-second windows of every sound, at random phases
-    audio_vae_steps: int = 200
-    audio_vae_batch: int = 8
-    audio_vae_seconds: float = 0.25
-    audio_vae_lr: float = 2e-3
+    # audio VAE: the decoder alone on crops of one-second (40 latents) of each sound's whole-clip latents
+    audio_decoder_steps: int = 1000
+    audio_decoder_batch: int = 4
+    audio_decoder_latents: int = 40
+    audio_decoder_lr: float = 2e-3
     # transformer: rectified flow on the training split
     transformer_steps: int = 2500
     transformer_batch: int = 8
@@ -226,48 +227,48 @@ def train_video_decoder(
     return progress.summary()
 
 
-def _tone_windows(recipe: Recipe, sample_rate: int, rng: random.Random) -> torch.Tensor:
-    """[B, 1, S] mono windows of the world's sounds at random phases (the sounds' own renderer, shifted)."""
-    samples = round(recipe.audio_vae_seconds * sample_rate)
-    fmt = world.ClipFormat(64, 64, 1, 1, sample_rate)
-    windows = []
-    for _ in range(recipe.audio_vae_batch):
-        sound = rng.choice(world.SOUNDS)
-        offset = rng.randrange(sample_rate)  # any phase: a generated clip's tone starts anywhere
-        long = world.render_audio(world.Scene("red", "circle", "still", sound), dataclasses.replace(fmt, num_frames=3))
-        windows.append(torch.from_numpy(long[0, offset : offset + samples].copy()))
-    return torch.stack(windows)[:, None]
+def train_audio_decoder(audio_vae, fmt: world.ClipFormat, recipe: Recipe) -> dict[str, Any]:
+    """The audio decoder alone on the (fixed) seeded encoder's latents of each sound's whole clip.
 
-
-def _spectral_loss(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Log-magnitude STFT distance at two resolutions: pitch is what the detectors and ears judge."""
-    loss = recon.new_zeros(())
-    for n_fft in (256, 1024):
-        window = torch.hann_window(n_fft, device=recon.device)
-        spec = [
-            torch.stft(x[:, 0], n_fft, n_fft // 4, window=window, return_complex=True).abs() for x in (recon, target)
-        ]
-        loss = (
-            loss
-            + (torch.log(spec[0] + 1e-4) - torch.log(spec[1] + 1e-4)).abs().mean()
-            + (spec[0] - spec[1]).abs().mean()
-        )
-    return loss
-
-
-def train_audio_vae(audio_vae, recipe: Recipe, sample_rate: int) -> dict[str, Any]:
+    It trains on crops of the latents the transformer learns to generate (one sound's whole clip, encoded
+    once), against the samples those latents cover: a decoder trained on short separately-encoded windows
+    learned their edges, and heard silence as a hum in the middle of a clip. Every joint encoder-decoder
+    variant tried collapsed to silence (docs/BENCHMARKS.md section 8).
+    """
     rng = random.Random(recipe.seed + 2)
-    optimizer = torch.optim.AdamW(audio_vae.parameters(), lr=recipe.audio_vae_lr, weight_decay=0.0)
-    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.audio_vae_steps)
-    progress = _Progress("audio vae", recipe.audio_vae_steps)
-    audio_vae.train()
-    for step in range(recipe.audio_vae_steps):
-        target = _tone_windows(recipe, sample_rate, rng)  # [B, 1, S]
-        latents = audio_vae.encode(target).latent_dist.mode()  # [B, C, S / hop]
-        recon = audio_vae.decode(latents).sample[..., : target.shape[-1]]
-        loss = (recon - target).abs().mean() + _spectral_loss(recon, target) + 1e-3 * latents.pow(2).mean()
+    hop = math.prod(audio_vae.config.encoder_rates)  # waveform samples per latent
+    waveforms, latents = {}, {}
+    with torch.no_grad():
+        for sound in world.SOUNDS:
+            mono = torch.from_numpy(world.render_audio(world.Scene("red", "circle", "still", sound), fmt)[:1])
+            waveforms[sound] = mono  # [1, S]
+            latents[sound] = audio_vae.encode(mono[:, None]).latent_dist.mode()[0]  # [C, S / hop]
+    # the sounds' codes differ by ~0.05 on a shared offset of ~1.5: start the decoder's input projection on
+    # the world's standardised latents, or it spends its steps learning that scale
+    stacked = torch.cat(list(latents.values()), dim=-1)  # [C, 3 * S / hop]
+    mean, std = stacked.mean(dim=-1), stacked.std(dim=-1).clamp_min(1e-4)  # [C]
+    with torch.no_grad():
+        weight = audio_vae.dec_in_proj.weight  # [latent_dim, C, 1]
+        audio_vae.dec_in_proj.bias -= (weight[..., 0] * (mean / std)).sum(dim=-1)
+        weight /= std.view(1, -1, 1)
+    count = next(iter(latents.values())).shape[-1]  # latents in a clip; the last may cover fewer samples
+    crop = min(recipe.audio_decoder_latents, count)
+    parameters = [*audio_vae.dec_in_proj.parameters(), *audio_vae.decoder.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=recipe.audio_decoder_lr, weight_decay=0.0)
+    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.audio_decoder_steps)
+    progress = _Progress("audio decoder", recipe.audio_decoder_steps)
+    audio_vae.decoder.train()
+    for step in range(recipe.audio_decoder_steps):
+        sounds = [rng.choice(world.SOUNDS) for _ in range(recipe.audio_decoder_batch)]
+        # a clip's first and last latents (the encoder's edges) start and end half the crops: uniform
+        # crops would reach them once in ~170, and a whole clip's decode starts and ends there
+        starts = [(0, count - crop, rng.randrange(count - crop + 1))[min(2, rng.randrange(4))] for _ in sounds]
+        crops = list(zip(sounds, starts, strict=True))
+        recon = audio_vae.decode(torch.stack([latents[s][:, i : i + crop] for s, i in crops])).sample  # [B, 1, n]
+        targets = [waveforms[s][:, i * hop : (i + crop) * hop] for s, i in crops]  # a clip's last crop may be shorter
+        loss = torch.stack([(r[:, : t.shape[-1]] - t).abs().mean() for r, t in zip(recon, targets, strict=True)]).mean()
         progress(step, _descend(loss, optimizer, schedule))
-    audio_vae.eval()
+    audio_vae.decoder.eval()
     return progress.summary()
 
 
@@ -430,7 +431,7 @@ def train(out: str | Path, recipe: Recipe, backend: str = "auto") -> dict[str, A
         clips, windows = WorldClips(fmt), DecodeWindows.of(probe_rules, fmt.num_frames)
         vae, audio_vae = demo_video_vae(recipe), components["audio_vae"]
         components["vae"] = vae
-        report["audio_vae"] = train_audio_vae(audio_vae, recipe, fmt.sample_rate)
+        report["audio_decoder"] = train_audio_decoder(audio_vae, fmt, recipe)
         video, audio = encode_world(vae, audio_vae, clips, pixel_mean, pixel_std)
         report["video_decoder"] = train_video_decoder(vae, clips, video, recipe, pixel_mean, pixel_std, windows)
         v_mean, v_std = latent_statistics(list(video.values()), 0)

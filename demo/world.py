@@ -45,8 +45,10 @@ SHAPES = ("circle", "square", "triangle")
 MOTIONS = ("left", "right", "up", "down", "still")
 SOUNDS = ("low hum", "high beep", "silence")
 # The tones' fundamental frequencies (Hz), far apart on either side of the detectors' boundary and low
-# enough for the tiny 8 kHz audio VAE (Nyquist 4 kHz) as for the released 32 kHz one.
-TONE_HZ = {"low hum": 150.0, "high beep": 1000.0}
+# enough for the tiny 8 kHz audio VAE (Nyquist 4 kHz) as for the released 32 kHz one. Each fits a whole
+# number of cycles in one audio latent (200 samples at 8 kHz, 800 at 32 kHz): a steady tone's latents are
+# then the same at every position, and a decoder learns one code per sound.
+TONE_HZ = {"low hum": 160.0, "high beep": 1000.0}
 TONE_AMPLITUDE = 0.3
 # Size and travel as fractions of the canvas: the shape's half-extent is SIZE * the short edge; a moving
 # shape's centre crosses TRAVEL of the canvas's width (left/right) or height (up/down) over the clip.

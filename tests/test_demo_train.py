@@ -82,13 +82,13 @@ def test_recipe_scaling_keeps_every_stage():
 @pytest.mark.timeout(1800)  # encoding every clip of the world is ~3 min on 2 free cores, far more on a loaded machine
 def test_a_short_run_writes_a_servable_checkpoint_with_its_record(tmp_path):
     out = tmp_path / "demo"
-    recipe = Recipe(video_decoder_steps=2, audio_vae_steps=2, transformer_steps=3, transformer_batch=2)
+    recipe = Recipe(video_decoder_steps=2, audio_decoder_steps=2, transformer_steps=3, transformer_batch=2)
     report = train(out, recipe)
     record = json.loads((out / "training.json").read_text())
     assert record["recipe"]["transformer_steps"] == 3 and record == json.loads(json.dumps(report))
-    assert {s: record[s]["steps"] for s in ("video_decoder", "audio_vae", "transformer")} == {
+    assert {s: record[s]["steps"] for s in ("video_decoder", "audio_decoder", "transformer")} == {
         "video_decoder": 2,
-        "audio_vae": 2,
+        "audio_decoder": 2,
         "transformer": 3,
     }
     trained = H3Pipeline.load(out, "torch_sdpa")

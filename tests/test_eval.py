@@ -55,6 +55,8 @@ def test_bad_settings_name_the_field(tiny_checkpoint, capsys):
     with pytest.raises(RequestError, match="pack must be at least 1") as e:
         EvalSettings(pack=0)
     assert e.value.field == "pack"
+    with pytest.raises(RequestError, match="cache must be one of off, high, low, medium, got 'fast'"):
+        EvalSettings(cache="fast")
     with pytest.raises(SystemExit) as exit:
         main(["eval", "--checkpoint", str(tiny_checkpoint), "--size", "64by64"])
     assert exit.value.code == 2 and "--size must look like WIDTHxHEIGHT" in capsys.readouterr().err
