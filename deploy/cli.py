@@ -126,6 +126,12 @@ def cmd_admit(ns: argparse.Namespace) -> None:
         except LoraError:
             plan = deployment_memory_plan(args, adapters={})
         print(f"h3serve: application {name!r} " + plan.table(platform.device_memory_bytes))
+        # with stages: where each stage's plan lands (every replica of it on a device of the platform checked)
+        for role, stage in args.stage_deployments().items():
+            print(
+                f"h3serve: application {name!r} stage {role}: {stage.num_replicas} replica(s) shared by every "
+                f"H3Replica, each reserving {stage.ray_actor_options} and holding the {role} plan above"
+            )
     if ns.textfile:
         write_to_textfile(ns.textfile, registry)
     if ns.pushgateway:
@@ -277,7 +283,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
     out.write_bytes(media.mp4() if out.suffix.lower() == ".mp4" else media.png())
     print(f"h3serve: wrote {out} ({out.stat().st_size} bytes)")
     if step_cache is not None:
-        blocks = len(pipeline.denoiser.transformers["transformer"].transformer_blocks)
+        blocks = json.loads((directory / "transformer" / "config.json").read_text())["num_layers"]  # main blocks
         ran = sum(f.rows - f.padding_rows for f in forwards) * blocks
         skipped = sum(f.skipped_block_rows for f in forwards)
         print(f"h3serve: step cache {ns.cache!r} skipped {skipped} of {ran} block-rows ({skipped / ran:.0%})")
@@ -311,6 +317,7 @@ def cmd_eval(ns: argparse.Namespace) -> None:
             height=height,
             num_frames=ns.frames,
             oracle=ns.oracle,
+            cache=ns.cache,
             device=ns.device,
             dtype=ns.dtype,
             backend=ns.backend,
@@ -403,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", help="WIDTHxHEIGHT (default: the model's own canvas)")
     p.add_argument("--frames", type=int, help="frames per clip, 17n+5 (default: the shortest clip)")
     p.add_argument("--oracle", action="store_true", help="judge the world's own rendering instead (the 100%% ceiling)")
+    p.add_argument("--cache", default="off", help="every clip's step-cache tier: 'off' or high, medium, low")
     p.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1, as generate); 0: torch's choice"
     )
