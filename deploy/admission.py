@@ -55,7 +55,9 @@ def target_platform(args: DeployArgs) -> Platform:
 
 def deployment_memory_plan(args: DeployArgs, adapters: dict[str, AdapterFootprint] | None = None) -> MemoryPlan:
     """Each rank role's device memory for these args: weights (LoRA adapters included), a full pack's activations
-    (with step caches when a tier is offered), the reserve. ``adapters``: ``check_loras``'s, else checked here."""
+    (with step caches when a tier is offered), the reserve. ``adapters``: ``check_loras``'s, else checked here.
+    With ``args.stages``, rank 0 holds only the transformer partitions and the plan adds the conditioner's and the
+    decoder's roles (checked against the replicas' platform: the args give the stages none of their own)."""
     adapters = check_loras(args) if adapters is None else adapters
     return memory_plan(
         model=args.model,
@@ -67,6 +69,7 @@ def deployment_memory_plan(args: DeployArgs, adapters: dict[str, AdapterFootprin
         reserve_bytes=DEFAULT_RESERVE_BYTES if args.device == "cuda" else 0,
         adapters={name: footprint.bytes for name, footprint in adapters.items()},
         step_cache=args.sp_degree == 1 and bool(args.engine.step_cache.tiers),
+        stages="remote" if args.stages is not None else "local",
     )
 
 
@@ -134,7 +137,7 @@ def admit(
     Checks the attention backend, the SP layout, every LoRA adapter against the transformer's modules (one
     that does not fit is a ``LoraError``, reason "lora"), then every rank role's device memory with the
     adapters' weights (``pipelines.h3.memory``): a rank that does not fit is a ``MemoryBudgetError`` (reason
-    "memory").
+    "memory"); with ``args.stages`` so is a conditioner or decoder that does not fit the same platform.
     """
     resolution, error = None, None
     try:

@@ -138,8 +138,9 @@ class StagesArgs(BaseModel):
     The conditioner loads the tokenizer, processor, text encoder, both VAEs (their encoders read keyframes and
     references) and diffusers' blocks before the loop, and returns each request's prepared state as host tensors
     through the object store; the decoder loads both VAEs and runs the blocks after the loop and the PNG/MP4
-    encoding. Neither loads a transformer. The denoiser (H3Replica) still loads them too in this version (its
-    warm-up prepares in process); they run only there when this section is absent."""
+    encoding. Neither loads a transformer, and each H3Replica's rank 0 then loads none of theirs: it holds only the
+    transformer partitions (and the tokenizer), which is what lets the released model's rank 0 fit an 80 GB GPU.
+    Without this section every H3Replica's rank 0 loads and runs them in process."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -231,8 +232,10 @@ class DeployArgs(BaseModel):
     stages: StagesArgs | None = Field(
         default=None,
         description="conditioner and decoder deployments of their own, shared by every H3Replica: "
-        "{conditioner: {num_replicas, ray_actor_options, max_ongoing_requests}, decoder: {...}}. "
-        "null (the default): each H3Replica prepares and decodes in process, as one deployment",
+        "{conditioner: {num_replicas, ray_actor_options, max_ongoing_requests}, decoder: {...}}. Each H3Replica's "
+        "rank 0 then holds only the transformer partitions (the released model's fits an 80 GB GPU), and admission "
+        "checks each stage's memory plan against the replicas' platform. null (the default): each H3Replica "
+        "prepares and decodes in process, as one deployment",
     )
     api_key_env: str | None = Field(
         default="H3SERVE_API_KEY",
@@ -359,4 +362,5 @@ class DeployArgs(BaseModel):
             collective_timeout_s=self.collective_timeout_s,
             rank_resources=dict(self.rank_resources),
             loras=self.lora_specs,
+            stages="remote" if self.stages is not None else "local",
         )

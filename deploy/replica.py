@@ -2,7 +2,11 @@
 
 Start: the worker group is built (failing closed), then one warm-up forward (``engine.warmup``) runs before
 ``__init__`` returns, so kernel setup and compilation never land on the first user: Serve reports a replica
-ready only after its constructor. Serving: ``generate_image`` / ``generate_video`` submit to the engine with the
+ready only after its constructor. With stage deployments of their own (``args.stages``: ``spec.stages`` is
+"remote") rank 0 holds no text encoder and no VAE, so the warm-up request is prepared by the conditioner stage
+(the constructor is async to await it) and its one forward runs here.
+
+Serving: ``generate_image`` / ``generate_video`` submit to the engine with the
 ingress's request id (in every log line about the request) and deadline; ``check_health`` is the engine's
 (its loop, the SP workers, and the step watchdog).
 
@@ -57,6 +61,9 @@ DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is bein
 # graceful_shutdown_timeout_s beyond drain_timeout_s: the poll, encoding the last MP4s, Serve's wait loop,
 # and stopping the SP workers
 DRAIN_MARGIN_S = 60.0
+# how long a staged replica's warm-up waits for the conditioner stage to prepare its request: the conditioner
+# may still be loading Qwen3-VL (tens of GB) when this replica's transformer is ready
+STAGE_WARMUP_TIMEOUT_S = 900.0
 SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
 
 
@@ -159,15 +166,23 @@ class H3Replica:
             graceful_shutdown_wait_loop_s=1.0,
         )
 
-    def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor (a staged warm-up awaits a stage)
         self,
         spec: ReplicaSpec,
         limits: EngineLimits,
         conditioner: DeploymentHandle | None = None,
         decoder: DeploymentHandle | None = None,
     ):
-        """``conditioner``, ``decoder``: the stage deployments' handles (``args.stages``); None: in process."""
+        """``conditioner``, ``decoder``: the stage deployments' handles (``args.stages``, and ``spec.stages``
+        "remote"); None: in process (``spec.stages`` "local")."""
         log_through_serve()
+        staged = conditioner is not None and decoder is not None
+        if staged != (spec.stages == "remote") or (conditioner is None) != (decoder is None):
+            raise ValueError(
+                f"spec.stages={spec.stages!r} needs {'both' if spec.stages == 'remote' else 'neither of the'} "
+                f"conditioner and decoder handles; got conditioner={conditioner is not None}, "
+                f"decoder={decoder is not None}"
+            )
         self.spec = spec
         backend = spec.resolution.backend
         self.metrics = EngineMetrics()
@@ -186,13 +201,42 @@ class H3Replica:
         self.engine = Engine(self.group, limits, self.metrics, remote)
         if limits.warmup:
             try:
-                seconds = self.engine.warm_up()
+                seconds = self.engine.warm_up() if remote is None else await self._warm_up_through(remote)
             except Exception as e:
                 self._record_build_failure(backend, e, during="its warm-up forward")
                 self.group.shutdown()
                 raise
             logger.info("H3 replica warmed up: one packed forward on every rank took %.2f s", seconds)
         logger.info("H3 replica ready: %s", spec.resolution.describe())
+
+    async def _warm_up_through(self, remote: ServeStages) -> float:
+        """``Engine.warm_up`` for a rank 0 without a text encoder: the conditioner stage prepares the engine's
+        warm-up request, then one packed forward of it runs on every rank; returns the forward's seconds, which
+        seed the watchdog's expected step time."""
+        request = self.engine.warmup_request()
+        started = time.perf_counter()
+        try:
+            prepared = await asyncio.wait_for(remote.prepare(request, None), STAGE_WARMUP_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the conditioner stage did not prepare the warm-up request within {STAGE_WARMUP_TIMEOUT_S:g} s"
+            ) from None
+        pipeline = self.group.pipeline
+        ((_, pack),) = pipeline.packs([pipeline.admit(request, prepared)])
+        received = time.perf_counter()
+        self.group(pack)
+        seconds = time.perf_counter() - received
+        self.engine.expected_step_s = seconds
+        logger.info(
+            "warm-up: prepared by the conditioner stage in %.2f s (%d bytes), one packed forward of %d rows on %d "
+            "ranks %.2f s",
+            received - started,
+            prepared.nbytes,
+            pack.total_rows,
+            self.group.sp_degree,
+            seconds,
+        )
+        return seconds
 
     @staticmethod
     def _record_build_failure(backend: str, error: Exception, during: str = "build") -> None:
@@ -343,6 +387,11 @@ class H3Replica:
             "active": active,
             "forwards": self.engine.stats.forwards,
             "stages": self.engine.remote is not None,  # conditioner and decoder deployments of their own
+            # the models rank 0 holds and their parameters: the transformer partition(s) alone with stages
+            "rank0_models": {
+                name: sum(p.numel() for p in model.parameters())
+                for name, model in self.group.pipeline.held_models().items()
+            },
             "handoff_bytes": dict(self.engine.stats.handoff_bytes),
             "policy": self.engine.limits.policy,
             "preemptions": self.engine.stats.preemptions,

@@ -6,7 +6,9 @@ The builder binds ``H3Conditioner`` and ``H3Decoder`` beside ``H3Replica`` when 
 object store), the denoiser steps it in its packs, and ``H3Decoder.decode`` gets its latents rows
 (``DecodeHandoff``) and returns the PNG/MP4 bytes. The client sees one request. A stage's error is the
 request's error (a RequestError stays one, an HTTP 400); a stage replica that dies fails the requests it held,
-never the H3Replica, and Serve replaces it.
+never the H3Replica, and Serve replaces it. Every H3Replica's rank 0 then loads none of these models
+(``ReplicaSpec.stages`` "remote": the transformer partitions and the tokenizer only), and admission checks
+each stage's memory plan beside the denoiser's ranks (``pipelines/h3/memory.py``).
 
 Each stage counts what it served per caller (``report``): the calling H3Replica's replica id.
 """

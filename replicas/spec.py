@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from attention import Resolution
 from pipelines.h3.lora import LoraSpecs
+from pipelines.h3.pipeline import StagePlacement
 
 
 class ReplicaSpec(BaseModel):
@@ -32,3 +33,6 @@ class ReplicaSpec(BaseModel):
     rank_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     # LoRA adapters every rank loads onto every transformer partition, each in its slot (DeployArgs.loras)
     loras: LoraSpecs = Field(default_factory=LoraSpecs)
+    # where conditioning and decoding run: "local" on rank 0 (it loads the text encoder and both VAEs), "remote"
+    # in stage deployments of their own (DeployArgs.stages; rank 0 holds only the transformer partitions)
+    stages: StagePlacement = "local"

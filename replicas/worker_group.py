@@ -3,7 +3,8 @@
 The actors are placed in the replica's own placement group (bundle i for rank i), the way Ray Serve
 LLM places multi-GPU engines; outside Serve the group reserves one. torch.distributed runs nccl on
 CUDA and gloo on CPU, rendezvousing at rank 0. Rank 0 holds the whole pipeline (conditioning and
-decoding run there); the other ranks hold only the transformer partitions.
+decoding run there), unless ``spec.stages`` is "remote" (stage deployments of their own condition and decode):
+then rank 0, like the other ranks, holds only the transformer partitions (and the tokenizer).
 
 Steps are strictly serial on every rank (the workers' "step" concurrency group holds one call; health
 pings have their own group). A step ends when every rank returned or raised: rank 0 waits for the
@@ -107,8 +108,11 @@ def _load_kwargs(spec: ReplicaSpec) -> dict:
 
 
 def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
-    """Rank 0's whole pipeline with exactly the resolved backend; fails closed if this node cannot run it."""
-    return H3Pipeline.load(spec.checkpoint, spec.resolution.backend, name=spec.model_name, **_load_kwargs(spec))
+    """Rank 0's pipeline with exactly the resolved backend; fails closed if this node cannot run it. With
+    ``spec.stages`` "remote" it loads no text encoder and no VAE (``H3Pipeline.load_denoiser_only``)."""
+    return H3Pipeline.load(
+        spec.checkpoint, spec.resolution.backend, name=spec.model_name, stages=spec.stages, **_load_kwargs(spec)
+    )
 
 
 def build_worker(spec: ReplicaSpec) -> H3Denoiser:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import ray
+import yaml
 from ray import serve
 from ray.util.state import list_actors
 
@@ -76,6 +77,31 @@ def test_admit_passes_both_shipped_configs():
     assert "admission refused application 'h3serve': rank 0 needs" in h100.stderr
     assert "text_encoder 50.3 GiB" in h100.stderr and "has 79.6 GiB" in h100.stderr
     assert "memory plan: full, bfloat16, sp_degree 4, max_rows_per_step 80000" in h100.stdout
+
+
+def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_path):
+    platform = "deploy/platforms/h100-flash-attn.json"
+    staged = h3serve("admit", "deploy/serve_config.h100.yaml", "--platform", platform)
+    assert staged.returncode == 0, staged.stderr
+    assert "application 'h3serve' admitted" in staged.stdout
+    # the plan of every role: the denoiser's ranks hold the transformer alone, each stage its own models
+    lines = staged.stdout.splitlines()
+    for role in ("rank 0", "worker ranks", "conditioner", "decoder"):
+        assert any(line.startswith(f"{role} ") for line in lines), (role, staged.stdout)
+    assert "weights: transformer 61.7 GiB\n" in staged.stdout  # rank 0 and the workers: nothing else
+    assert "weights: text_encoder 50.3 GiB, vae 9.7 GiB, audio_vae 577.2 MiB" in staged.stdout  # the conditioner
+    assert "weights: vae 9.7 GiB, audio_vae 577.2 MiB" in staged.stdout  # the decoder
+    assert "stage conditioner: 1 replica(s)" in staged.stdout and "stage decoder: 2 replica(s)" in staged.stdout
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.h100.yaml").read_text())
+    del config["applications"][0]["args"]["stages"]
+    unstaged = h3serve(
+        "admit", str(write_config(tmp_path, config, free_port(), "h100-unstaged.yaml")), "--platform", platform
+    )
+    assert unstaged.returncode == 2, unstaged.stdout
+    assert "admission refused application 'h3serve': rank 0 needs" in unstaged.stderr
+    for number in ("transformer 61.7 GiB", "text_encoder 50.3 GiB", "vae 9.7 GiB", "has 79.6 GiB"):
+        assert number in unstaged.stderr
+    assert "stage conditioner" not in unstaged.stdout
 
 
 def test_serve_preflight_exits_before_starting_anything(ray_cluster, sage_config):

@@ -1,5 +1,7 @@
 """The memory plan: weights counted from configs equal the loaded checkpoint's, the activation formula equals
-the measured per-row cost, and admission refuses a rank that cannot fit its device (counted, reason "memory")."""
+the measured per-row cost, and admission refuses a rank that cannot fit its device (counted, reason "memory").
+With stage deployments of their own, each role (denoiser ranks, conditioner, decoder) counts what that role
+really loads, and the released model's staged layout fits H100s where the one-deployment layout does not."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from attention import Platform
+from pipelines.h3 import H3Pipeline, H3StageModels
 from pipelines.h3 import checkpoint as ckpt
 from pipelines.h3.admission import MemoryBudgetError, check_memory
 from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, memory_plan
@@ -21,13 +24,25 @@ def loaded_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def gpu_args():
+def gpu_args(name: str = "serve_config.gpu.yaml", stages: bool = True):
+    """The shipped config's args; ``stages`` False: without its stages section (the one-deployment layout)."""
     import yaml
 
     from deploy.args import DeployArgs
 
-    config = yaml.safe_load((REPO / "deploy" / "serve_config.gpu.yaml").read_text())
-    return DeployArgs.model_validate(config["applications"][0]["args"])
+    config = yaml.safe_load((REPO / "deploy" / name).read_text())
+    raw = config["applications"][0]["args"]
+    if not stages:
+        raw.pop("stages")
+    return DeployArgs.model_validate(raw)
+
+
+def platform(name: str) -> Platform:
+    return Platform.model_validate_json((PLATFORMS / name).read_text())
+
+
+def held_bytes(models: dict[str, torch.nn.Module]) -> dict[str, int]:
+    return {name: loaded_bytes(model) for name, model in models.items()}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -148,4 +163,95 @@ def test_admit_counts_a_memory_refusal_like_an_attention_refusal():
     assert [(t["outcome"], t["reason"], t["backend"], t["stage"]) for t in recorded] == [
         ("rejected", "memory", "flash_attn", "preflight"),
         ("admitted", "ok", "flash_attn", "preflight"),
+    ]
+
+
+def test_with_stages_every_role_counts_what_its_deployment_loads(tiny_checkpoint):
+    """Rank 0 and the workers: the transformer a denoiser-only pipeline holds; the conditioner and the decoder:
+    the models their stage deployments load (H3StageModels), each with the reserve and no pack rows."""
+    kwargs = dict(model="tiny", checkpoint=str(tiny_checkpoint), dtype="float32", sp_degree=2, max_rows=4096)
+    plan = memory_plan(**kwargs, stages="remote")  # type: ignore[arg-type]
+    assert [role.role for role in plan.roles] == ["rank 0", "worker ranks", "conditioner", "decoder"]
+    rank0, workers = plan.ranks
+    denoiser = H3Pipeline.load(tiny_checkpoint, "torch_sdpa", stages="remote")
+    assert rank0.weights == workers.weights == held_bytes(denoiser.held_models())
+    assert set(rank0.weights) == {"transformer"}
+    conditioner, decoder = plan.stages
+    assert conditioner.weights == held_bytes(H3StageModels.load("conditioner", tiny_checkpoint).held_models())
+    assert decoder.weights == held_bytes(H3StageModels.load("decoder", tiny_checkpoint).held_models())
+    assert set(conditioner.weights) == {"text_encoder", "vae", "audio_vae"} and set(decoder.weights) == {
+        "vae",
+        "audio_vae",
+    }
+    for stage in plan.stages:
+        assert stage.activation_bytes == 0 and stage.reserve_bytes == DEFAULT_RESERVE_BYTES
+    # the one-deployment plan is unchanged: rank 0 holds the conditioner's models beside the transformer
+    local = memory_plan(**kwargs)  # type: ignore[arg-type]
+    assert local.stages == () and local.ranks[0].weights == {**rank0.weights, **conditioner.weights}
+    assert local.ranks[0].weights == held_bytes(H3Pipeline.load(tiny_checkpoint, "torch_sdpa").held_models())
+    assert plan.ranks[0].activation_bytes == local.ranks[0].activation_bytes  # the same pack on the same ranks
+    device = DEFAULT_RESERVE_BYTES + 2**26  # the reserve and 64 MiB: room for the tiny weights and some rows
+    assert plan.rows_that_fit(rank0, device) > local.rows_that_fit(local.ranks[0], device) > 0  # rank 0 has more
+
+
+def test_the_released_model_fits_h100s_with_stages_and_its_rank0_does_not_without():
+    h100 = platform("h100-flash-attn.json")
+    staged = memory_plan_of(gpu_args("serve_config.h100.yaml"))
+    rank0, workers = staged.ranks
+    assert rank0.weights == workers.weights and set(rank0.weights) == {"transformer"}
+    checked = check_memory(staged, h100)
+    fits = staged.max_rows_that_fit(h100.device_memory_bytes or 0)
+    assert f"the largest max_rows_per_step that fits is {fits}" in checked and fits >= staged.max_rows
+    assert "the conditioner stage fits it with" in checked and "the decoder stage fits it with" in checked
+    table = staged.table(h100.device_memory_bytes)
+    assert "conditioner" in table and "decoder" in table and "(no rows)" in table
+    for number in ("transformer 61.7 GiB", "text_encoder 50.3 GiB", "vae 9.7 GiB", "audio_vae 577.2 MiB"):
+        assert number in table
+    # the same config in one deployment: rank 0 also holds Qwen3-VL and both VAEs, and no row budget fits it
+    with pytest.raises(MemoryBudgetError) as refused:
+        check_memory(memory_plan_of(gpu_args("serve_config.h100.yaml", stages=False)), h100)
+    message = str(refused.value)
+    assert message.startswith("rank 0 needs") and "worker ranks" not in message and "conditioner" not in message
+    for number in ("transformer 61.7 GiB", "text_encoder 50.3 GiB", "vae 9.7 GiB", "has 79.6 GiB"):
+        assert number in message
+    assert "no max_rows_per_step fits" in message
+
+
+def memory_plan_of(args):
+    from deploy.admission import deployment_memory_plan
+
+    return deployment_memory_plan(args)
+
+
+def test_a_stage_that_does_not_fit_is_refused_whatever_the_row_budget(tiny_checkpoint):
+    """The tiny conditioner (Qwen3-VL's 51 layers and both VAEs) outweighs the tiny transformer: on a device
+    between the two only the conditioner is refused, and no row budget is offered for it."""
+    plan = memory_plan(
+        model="tiny", checkpoint=str(tiny_checkpoint), dtype="float32", sp_degree=1, max_rows=64, stages="remote"
+    )
+    rank0, (conditioner, decoder) = plan.ranks[0], plan.stages
+    assert rank0.total_bytes < conditioner.total_bytes  # what makes this device size possible
+    device = (rank0.total_bytes + conditioner.total_bytes) // 2
+    small = Platform.cuda(kernel_libraries={"flash_attn": "2.8.3"}, device_memory_bytes=device)
+    with pytest.raises(MemoryBudgetError) as refused:
+        check_memory(plan, small)
+    message = str(refused.value)
+    assert refused.value.reason == "memory"
+    assert message.startswith("conditioner needs") and "rank 0" not in message.split("; note")[0]
+    assert "the conditioner stage holds no pack rows: its weights and reserve alone exceed the device" in message
+    assert "max_rows_per_step that fits" not in message
+    assert ("decoder needs" in message) == (decoder.total_bytes > device)
+
+
+def test_admit_counts_a_staged_h100_admission_and_the_unstaged_refusal():
+    from deploy.admission import admit
+
+    recorded: list[dict[str, str]] = []
+    h100 = platform("h100-flash-attn.json")
+    assert admit(gpu_args("serve_config.h100.yaml"), "preflight", h100, record=recorded.append).backend == "flash_attn"
+    with pytest.raises(MemoryBudgetError):
+        admit(gpu_args("serve_config.h100.yaml", stages=False), "preflight", h100, record=recorded.append)
+    assert [(t["outcome"], t["reason"], t["stage"]) for t in recorded] == [
+        ("admitted", "ok", "preflight"),
+        ("rejected", "memory", "preflight"),
     ]

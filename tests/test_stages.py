@@ -1,9 +1,11 @@
-"""Conditioner and decoder stages of their own (issue 27, first piece), on a real local Ray cluster.
+"""Conditioner and decoder stages of their own (issue 27), on a real local Ray cluster.
 
 Two applications from one `h3serve serve` config: "solo" (today's one-deployment app) and "staged" (two
 H3Replica denoisers sharing one H3Conditioner and one H3Decoder, args.stages). Outputs are compared
 bit for bit: the stages run the same diffusers blocks on the same weights, in float32 on the CPU, and
-the hand-off moves host tensors through the object store unchanged (pickling a tensor is exact).
+the hand-off moves host tensors through the object store unchanged (pickling a tensor is exact). A staged
+denoiser's rank 0 holds only the transformer (no text encoder, no VAE): counted on the live objects of a
+fresh process that built a real WorkerGroup.
 """
 
 import asyncio
@@ -21,11 +23,12 @@ from ray import serve
 from deploy.args import DeployArgs
 from deploy.errors import root_cause
 from deploy.replica import SERVE_CONTROLLER, ServeStages
-from pipelines.h3 import GenerationRequest, PreparedState, RequestError
-from replicas import Engine, EngineLimits, WorkerGroup
+from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, RequestError
+from pipelines.h3.pipeline import StagesElsewhere
+from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
 from tests.harness import ServeProcess, default_config, free_port, write_config
 from tests.test_engine_faults import assert_same_media
-from tests.test_replicas import spec
+from tests.test_replicas import RESOLUTION, spec
 
 pytestmark = [pytest.mark.ray]
 SOLO, STAGED = "solo", "staged"
@@ -106,13 +109,118 @@ REQUESTS = {
 }
 
 
+def staged_spec(sp: int, checkpoint) -> ReplicaSpec:
+    return spec(sp, checkpoint).model_copy(update={"stages": "remote"})
+
+
 def test_builder_binds_no_stage_without_a_stages_section():
     assert DeployArgs().stage_deployments() == {}
+    assert DeployArgs().replica_spec(RESOLUTION).stages == "local"  # rank 0 loads the text encoder and VAEs
     staged = DeployArgs.model_validate({"stages": {"decoder": {"num_replicas": 2}}})
+    assert staged.replica_spec(RESOLUTION).stages == "remote"  # rank 0 holds only the transformer
     assert staged.stage_deployments()["conditioner"].ray_actor_options == {"num_cpus": 1.0}
     assert staged.stage_deployments()["decoder"].num_replicas == 2
     with pytest.raises(ValueError, match="stages.conditioner.ray_actor_options must reserve num_gpus >= 1"):
         DeployArgs.model_validate({"device": "cuda", "stages": {"conditioner": {"ray_actor_options": {"num_gpus": 0}}}})
+
+
+# the top-level model classes of a checkpoint's components (transformers, text encoder, VAEs)
+MODEL_CLASSES = (
+    "MiniMaxH3Transformer3DModel",
+    "Qwen3VLForConditionalGeneration",
+    "AutoencoderKLMiniMaxH3",
+    "AutoencoderKLMiniMaxH3Audio",
+)
+
+
+def models_alive_after_building_rank0(replica_spec: ReplicaSpec) -> dict[str, list]:
+    """In a fresh Ray actor process: build a real WorkerGroup's rank 0 from ``replica_spec``, collect garbage, and
+    list every live model object of ``MODEL_CLASSES``: class -> [(parameters, devices)] per instance."""
+
+    class Rank0Process:  # defined here so that Ray ships it by value (its worker needs no tests package)
+        def build(self, replica_spec: ReplicaSpec, classes: tuple[str, ...]) -> dict[str, list]:
+            import gc
+
+            import torch
+
+            from replicas import WorkerGroup
+
+            self.group = WorkerGroup.create(replica_spec)  # kept alive while the objects are counted
+            gc.collect()
+            alive: dict[str, list] = {}
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.nn.Module) and type(obj).__name__ in classes:
+                    params = list(obj.parameters())
+                    devices = sorted({p.device.type for p in params})
+                    alive.setdefault(type(obj).__name__, []).append((sum(p.numel() for p in params), devices))
+            return alive
+
+    actor = ray.remote(num_cpus=0.2, max_restarts=0)(Rank0Process).remote()
+    try:
+        return ray.get(actor.build.remote(replica_spec, MODEL_CLASSES), timeout=300)
+    finally:
+        ray.kill(actor)
+
+
+def test_a_staged_rank0_holds_only_the_transformer(ray_cluster, tiny_checkpoint, tiny_pipeline):
+    solo = models_alive_after_building_rank0(spec(1, tiny_checkpoint))
+    staged = models_alive_after_building_rank0(staged_spec(1, tiny_checkpoint))
+    transformer = sum(p.numel() for p in tiny_pipeline.denoiser.transformers["transformer"].parameters())
+    # the one-replica rank 0 holds one of each (the check can see them), all on the replica's device
+    assert {name: len(instances) for name, instances in solo.items()} == dict.fromkeys(MODEL_CLASSES, 1)
+    assert all(instance[1] == ["cpu"] for instances in solo.values() for instance in instances)
+    # staged: the transformer alone, not even a meta-device VAE left over from reading the model rules
+    assert staged == {"MiniMaxH3Transformer3DModel": [(transformer, ["cpu"])]}
+
+
+def test_a_denoiser_only_pipeline_refuses_to_prepare_or_decode_and_keeps_the_model_rules(
+    tiny_checkpoint, tiny_pipeline
+):
+    pipeline = H3Pipeline.load(tiny_checkpoint, "torch_sdpa", stages="remote")
+    assert not pipeline.has_stages and set(pipeline.held_models()) == {"transformer"}
+    assert tiny_pipeline.has_stages
+    with pytest.raises(StagesElsewhere, match="cannot run diffusers' blocks before or after the loop"):
+        pipeline.stages  # noqa: B018  # the attribute itself refuses
+    assert {"transformer", "text_encoder", "vae", "audio_vae"} <= set(tiny_pipeline.held_models())
+    assert pipeline.rules == tiny_pipeline.rules  # read off config-only VAEs: the same frame and sample rates
+    request = REQUESTS["t2va"]
+    assert pipeline.validate(request) == tiny_pipeline.validate(request)  # its tokenizer sizes the rows
+    with pytest.raises(StagesElsewhere, match="holds only the transformer partitions"):
+        pipeline.prepare(request)
+    # a conditioner's prepared state steps here exactly as in the whole pipeline, then the decoder decodes it
+    conditioner = H3StageModels.load("conditioner", tiny_checkpoint)
+    decoder = H3StageModels.load("decoder", tiny_checkpoint)
+    state = pipeline.admit(request, conditioner.prepare(request))
+    reference = tiny_pipeline.prepare(request)
+    while not state.done:
+        pipeline.step([state])
+        tiny_pipeline.step([reference])
+    with pytest.raises(StagesElsewhere, match="cannot decode a request"):
+        pipeline.decode(state)
+    got, want = decoder.decode(pipeline.decode_handoff(state)), tiny_pipeline.decode(reference)
+    np.testing.assert_array_equal(got.frames, want.frames)
+    np.testing.assert_array_equal(got.audio, want.audio)
+    with pytest.raises(ValueError, match="stages must be one of local, remote, got 'elsewhere'"):
+        H3Pipeline.load(tiny_checkpoint, "torch_sdpa", stages="elsewhere")  # type: ignore[arg-type]
+
+
+def test_a_replica_refuses_stage_handles_that_do_not_match_its_spec(tiny_checkpoint):
+    """A staged spec without the stages' handles would leave a rank 0 that cannot prepare: refused before it builds."""
+    from deploy.replica import H3Replica
+
+    unbuilt = object.__new__(H3Replica)
+    with pytest.raises(ValueError, match="spec.stages='remote' needs both conditioner and decoder handles"):
+        asyncio.run(H3Replica.__init__(unbuilt, staged_spec(1, tiny_checkpoint), EngineLimits()))
+    assert not hasattr(unbuilt, "group")  # nothing was built
+
+
+def test_every_staged_denoiser_replica_serves_with_the_transformer_alone(server):
+    solo = replica(SOLO).diagnostics.remote().result(timeout_s=60)
+    assert {"transformer", "text_encoder", "vae", "audio_vae"} <= set(solo["rank0_models"])
+    for _ in range(4):  # Serve routes each call to either denoiser
+        staged = replica(STAGED).diagnostics.remote().result(timeout_s=60)
+        assert staged["stages"] is True
+        assert staged["rank0_models"] == {"transformer": solo["rank0_models"]["transformer"]}
 
 
 @pytest.mark.parametrize("task", ["t2va", "fl2va"])
@@ -177,7 +285,7 @@ def test_a_request_whose_decode_fails_at_the_decoder_stage_fails_alone(server, t
     bad_rows = prepared[-1].values["latents"].shape[0]
     assert all(p.values["latents"].shape[0] != bad_rows for p in prepared[:-1])
     decoder_before = stage_report("decoder")
-    group = WorkerGroup.create(spec(1, tiny_checkpoint))
+    group = WorkerGroup.create(staged_spec(1, tiny_checkpoint))  # rank 0 without text encoder and VAEs
     try:
 
         async def scenario():

@@ -61,6 +61,10 @@ class MemoryBudgetError(DeploymentConfigError):
 def check_memory(plan: MemoryPlan, platform: Platform) -> str:
     """Refuse a plan whose rank role does not fit ``platform``'s device memory; returns what was checked.
 
+    The stage roles of a plan (``plan.stages``: the conditioner and the decoder, with the deploy args' ``stages``)
+    are checked against the same platform: their deployments reserve whole GPUs of the replicas' kind (the args
+    give them no platform of their own). They hold no pack rows, so the row budget cannot make them fit.
+
     On CPU nothing is checked: the ranks share host memory with Ray's object store and every other
     process, so there is no per-rank device budget to hold them to (the tiny CPU model needs MBs). On
     CUDA a platform that does not state its device memory is refused (fail closed): `h3serve probe`
@@ -76,7 +80,7 @@ def check_memory(plan: MemoryPlan, platform: Platform) -> str:
             "the assumed platform"
         )
     fits = plan.max_rows_that_fit(device)
-    over = [rank for rank in plan.ranks if rank.total_bytes > device]
+    over = [rank for rank in plan.roles if rank.total_bytes > device]
     if over:
         problems = "; ".join(
             f"{rank.role} needs {gib(rank.total_bytes)} = weights {gib(rank.weight_bytes)} ("
@@ -84,13 +88,25 @@ def check_memory(plan: MemoryPlan, platform: Platform) -> str:
             + f") + activations {gib(rank.activation_bytes)} + reserve {gib(rank.reserve_bytes)}"
             for rank in over
         )
-        if fits > 0:
-            advice = f"the largest max_rows_per_step that fits is {fits}"
-        else:
-            advice = "no max_rows_per_step fits: the weights and reserve alone exceed the device"
+        advice = []
+        if any(rank in plan.ranks for rank in over):
+            if fits > 0:
+                advice.append(f"the largest max_rows_per_step that fits is {fits}")
+            else:
+                advice.append("no max_rows_per_step fits: the weights and reserve alone exceed the device")
+        stages = [rank.role for rank in over if rank in plan.stages]
+        if stages:
+            what = "stages hold no pack rows: their" if len(stages) > 1 else "stage holds no pack rows: its"
+            advice.append(f"the {' and '.join(stages)} {what} weights and reserve alone exceed the device")
         raise MemoryBudgetError(
             f"{problems}, but a {platform.device_name} has {gib(device)} "
-            f"(engine.max_rows_per_step {plan.max_rows} over sp_degree {plan.sp_degree}); {advice}"
+            f"(engine.max_rows_per_step {plan.max_rows} over sp_degree {plan.sp_degree}); {'; '.join(advice)}"
             + "".join(f"; note: {note}" for note in plan.notes)
         )
-    return f"every rank fits {gib(device)}; the largest max_rows_per_step that fits is {fits}"
+    checked = f"every rank fits {gib(device)}; the largest max_rows_per_step that fits is {fits}"
+    if plan.stages:
+        checked += "; " + " and ".join(
+            f"the {stage.role} stage fits it with {gib(device - stage.total_bytes)} left for its transients"
+            for stage in plan.stages
+        )
+    return checked

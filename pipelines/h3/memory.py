@@ -5,6 +5,12 @@ reads), both VAEs and the transformer partition(s); **worker ranks** hold only t
 Each role's plan is weights + activations of a full pack + a fixed reserve, and admission refuses a
 deployment whose rank does not fit the platform's device memory.
 
+With stage deployments of their own (``stages="remote"``, the deploy args' ``stages`` section) rank 0 holds
+only the partition(s) like the workers, and the plan has two more roles, each on a GPU of its own: the
+**conditioner** (Qwen3-VL trimmed as above and both VAEs, whose encoders read keyframes and references) and
+the **decoder** (both VAEs). They hold no pack rows: weights + the reserve, and their per-request transients
+(Qwen3-VL over a prompt, a VAE decode) must fit in what is left of their device.
+
 * **Weights** are counted by building every component from its config on the ``meta`` device (no
   memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
   except diffusers' ``_keep_in_fp32_modules`` (fp32), Qwen3-VL at the served dtype with its decoder
@@ -31,7 +37,7 @@ import functools
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -68,6 +74,13 @@ NOT_COUNTED = (
     "rank 0's own transients between forwards (Qwen3-VL over a prompt, a VAE decode of a finished clip) "
     "are not in the activations: the reserve must hold them (measure a decode on the GPU before trusting it)"
 )
+STAGES_NOT_COUNTED = (
+    "the conditioner's and decoder's transients (Qwen3-VL over a prompt, VAE encodes of keyframes and references, "
+    "a VAE decode of a finished clip) are not counted: the rest of their device must hold them (measure a decode "
+    "on the GPU before trusting it)"
+)
+# the stage deployments' roles, in the order the plan lists them (deploy/stages.py)
+STAGE_ROLES = ("conditioner", "decoder")
 
 ACTIVATION_FORMULA = """\
 Live bytes of one packed forward at its peak, per rank, no grad; the peak is the larger of two phases:
@@ -252,9 +265,9 @@ def _component_bytes(model: str, checkpoint: str | None, dtype: str, partitions:
 # -- the plan ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    """One rank role's device memory at a row budget."""
+    """One rank role's device memory at a row budget (a stage role holds no rows: no activations)."""
 
-    role: str  # "rank 0" or "worker ranks"
+    role: str  # "rank 0" or "worker ranks"; "conditioner" or "decoder" for a stage
     weights: dict[str, int]  # component -> bytes
     activation_bytes: int
     reserve_bytes: int
@@ -270,7 +283,9 @@ class RankPlan:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Every rank role of one replica, at ``max_rows`` pack rows split over ``sp_degree`` ranks."""
+    """Every rank role of one replica, at ``max_rows`` pack rows split over ``sp_degree`` ranks, and the stage
+    deployments' roles (``stages``: the conditioner and the decoder, each on a device of its own; empty when
+    rank 0 conditions and decodes)."""
 
     model: str
     dtype: str
@@ -279,6 +294,12 @@ class MemoryPlan:
     row_cost: RowCost
     ranks: tuple[RankPlan, ...]
     notes: tuple[str, ...] = ()
+    stages: tuple[RankPlan, ...] = ()
+
+    @property
+    def roles(self) -> tuple[RankPlan, ...]:
+        """Every role that needs a device: the replica's ranks, then the stages."""
+        return self.ranks + self.stages
 
     def rows_that_fit(self, rank: RankPlan, device_bytes: int) -> int:
         """The largest row budget with which ``rank`` fits ``device_bytes``."""
@@ -299,13 +320,15 @@ class MemoryPlan:
             f"rank at {self.row_cost.refiner_text / 1e3:.1f} kB; inputs {self.row_cost.per_pack_row / 1e3:.1f} kB)",
             head,
         ]
-        for rank in self.ranks:
+        for rank in self.roles:
             line = (
                 f"{rank.role:<13} {gib(rank.weight_bytes):>9} {gib(rank.activation_bytes):>12} "
                 f"{gib(rank.reserve_bytes):>8} {gib(rank.total_bytes):>8}"
             )
             if device_bytes:
-                line += f" {gib(device_bytes):>8} {self.rows_that_fit(rank, device_bytes):>14}"
+                # a stage holds no pack rows: whether it fits does not depend on the row budget
+                fits = self.rows_that_fit(rank, device_bytes) if rank in self.ranks else "(no rows)"
+                line += f" {gib(device_bytes):>8} {fits:>14}"
             lines.append(line)
             lines.append("  weights: " + ", ".join(f"{k} {gib(v)}" for k, v in rank.weights.items()))
         lines += [f"  note: {n}" for n in self.notes]
@@ -343,19 +366,24 @@ def memory_plan(
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     adapters: dict[str, int] | None = None,
     step_cache: bool = False,
+    stages: Literal["local", "remote"] = "local",
 ) -> MemoryPlan:
     """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
 
     ``partitions``: the transformer partitions every rank holds; None reads them from the checkpoint.
     ``adapters``: each LoRA adapter's bytes on one rank (``lora.check_adapters``): every rank holds every one.
     ``step_cache``: the deployment offers a step-cache tier, so every pack row may hold two residuals.
+    ``stages``: "local", rank 0 holds the text encoder and both VAEs; "remote", stage deployments hold them
+    (the plan's ``stages``: the conditioner and the decoder, each with ``reserve_bytes``) and rank 0 does not.
     """
+    if stages not in ("local", "remote"):
+        raise ValueError(f"stages must be 'local' or 'remote', got {stages!r}")
     notes: tuple[str, ...] = ()
     if partitions is None:
         partitions, note = checkpoint_partitions(checkpoint)
         notes = (note,) if note else ()
-    # Prepare and decode run between forwards on rank 0; their transient tensors are in the reserve, not here.
-    notes += (NOT_COUNTED,)
+    # Prepare and decode run between forwards on rank 0, or in the stages; their transients are not counted here.
+    notes += (NOT_COUNTED if stages == "local" else STAGES_NOT_COUNTED,)
     weights = _component_bytes(model, checkpoint, dtype, tuple(partitions))
     row_cost = activation_row_cost(
         preset(model).transformer_config(), dtype, sp_degree=sp_degree, step_cache=step_cache
@@ -370,16 +398,16 @@ def memory_plan(
         **{p: weights[p] for p in partitions},
         **{f"lora {name}": nbytes for name, nbytes in (adapters or {}).items()},
     }
+    vaes = {"vae": weights["vae"], "audio_vae": weights["audio_vae"]}
+    conditioner = {"text_encoder": weights["text_encoder"], **vaes}
     rank0 = RankPlan(
-        "rank 0",
-        {
-            **transformers,
-            "text_encoder": weights["text_encoder"],
-            "vae": weights["vae"],
-            "audio_vae": weights["audio_vae"],
-        },
-        activations,
-        reserve_bytes,
+        "rank 0", {**transformers, **conditioner} if stages == "local" else transformers, activations, reserve_bytes
     )
     ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", transformers, activations, reserve_bytes))
-    return MemoryPlan(model, dtype, sp_degree, max_rows, row_cost, ranks, notes)
+    stage_plans: tuple[RankPlan, ...] = ()
+    if stages == "remote":
+        stage_plans = (
+            RankPlan("conditioner", conditioner, 0, reserve_bytes),
+            RankPlan("decoder", vaes, 0, reserve_bytes),
+        )
+    return MemoryPlan(model, dtype, sp_degree, max_rows, row_cost, ranks, notes, stage_plans)

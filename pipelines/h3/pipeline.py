@@ -3,6 +3,11 @@
 ``H3Denoiser`` is the transformer partition(s) with h3serve's attention processor on exactly the
 admitted backend. ``H3Pipeline`` adds what runs once per request on rank 0 — diffusers' blocks
 before and after the loop — and advances any number of requests by one step per packed forward.
+
+With its stages elsewhere (``H3Pipeline.load(stages="remote")``: conditioner and decoder deployments of their
+own) rank 0 holds only the transformer partitions and the tokenizer (to size a request's rows): no text
+encoder, no VAE. Its model rules are read off the VAEs' configs on the ``meta`` device, and ``prepare`` and
+``decode`` raise ``StagesElsewhere``; requests come in prepared (``admit``) and leave as ``decode_handoff``.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,6 +49,15 @@ logger = logging.getLogger(__name__)
 
 # What H3 needs from attention: many documents packed into one [T, H, D] forward.
 REQUIREMENTS = AttentionRequirements(packed_varlen=True)
+
+# Where a replica's per-request stages run: "local" on rank 0 (it loads the text encoder and both VAEs),
+# "remote" in conditioner and decoder deployments of their own (rank 0 holds only the transformer partitions)
+StagePlacement = Literal["local", "remote"]
+STAGE_PLACEMENTS: tuple[StagePlacement, ...] = ("local", "remote")
+
+
+class StagesElsewhere(RuntimeError):
+    """A pipeline loaded without its conditioner and decoder models (``stages="remote"``) was asked to run them."""
 
 
 def _quiet_libraries() -> None:
@@ -269,6 +284,24 @@ def prepare_shifted(
             planner.set_shift(released)
 
 
+def _config_only(index: ckpt.CheckpointIndex, name: str) -> torch.nn.Module:
+    """A diffusers component (a VAE) built from its folder's config on the ``meta`` device: its config and the
+    properties derived from it, no weights, no memory."""
+    import diffusers
+
+    library, class_name = ckpt.LAYOUT[name]
+    assert library == "diffusers", name
+    cls = getattr(diffusers, class_name)
+    config = cls.load_config(index.folder(name), local_files_only=True)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)  # the audio VAE's
+        return cls.from_config(config)
+
+
+def _held_modules(value: Any) -> dict[str, torch.nn.Module]:
+    return {name: module for name, module in vars(value).items() if isinstance(module, torch.nn.Module)}
+
+
 STAGE_ROLES = ("conditioner", "decoder")
 
 
@@ -315,6 +348,13 @@ class H3StageModels:
             ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
             components["text_encoder"].to(device)
         return cls(role, stages, schedulers, torch.device(device))
+
+    def held_models(self) -> dict[str, torch.nn.Module]:
+        """Every model this stage holds, by component name (the memory plan's stage roles count these)."""
+        models: dict[str, torch.nn.Module] = {}
+        for pipeline in (self.stages.before, self.stages.after):
+            models.update(_held_modules(pipeline))
+        return models
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, shift: float | None = None) -> PreparedState:
@@ -440,17 +480,32 @@ class StepStats:
 
 
 class H3Pipeline:
-    """Rank 0: diffusers' per-request stages around h3serve's packed multi-request denoising."""
+    """Rank 0: diffusers' per-request stages around h3serve's packed multi-request denoising.
+
+    ``stages`` None: conditioning and decoding run in stage deployments of their own (``load(stages="remote")``);
+    this pipeline then holds no text encoder and no VAE, ``rules`` must be given, and ``prepare``, ``decode`` and
+    the ``stages`` attribute raise ``StagesElsewhere`` (``has_stages`` says which it is).
+    """
 
     requirements = REQUIREMENTS
 
     def __init__(
-        self, denoiser: H3Denoiser, stages: H3Stages, schedulers: dict[str, MiniMaxH3Scheduler], tokenizer, name: str
+        self,
+        denoiser: H3Denoiser,
+        stages: H3Stages | None,
+        schedulers: dict[str, MiniMaxH3Scheduler],
+        tokenizer,
+        name: str,
+        rules: ModelRules | None = None,
     ):
-        self.denoiser, self.stages, self.tokenizer, self.name = denoiser, stages, tokenizer, name
+        self.denoiser, self._stages, self.tokenizer, self.name = denoiser, stages, tokenizer, name
         self._schedulers = schedulers
         self._preparing = threading.Lock()  # one prepare at a time: an adapter's shift is set on a shared scheduler
-        self.rules: ModelRules = stages.rules()
+        if rules is None:
+            if stages is None:
+                raise ValueError("a pipeline without its stages needs its model rules")
+            rules = stages.rules()
+        self.rules: ModelRules = rules
         self.row_multiple = 1  # a worker group sets its SP degree here: packs split evenly over its ranks
         self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = self._forward_alone
 
@@ -465,9 +520,18 @@ class H3Pipeline:
         expected: TransformerGeometry | None = None,
         name: str | None = None,
         loras: LoraSpecs | None = None,
+        stages: StagePlacement = "local",
     ) -> H3Pipeline:
-        """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``, and ``loras``."""
+        """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``, and ``loras``.
+
+        ``stages="remote"``: conditioning and decoding run in stage deployments of their own, so only the
+        transformer partition(s), the tokenizer and the schedulers are loaded (``load_denoiser_only``).
+        """
+        if stages not in STAGE_PLACEMENTS:
+            raise ValueError(f"stages must be one of {', '.join(STAGE_PLACEMENTS)}, got {stages!r}")
         denoiser = H3Denoiser.load(checkpoint, backend, device=device, dtype=dtype, expected=expected, loras=loras)
+        if stages == "remote":
+            return cls.load_denoiser_only(denoiser, name)
         index = ckpt.CheckpointIndex(denoiser.directory)
         torch_dtype = parse_dtype(dtype)
         components = dict(denoiser.transformers)
@@ -479,11 +543,61 @@ class H3Pipeline:
             processor=ckpt.load_processor(index),
         )
         schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
-        stages = H3Stages({**components, **schedulers}, index.pipeline_config)
+        blocks = H3Stages({**components, **schedulers}, index.pipeline_config)
         # diffusers' encoder step refuses a stack of exactly `text_encoder_layer` layers (the last one is post-norm)
-        ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
+        ckpt.keep_decoder_layers(components["text_encoder"], blocks.before.text_encoder_layer + 1)
         components["text_encoder"].to(device)
-        return cls(denoiser, stages, schedulers, components["tokenizer"], name or denoiser.directory.name)
+        return cls(denoiser, blocks, schedulers, components["tokenizer"], name or denoiser.directory.name)
+
+    @classmethod
+    def load_denoiser_only(cls, denoiser: H3Denoiser, name: str | None = None) -> H3Pipeline:
+        """Rank 0 of a replica whose conditioner and decoder are stage deployments of their own: ``denoiser``,
+        the tokenizer (a request's rows are sized at submit) and the schedulers; no text encoder, no VAE.
+
+        The model rules (frame and sample rates, canvas multiple...) are what diffusers' blocks derive from the
+        VAEs' configs: they are read off config-only VAEs on the ``meta`` device, which are dropped after.
+        """
+        index = ckpt.CheckpointIndex(denoiser.directory)
+        schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
+        tokenizer = ckpt.load_tokenizer(index)
+        config_only = dict(
+            denoiser.transformers,
+            vae=_config_only(index, "vae"),
+            audio_vae=_config_only(index, "audio_vae"),
+            tokenizer=tokenizer,
+            processor=ckpt.load_processor(index),  # whether video references are served: torchvision here
+            **schedulers,
+        )
+        rules = H3Stages(config_only, index.pipeline_config).rules()
+        return cls(denoiser, None, schedulers, tokenizer, name or denoiser.directory.name, rules)
+
+    @property
+    def has_stages(self) -> bool:
+        """Whether diffusers' blocks before and after the loop (text encoder, VAEs) run here."""
+        return self._stages is not None
+
+    @property
+    def stages(self) -> H3Stages:
+        """The per-request stages (their text encoder and VAEs); StagesElsewhere when loaded without them."""
+        return self._local_stages("run diffusers' blocks before or after the loop")
+
+    def held_models(self) -> dict[str, torch.nn.Module]:
+        """Every model this pipeline holds, by component name: the transformer partition(s), and with its stages
+        here the text encoder and both VAEs."""
+        models = dict(self.denoiser.transformers)
+        if self._stages is not None:
+            for pipeline in (self._stages.before, self._stages.after):
+                models.update(_held_modules(pipeline))
+        return models
+
+    def _local_stages(self, what: str) -> H3Stages:
+        if self._stages is None:
+            raise StagesElsewhere(
+                f"this pipeline holds only the transformer partitions (loaded with stages='remote'): it cannot "
+                f"{what}; the conditioner stage prepares requests (H3StageModels.prepare, then H3Pipeline.admit) "
+                "and the decoder stage decodes them (H3Pipeline.decode_handoff, then H3StageModels.decode)"
+            )
+        return self._stages
 
     # -- one request's way in and out ----------------------------------------------------------
     def text_tokens(self, prompt: str) -> int:
@@ -526,11 +640,12 @@ class H3Pipeline:
         ``adapter``: the LoRA adapter it runs on (None: the base model); ``request`` must already carry its
         steps (``with_adapter``). Its video schedule uses the adapter's ``shift`` when it declares one.
         """
+        stages = self._local_stages("prepare a request")
         self.rules.check(request)
         if step_cache is not None:
             self.check_step_cache(step_cache)
         slot, shift = self.check_prepare(request, step_cache, adapter)
-        state = prepare_shifted(self.stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
+        state = prepare_shifted(stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
         return self._request_state(request, state, step_cache, slot, shift)
 
     def check_prepare(
@@ -585,7 +700,8 @@ class H3Pipeline:
 
     @torch.no_grad()
     def decode(self, state: RequestState) -> GeneratedMedia:
-        frames, audio, sample_rate = self.stages.finish(state.state, state.video_rows, state.audio_rows)
+        stages = self._local_stages("decode a request")
+        frames, audio, sample_rate = stages.finish(state.state, state.video_rows, state.audio_rows)
         return GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
 
     def decode_handoff(self, state: RequestState) -> DecodeHandoff:
