@@ -2,8 +2,9 @@
 
     python -m benchmarks.run_all [--smoke] [--json-dir DIR]
 
-packing, admission, serving, sp, trace, default_clip, step_cache; then gpu_kernels and gpu_pipeline when CUDA is
-visible (otherwise their commands, and the one-command GPU session script, are printed). Exits
+packing, admission, serving, sp, trace, default_clip, step_cache, lora (``--smoke``: its co-batching trace);
+then gpu_kernels and gpu_pipeline when CUDA is visible (otherwise their commands, and the one-command GPU session
+script, are printed). Exits
 non-zero if any benchmark's correctness check failed.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from .common import say, table
 
-CPU_BENCHMARKS = ("packing", "admission", "serving", "sp", "trace", "default_clip", "step_cache")
+CPU_BENCHMARKS = ("packing", "admission", "serving", "sp", "trace", "default_clip", "step_cache", "lora")
 GPU_BENCHMARKS = ("gpu_kernels", "gpu_pipeline")
 
 

@@ -38,6 +38,7 @@ import math
 import os
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,7 @@ class Arrival:
     kind: str  # the request class's name
     priority: int
     request: GenerationRequest
+    adapter: str | None = None  # the LoRA adapter it runs on (None: the base model; benchmarks.lora's trace)
 
 
 def make_request(cls: RequestClass, steps: int, seed: int, prompt: str) -> GenerationRequest:
@@ -171,16 +173,24 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
 
 
 # -- the modes ------------------------------------------------------------------------------------
-async def engine_replay(group: WorkerGroup, trace: list[Arrival], limits: EngineLimits):
-    """Submit each request at its arrival time; (engine, done {i: (media, t)}, first step {i: t}, last step {i: t})."""
-    engine, t0 = Engine(group, limits, StepLog()), now()
+async def engine_replay(
+    group: WorkerGroup,
+    trace: list[Arrival],
+    limits: EngineLimits,
+    make_engine: Callable[[WorkerGroup, EngineLimits, StepLog], Engine] = Engine,
+):
+    """Submit each request at its arrival time; (engine, done {i: (media, t)}, first step {i: t}, last step {i: t}).
+
+    ``make_engine``: the engine to replay through (default h3serve's ``Engine``; benchmarks.lora passes its
+    adapter-gated policies over the same engine)."""
+    engine, t0 = make_engine(group, limits, StepLog()), now()
     done: dict[int, tuple] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
 
     async def one(a: Arrival) -> None:
         await asyncio.sleep(max(0.0, t0 + a.at - now()))
-        ticket = engine.submit(a.request, f"trace-{a.index}", priority=a.priority)
+        ticket = engine.submit(a.request, f"trace-{a.index}", priority=a.priority, adapter=a.adapter)
         while not ticket.future.done():  # `changed` is set after each of its forwards
             changed = asyncio.ensure_future(ticket.changed.wait())
             waiters: list[asyncio.Future[Any]] = [changed, ticket.future]

@@ -23,6 +23,7 @@ from benchmarks import (
     gpu_kernels,
     gpu_pipeline,
     gpu_smoke,
+    lora,
     packing,
     run_all,
     serving,
@@ -240,6 +241,54 @@ def test_step_cache_smoke_reports_every_tier_and_a_mixed_pack_equal_to_its_parts
     assert skipped == sorted(skipped) and skipped[-1] > 0  # looser thresholds skip more, and something is skipped
     mixed = result["mixed"]
     assert mixed["tiers"] == [OFF, "high"] and mixed["each_equals_alone"] == [True, True] and result["ok"]
+
+
+def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outputs(capsys, tmp_path):
+    assert lora.main(["--smoke", "--json", str(tmp_path / "lora.json")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "lora.json").read_text())
+    sizes, n = result["sizes"], result["sizes"]["requests"]
+    models = ["base", lora.TURBO, lora.STYLE_A, lora.STYLE_B]
+    assert sorted(r["model"] for r in result["trace"]) == sorted(models * (n // 4))  # a quarter on each model
+    # a turbo request asks no steps and runs its adapter's; the others run the trace's
+    assert all(
+        r["steps"] == (sizes["turbo_steps"] if r["model"] == lora.TURBO else sizes["steps"]) for r in result["trace"]
+    )
+    assert result["adapters"][lora.TURBO]["steps"] == sizes["turbo_steps"]
+    rows = {r["mode"]: r for r in result["results"]}
+    assert list(rows) == list(lora.TRACE_MODES)
+    for row in rows.values():  # every request completed in every mode: the same requests served
+        assert row["completed"] == list(range(n)) and row["latency"]["n"] == n
+        assert {name: s["n"] for name, s in row["per_model"].items()} == dict.fromkeys(models, n // 4)
+        agreement = row["agreement"]  # every request's output against co-batched's
+        assert agreement["agree"] and agreement["requests"] == n and agreement["max_pixel_diff"] <= 1
+        assert 0 < row["duty_cycle"] <= 1
+    assert len({r["rows"] for r in rows.values()}) == 1  # the same rows through the model, however packed
+    # the peers' modes never pack two models together; each model gets batches of its own
+    for mode in (lora.ONE_PER_BATCH, lora.MERGE_SWAP):
+        assert rows[mode]["max_models_per_step"] == 1 and set(rows[mode]["batches"]) == set(models)
+    assert rows[lora.CO_BATCHED]["batches"] is None and rows[lora.CO_BATCHED]["swaps"] == []
+    merge = rows[lora.MERGE_SWAP]
+    # a swap exactly where a batch's model differs from the one fused before it (the weights start as the base)
+    changes = [cur for prev, cur in itertools.pairwise(["base", *merge["batches"]]) if prev != cur]
+    assert [s["to"] for s in merge["swaps"]] == changes and len(changes) >= len(models) - 1
+    assert all(s["s"] >= s["restore_s"] >= 0 for s in merge["swaps"]) and merge["restored_exactly"]
+    assert [t["adapter"] for t in result["merge_swap"]["tiny"]] == [lora.TURBO, lora.STYLE_A, lora.STYLE_B]
+    released = {(r["layout"], r["rank"]): r for r in result["merge_swap"]["released"]}
+    assert set(released) == {(name, rank) for name in lora.ADAPTER_CONFIGS for rank in lora.RELEASED_RANKS}
+    # style-b adapts the 50 released blocks' q, k, v and out projections: 5376 <-> 7168, bf16
+    attention = released[(lora.STYLE_B, 16)]
+    assert (attention["layers"], attention["params"]) == (50 * 4, 50 * 4 * 5376 * 7168)
+    assert attention["bytes"] == 2 * attention["params"]
+    assert released[(lora.TURBO, 64)]["params"] > released[(lora.STYLE_A, 64)]["params"] > attention["params"]
+    assert [t["target"] for t in result["targets"]] == [
+        "mean latency, co-batched / one adapter per batch",
+        "P99 latency, co-batched / one adapter per batch",
+        "throughput, co-batched / one adapter per batch",
+    ]
+    assert result["agreement"]["agree"] and result["ok"]
+    for words in (lora.ONE_PER_BATCH, lora.MERGE_SWAP, "issue 25's targets", "at the released size", "AGREE"):
+        assert words in out
 
 
 def test_run_all_commands_name_runnable_benchmarks(tmp_path):
