@@ -21,7 +21,7 @@ def test_every_field_is_described():
     assert all(f"`{name}`" in reference() for name in DeployArgs.model_fields)
 
 
-@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml", "serve_config.h100.yaml"])
 def test_the_shipped_configs_size_the_ingress_for_their_h3_replicas(name):
     """ingress.h3_replicas repeats the H3Replica count under deployments: (the builder sees only args)."""
     config = yaml.safe_load((DOC.parents[1] / "deploy" / name).read_text())
