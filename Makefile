@@ -46,7 +46,7 @@ eval: setup
 	$(BIN)/h3serve eval $(EVAL_ARGS)
 
 # Train the tiny MiniMax-H3 on the demo world (both VAEs, then the transformer on the training split), on
-# CPU with fixed seeds; its recipe, seeds and losses land in $(DEMO_CHECKPOINT)/training.json. ~45 min on 2 cores.
+# CPU with fixed seeds; its recipe, seeds and losses land in $(DEMO_CHECKPOINT)/training.json. ~60 min on 2 cores.
 demo-checkpoint: setup
 	$(BIN)/python -m demo.train $(DEMO_CHECKPOINT)
 

@@ -96,6 +96,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = 
     return text
 
 
+def judge_targets(checks: Sequence[tuple[str, float, str, float]], load: float, title: str) -> list[dict]:
+    """Each (target, value, ">=" or "<=", limit) judged, printed as one table; the rows, for the JSON."""
+    out = [
+        {
+            "target": name,
+            "load": load,
+            "value": value,
+            "limit": f"{op} {limit:g}",
+            "met": value >= limit if op == ">=" else value <= limit,
+        }
+        for name, value, op, limit in checks
+    ]
+    table(["target", "value", "limit", "met"], [[t["target"], t["value"], t["limit"], t["met"]] for t in out], title)
+    return out
+
+
 def say(msg: str = "") -> None:
     print(msg, flush=True)
 

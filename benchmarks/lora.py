@@ -87,6 +87,7 @@ from .common import (
     PEAK_TFLOPS,
     StepLog,
     compare_media,
+    judge_targets,
     machine,
     median,
     now,
@@ -649,22 +650,7 @@ def judge_trace(rows: dict[str, dict], load: float) -> list[dict]:
             TRACE_TARGETS["throughput"],
         ),
     ]
-    out = [
-        {
-            "target": name,
-            "load": load,
-            "value": value,
-            "limit": f"{op} {limit:g}",
-            "met": value >= limit if op == ">=" else value <= limit,
-        }
-        for name, value, op, limit in checks
-    ]
-    table(
-        ["target", "value", "limit", "met"],
-        [[t["target"], t["value"], t["limit"], t["met"]] for t in out],
-        title=f"issue 25's targets at load {load:g}",
-    )
-    return out
+    return judge_targets(checks, load, f"issue 25's targets at load {load:g}")
 
 
 def print_trace_tables(rows: list[dict], load: float) -> None:

@@ -50,6 +50,7 @@ from replicas import Engine, EngineLimits, WorkerGroup
 from .common import (
     StepLog,
     compare_media,
+    judge_targets,
     machine,
     now,
     parser,
@@ -456,22 +457,7 @@ def judge(results: dict, sizes: Sizes) -> list[dict]:
         ),
         ("high-priority P99 of latency / idle (priority)", prio["high_vs_idle_p99"], "<=", TARGETS["high_p99_vs_idle"]),
     ]
-    out = [
-        {
-            "target": name,
-            "load": load,
-            "value": value,
-            "limit": f"{op} {limit:g}",
-            "met": value >= limit if op == ">=" else value <= limit,
-        }
-        for name, value, op, limit in checks
-    ]
-    table(
-        ["target", "value", "limit", "met"],
-        [[t["target"], t["value"], t["limit"], t["met"]] for t in out],
-        title=f"issue 23's targets at load {load:g}",
-    )
-    return out
+    return judge_targets(checks, load, f"issue 23's targets at load {load:g}")
 
 
 # -- the run ----------------------------------------------------------------------------------------
