@@ -79,8 +79,6 @@ STAGES_NOT_COUNTED = (
     "a VAE decode of a finished clip) are not counted: the rest of their device must hold them (measure a decode "
     "on the GPU before trusting it)"
 )
-# the stage deployments' roles, in the order the plan lists them (deploy/stages.py)
-STAGE_ROLES = ("conditioner", "decoder")
 
 ACTIVATION_FORMULA = """\
 Live bytes of one packed forward at its peak, per rank, no grad; the peak is the larger of two phases:
