@@ -211,8 +211,7 @@ class H3Replica:
 
     async def _warm_up_through(self, remote: ServeStages) -> float:
         """``Engine.warm_up`` for a rank 0 without a text encoder: the conditioner stage prepares the engine's
-        warm-up request, then one packed forward of it runs on every rank; returns the forward's seconds, which
-        seed the watchdog's expected step time."""
+        warm-up request, then the engine runs its one packed forward on every rank; returns the forward's seconds."""
         request = self.engine.warmup_request()
         started = time.perf_counter()
         try:
@@ -221,22 +220,12 @@ class H3Replica:
             raise TimeoutError(
                 f"the conditioner stage did not prepare the warm-up request within {STAGE_WARMUP_TIMEOUT_S:g} s"
             ) from None
-        pipeline = self.group.pipeline
-        ((_, pack),) = pipeline.packs([pipeline.admit(request, prepared)])
-        received = time.perf_counter()
-        self.group(pack)
-        seconds = time.perf_counter() - received
-        self.engine.expected_step_s = seconds
         logger.info(
-            "warm-up: prepared by the conditioner stage in %.2f s (%d bytes), one packed forward of %d rows on %d "
-            "ranks %.2f s",
-            received - started,
+            "warm-up: prepared by the conditioner stage in %.2f s (%d bytes)",
+            time.perf_counter() - started,
             prepared.nbytes,
-            pack.total_rows,
-            self.group.sp_degree,
-            seconds,
         )
-        return seconds
+        return self.engine.warm_up(self.group.pipeline.admit(request, prepared))
 
     @staticmethod
     def _record_build_failure(backend: str, error: Exception, during: str = "build") -> None:

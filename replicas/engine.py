@@ -523,17 +523,17 @@ class Engine:
             prompt="warm-up", width=side, height=side, num_frames=rules.min_frames, num_inference_steps=2
         )
 
-    def warm_up(self) -> float:
+    def warm_up(self, state: RequestState | None = None) -> float:
         """Prepare the smallest request and run one packed forward on every rank, discarding the result.
 
         Synchronous, before any submit (kernel setup and compilation land here, not on the first user).
+        ``state``: ``warmup_request()`` already prepared elsewhere (a conditioner stage); None prepares it here.
         Returns the forward's seconds, which seed the watchdog's expected step time.
         """
         if self._task is not None:
             raise RuntimeError("warm_up() runs before the first submit")
-        request = self.warmup_request()
         started = time.perf_counter()
-        state = self.pipeline.prepare(request)
+        state = self.pipeline.prepare(self.warmup_request()) if state is None else state
         ((_, pack),) = self.pipeline.packs([state])
         prepared = time.perf_counter()
         self.group(pack)
