@@ -10,7 +10,7 @@ DEMO_CHECKPOINT ?= checkpoints/minimax-h3-tiny-demo
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test test-fast lint setup weights eval demo-checkpoint bench clean
+.PHONY: serve test test-fast lint setup weights eval demo-checkpoint bench k8s k8s-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,15 @@ demo-checkpoint: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all
+
+# The RayServices' serveConfigV2 from their serve configs (k8s/generate.py: serve_config.gpu.yaml ->
+# k8s/rayservice.yaml, serve_config.h100.yaml -> k8s/rayservice.h100.yaml); k8s-check fails with a diff when a
+# committed manifest differs from what generate.py writes.
+k8s: setup
+	$(BIN)/python k8s/generate.py
+
+k8s-check: setup
+	$(BIN)/python k8s/generate.py --check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Write deploy/serve_config.gpu.yaml into k8s/rayservice.yaml as its serveConfigV2.
+"""Write each GPU serve config into its RayService as the serveConfigV2:
+
+    deploy/serve_config.gpu.yaml   -> k8s/rayservice.yaml        (H200 nodes)
+    deploy/serve_config.h100.yaml  -> k8s/rayservice.h100.yaml   (H100 nodes)
 
 The serve config is the one source of truth; the RayService carries a copy between two marker
 comments. Only that block is rewritten, so everything else in the manifest (comments, order,
-formatting) stays byte for byte as written.
+formatting, the worker groups) stays byte for byte as written; tests/test_k8s.py checks the worker
+groups against the config (every deployment schedulable, at Serve's minimum and maximum).
 
-    python k8s/generate.py            rewrite the block
-    python k8s/generate.py --check    exit 1 and print a diff when the block is out of date
+    python k8s/generate.py            rewrite the block of every manifest above (make k8s)
+    python k8s/generate.py --check    exit 1 and print a diff when one is out of date (make k8s-check)
+    python k8s/generate.py --source S --target T    one pair (--target alone: the H200 config's)
 
 Needs nothing beyond PyYAML.
 """
@@ -24,6 +29,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "deploy" / "serve_config.gpu.yaml"
 TARGET = REPO / "k8s" / "rayservice.yaml"
+# (serve config, RayService): every manifest the repository ships, each generated from its config
+PAIRS = (
+    (SOURCE, TARGET),
+    (REPO / "deploy" / "serve_config.h100.yaml", REPO / "k8s" / "rayservice.h100.yaml"),
+)
 
 BEGIN = "# >>> BEGIN GENERATED serveConfigV2"
 END = "# <<< END GENERATED serveConfigV2"
@@ -57,29 +67,29 @@ def render_block(body: str, indent: str, source: Path) -> str:
     )
 
 
-def regenerate(manifest: str, body: str, source: Path) -> str:
+def regenerate(manifest: str, body: str, source: Path, target: Path = TARGET) -> str:
     matches = list(BLOCK.finditer(manifest))
     if len(matches) != 1:
         raise SystemExit(
-            f"{TARGET}: expected exactly one block between '{BEGIN}' and '{END}' "
+            f"{target}: expected exactly one block between '{BEGIN}' and '{END}' "
             f"at the same indentation, found {len(matches)}"
         )
     match = matches[0]
     return manifest[: match.start()] + render_block(body, match["indent"], source) + manifest[match.end() :]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="do not write; exit 1 with a diff if out of date")
-    parser.add_argument(
-        "--source", type=Path, default=SOURCE, help=f"serve config (default: {SOURCE.relative_to(REPO)})"
-    )
-    parser.add_argument("--target", type=Path, default=TARGET, help=f"RayService (default: {TARGET.relative_to(REPO)})")
-    ns = parser.parse_args(argv)
+def shown(path: Path) -> Path:
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
-    source, target = ns.source.resolve(), ns.target.resolve()
+
+def generate(source: Path, target: Path, check: bool) -> bool:
+    """Rewrite (or with ``check``, compare) ``target``'s block from ``source``; True when it was up to date."""
+    if not target.is_file():
+        raise SystemExit(
+            f"{target}: no such RayService (write its worker groups first; only serveConfigV2 is generated)"
+        )
     current = target.read_text()
-    updated = regenerate(current, serve_config_body(source), source)
+    updated = regenerate(current, serve_config_body(source), source, target)
 
     # The copy must mean exactly what the source means, whatever the text looks like.
     embedded = yaml.safe_load(updated)["spec"]["serveConfigV2"]
@@ -87,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("internal error: the generated serveConfigV2 does not parse to the source config")
 
     if updated == current:
-        print(f"{target.relative_to(REPO) if target.is_relative_to(REPO) else target}: up to date")
-        return 0
-    if ns.check:
+        print(f"{shown(target)}: up to date")
+        return True
+    if check:
         sys.stdout.writelines(
             difflib.unified_diff(
                 current.splitlines(keepends=True),
@@ -99,10 +109,30 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         print(f"\n{target} is out of date with {source}: run `python k8s/generate.py`", file=sys.stderr)
-        return 1
+        return False
     target.write_text(updated)
-    print(f"wrote serveConfigV2 of {target} from {source}")
-    return 0
+    print(f"wrote serveConfigV2 of {shown(target)} from {shown(source)}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="do not write; exit 1 with a diff if out of date")
+    parser.add_argument("--source", type=Path, help="one serve config (default: every pair above)")
+    parser.add_argument("--target", type=Path, help="its RayService (with --source, or alone for the H200 config's)")
+    ns = parser.parse_args(argv)
+
+    if ns.source is None and ns.target is None:
+        pairs = list(PAIRS)
+    elif ns.target is None:
+        paired = {source.resolve(): target for source, target in PAIRS}
+        if ns.source.resolve() not in paired:
+            parser.error(f"--source {ns.source} has no RayService of its own here: give --target")
+        pairs = [(ns.source, paired[ns.source.resolve()])]
+    else:
+        pairs = [(ns.source if ns.source is not None else SOURCE, ns.target)]
+    results = [generate(source.resolve(), target.resolve(), ns.check) for source, target in pairs]
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

@@ -31,3 +31,20 @@ def test_the_shipped_configs_size_the_ingress_for_their_h3_replicas(name):
         h3 = next(d for d in app["deployments"] if d["name"] == "H3Replica")
         assert args.ingress.h3_replicas == h3.get("autoscaling_config", {}).get("max_replicas", h3.get("num_replicas"))
         assert args.generation_slots == args.ingress.h3_replicas * (args.engine.max_queue + args.engine.max_active)
+
+
+@pytest.mark.parametrize(
+    "name, staged",
+    [("serve_config.yaml", False), ("serve_config.gpu.yaml", True), ("serve_config.h100.yaml", True)],
+)
+def test_the_gpu_configs_run_the_stages_and_the_cpu_default_does_not(name, staged):
+    """The CPU default stays one process group (no stage deployments to set up); both GPU configs condition and
+    decode in stages of their own, each replica on one GPU, asking for the h3serve_stage resource that only the
+    RayServices' stage worker groups offer (tests/test_k8s.py schedules them there)."""
+    config = yaml.safe_load((DOC.parents[1] / "deploy" / name).read_text())
+    args = DeployArgs.model_validate(config["applications"][0]["args"])
+    stages = args.stage_deployments()
+    assert (args.stages is not None) == staged and bool(stages) == staged
+    for role, stage in stages.items():
+        options = stage.ray_actor_options
+        assert options["num_gpus"] == 1 and options["resources"] == {"h3serve_stage": 1}, (role, options)

@@ -2,6 +2,8 @@
 
 import copy
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import ray
@@ -64,19 +66,81 @@ def test_admit_refuses_a_config_whose_replica_count_the_ingress_was_not_sized_fo
 
 
 def test_admit_passes_both_shipped_configs():
-    assert h3serve("admit", "deploy/serve_config.yaml").returncode == 0
+    default = h3serve("admit", "deploy/serve_config.yaml")
+    assert default.returncode == 0, default.stderr
+    assert "stage conditioner" not in default.stdout  # the CPU default stays one deployment
     gpu = h3serve("admit", "deploy/serve_config.gpu.yaml")
     assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
     given = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200-flash-attn.json")
     assert given.returncode == 0, given.stderr
     assert "'flash_attn' explicitly selected" in given.stdout
-    assert "rank 0 " in given.stdout and "worker ranks" in given.stdout  # each rank role's memory plan
-    # rank 0 (transformer + Qwen3-VL + both VAEs) does not fit an 80 GB H100: refused, with the plan printed
-    h100 = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h100-flash-attn.json")
-    assert h100.returncode == 2, h100.stdout
-    assert "admission refused application 'h3serve': rank 0 needs" in h100.stderr
-    assert "text_encoder 50.3 GiB" in h100.stderr and "has 79.6 GiB" in h100.stderr
-    assert "memory plan: full, bfloat16, sp_degree 4, max_rows_per_step 80000" in h100.stdout
+    lines = given.stdout.splitlines()
+    for role in ("rank 0", "worker ranks", "conditioner", "decoder"):  # every role's memory plan
+        assert any(line.startswith(f"{role} ") for line in lines), (role, given.stdout)
+    assert "weights: transformer 61.7 GiB\n" in given.stdout  # the denoiser's ranks: no Qwen3-VL, no VAEs
+    assert "weights: text_encoder 50.3 GiB, vae 9.7 GiB, audio_vae 577.2 MiB" in given.stdout
+    assert "stage conditioner: 1 replica(s)" in given.stdout and "stage decoder: 2 replica(s)" in given.stdout
+
+
+def released_layout(tmp_path: Path) -> Path:
+    """A directory holding only a checkpoint index that declares the released layout's components, transformer_ref
+    included. The memory plan reads from it the partitions every rank loads, and, finding no config.json, counts
+    each component from the released configs: the plan of the released checkpoint, where no copy is readable."""
+    from pipelines.h3.checkpoint import INDEX_FILE, CheckpointIndex, write_tiny_checkpoint
+
+    tiny = write_tiny_checkpoint(tmp_path / "tiny", with_ref=True)
+    released = tmp_path / "MiniMax-H3"
+    released.mkdir()
+    shutil.copy(tiny / INDEX_FILE, released / INDEX_FILE)
+    assert CheckpointIndex(released).partitions() == ("transformer", "transformer_ref")
+    return released
+
+
+def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
+    """With transformer_ref/ every rank holds two transformers: staged, they fit an H200 (the shipped H200 config);
+    in one deployment rank 0 would also hold Qwen3-VL and the VAEs, and fits no GPU; staged on an H100, no rank
+    fits."""
+    from pipelines.h3.memory import gib, memory_plan
+
+    released = released_layout(tmp_path)
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.gpu.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["checkpoint"] = str(released)
+    h200, h100 = (REPO / "deploy" / "platforms" / f"{gpu}-flash-attn.json" for gpu in ("h200", "h100"))
+    h200_bytes = json.loads(h200.read_text())["device_memory_bytes"]
+    plan = memory_plan(
+        model="full", checkpoint=str(released), dtype="bfloat16", sp_degree=4, max_rows=80000, stages="remote"
+    )
+    rank0, workers = plan.ranks
+    assert rank0.weights == workers.weights and set(rank0.weights) == {"transformer", "transformer_ref"}
+    assert rank0.weights["transformer_ref"] == rank0.weights["transformer"]
+    assert plan.max_rows_that_fit(h200_bytes) >= args["engine"]["max_rows_per_step"]  # what makes it admissible
+
+    staged = h3serve(
+        "admit", str(write_config(tmp_path, config, free_port(), "h200-released.yaml")), "--platform", str(h200)
+    )
+    assert staged.returncode == 0, staged.stderr
+    assert plan.table(h200_bytes) in staged.stdout  # every role's numbers, as planned for the released checkpoint
+    assert "weights: transformer 61.7 GiB, transformer_ref 61.7 GiB\n" in staged.stdout
+    assert "is not readable here" not in staged.stdout
+
+    on_h100 = h3serve(
+        "admit", str(write_config(tmp_path, config, free_port(), "h100-released.yaml")), "--platform", str(h100)
+    )
+    assert on_h100.returncode == 2, on_h100.stdout
+    assert f"rank 0 needs {gib(rank0.total_bytes)}" in on_h100.stderr and "has 79.6 GiB" in on_h100.stderr
+
+    del args["stages"]
+    local = memory_plan(model="full", checkpoint=str(released), dtype="bfloat16", sp_degree=4, max_rows=80000)
+    assert local.ranks[0].weight_bytes > h200_bytes  # no row budget can help
+    unstaged = h3serve(
+        "admit", str(write_config(tmp_path, config, free_port(), "h200-unstaged.yaml")), "--platform", str(h200)
+    )
+    assert unstaged.returncode == 2, unstaged.stdout
+    assert f"admission refused application 'h3serve': rank 0 needs {gib(local.ranks[0].total_bytes)}" in unstaged.stderr
+    for number in ("transformer 61.7 GiB", "transformer_ref 61.7 GiB", "text_encoder 50.3 GiB", "has 140.4 GiB"):
+        assert number in unstaged.stderr
+    assert "no max_rows_per_step fits" in unstaged.stderr
 
 
 def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_path):

@@ -1,8 +1,13 @@
 """The Kubernetes side agrees with the code: CRD schema, serve config, Ray version, metric names,
-GPU arithmetic, monitoring wiring, runbooks. Fast, no cluster, no Ray started."""
+GPU arithmetic, monitoring wiring, runbooks. Fast, no cluster, no Ray started.
+
+Every RayService k8s/generate.py writes is checked (k8s/rayservice.yaml from deploy/serve_config.gpu.yaml on H200
+nodes, k8s/rayservice.h100.yaml from deploy/serve_config.h100.yaml on H100 nodes). The GPU arithmetic reads the
+worker groups as Ray's KubeRay autoscaler reads them and packs every deployment's replicas with its bin packer."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.metadata
 import importlib.util
@@ -22,7 +27,7 @@ K8S = REPO / "k8s"
 SHARED = REPO.parent / "shared"  # present in the project workspace, absent from users' clones
 CRD = SHARED / "schemas" / "kuberay" / "ray.io_rayservices.yaml"
 
-RAYSERVICE = K8S / "rayservice.yaml"
+RAYSERVICE = K8S / "rayservice.yaml"  # the H200 one; the checks that need one manifest use it
 PVC = K8S / "weights-pvc.yaml"
 PODMONITORS = K8S / "monitoring" / "podmonitors.yaml"
 RULES = K8S / "monitoring" / "prometheusrule.yaml"
@@ -31,6 +36,18 @@ SERVE_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
 DOCKERFILE = REPO / "Dockerfile"
 OPERATIONS = REPO / "docs" / "OPERATIONS.md"
 BUILDER = "deploy.app:build_app"
+STAGE_RESOURCE = "h3serve_stage"  # the custom Ray resource only the stage worker groups offer
+
+
+def load_generate():
+    spec = importlib.util.spec_from_file_location("k8s_generate", K8S / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# manifest file name -> (the RayService, the serve config it is generated from)
+MANIFESTS = {target.name: (target, source) for source, target in load_generate().PAIRS}
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -40,19 +57,25 @@ def load_one(path: Path) -> dict:
     return docs[0]
 
 
+@pytest.fixture(params=sorted(MANIFESTS))
+def manifest(request) -> str:
+    """Each shipped RayService, by file name."""
+    return request.param
+
+
 @cache
-def rayservice() -> dict:
-    return load_one(RAYSERVICE)
+def rayservice(name: str = RAYSERVICE.name) -> dict:
+    return load_one(MANIFESTS[name][0])
 
 
-def cluster() -> dict:
-    return rayservice()["spec"]["rayClusterConfig"]
+def cluster(name: str = RAYSERVICE.name) -> dict:
+    return rayservice(name)["spec"]["rayClusterConfig"]
 
 
-def gpu_group() -> dict:
-    groups = [g for g in cluster()["workerGroupSpecs"] if "nvidia.com/gpu" in container(g)["resources"]["limits"]]
-    assert len(groups) == 1, "expected exactly one GPU worker group"
-    return groups[0]
+def gpu_groups(name: str = RAYSERVICE.name) -> list[dict]:
+    groups = [g for g in cluster(name)["workerGroupSpecs"] if "nvidia.com/gpu" in container(g)["resources"]["limits"]]
+    assert groups, f"{name}: no GPU worker group"
+    return groups
 
 
 def container(group: dict) -> dict:
@@ -60,30 +83,24 @@ def container(group: dict) -> dict:
 
 
 @cache
-def serve_config() -> dict:
-    return yaml.safe_load(SERVE_CONFIG.read_text())
+def serve_config(name: str = RAYSERVICE.name) -> dict:
+    return yaml.safe_load(MANIFESTS[name][1].read_text())
 
 
-def h3_app() -> dict:
-    apps = [a for a in serve_config()["applications"] if a.get("import_path") == BUILDER]
-    assert len(apps) == 1, f"{SERVE_CONFIG}: expected one application with import_path {BUILDER}"
+def h3_app(name: str = RAYSERVICE.name) -> dict:
+    apps = [a for a in serve_config(name)["applications"] if a.get("import_path") == BUILDER]
+    assert len(apps) == 1, f"{MANIFESTS[name][1]}: expected one application with import_path {BUILDER}"
     return apps[0]
 
 
-def deployment(name: str) -> dict:
-    return next((d for d in h3_app().get("deployments", []) if d["name"] == name), {})
+def deployment(deployment_name: str, name: str = RAYSERVICE.name) -> dict:
+    return next((d for d in h3_app(name).get("deployments", []) if d["name"] == deployment_name), {})
 
 
-def deploy_args():
+def deploy_args(name: str = RAYSERVICE.name):
     from deploy.args import DeployArgs  # applies the builder's own defaults
 
-    return DeployArgs.model_validate(h3_app().get("args") or {})
-
-
-def quantity(value) -> float:
-    """A Kubernetes CPU quantity ("36", "500m", 4) as cores."""
-    text = str(value)
-    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    return DeployArgs.model_validate(h3_app(name).get("args") or {})
 
 
 def dockerfile_base() -> re.Match:
@@ -102,7 +119,8 @@ def dockerfile_base() -> re.Match:
 def test_every_manifest_parses():
     yamls = sorted([*K8S.rglob("*.yaml"), *K8S.rglob("*.yml")])
     jsons = sorted(K8S.rglob("*.json"))
-    assert RAYSERVICE in yamls and PVC in yamls and PODMONITORS in yamls and RULES in yamls and DASHBOARD in jsons
+    assert {target for target, _ in MANIFESTS.values()} <= set(yamls)
+    assert PVC in yamls and PODMONITORS in yamls and RULES in yamls and DASHBOARD in jsons
     for path in yamls:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
         assert docs, f"{path} is empty"
@@ -170,11 +188,11 @@ def crd_errors(doc: dict) -> list[str]:
     return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-def test_rayservice_validates_against_kuberay_crd():
-    doc = rayservice()
+def test_rayservice_validates_against_kuberay_crd(manifest):
+    doc = rayservice(manifest)
     assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")
     errors = crd_errors(doc)
-    assert not errors, "k8s/rayservice.yaml does not fit the RayService CRD:\n" + "\n".join(errors)
+    assert not errors, f"k8s/{manifest} does not fit the RayService CRD:\n" + "\n".join(errors)
 
 
 @pytest.mark.parametrize(
@@ -198,12 +216,23 @@ def test_crd_validation_is_not_toothless(mutate, expected):
 
 
 # -- 3. serveConfigV2 is the serve config -------------------------------------------------
-def test_serve_config_v2_is_the_gpu_serve_config():
-    embedded = rayservice()["spec"]["serveConfigV2"]
+def test_serve_config_v2_is_its_serve_config(manifest):
+    embedded = rayservice(manifest)["spec"]["serveConfigV2"]
     assert isinstance(embedded, str), "serveConfigV2 must be a YAML string"
-    assert yaml.safe_load(embedded) == serve_config(), (
-        "k8s/rayservice.yaml's serveConfigV2 differs from deploy/serve_config.gpu.yaml: run python k8s/generate.py"
+    assert yaml.safe_load(embedded) == serve_config(manifest), (
+        f"k8s/{manifest}'s serveConfigV2 differs from {MANIFESTS[manifest][1].name}: run python k8s/generate.py"
     )
+
+
+def test_every_gpu_serve_config_has_a_rayservice():
+    """A GPU serve config shipped without its RayService (or a RayService generate.py does not write) drifts."""
+    gpu_configs = {
+        path
+        for path in (REPO / "deploy").glob("serve_config*.yaml")
+        if any(a.get("args", {}).get("device") == "cuda" for a in yaml.safe_load(path.read_text())["applications"])
+    }
+    assert gpu_configs == {source for _, source in MANIFESTS.values()}
+    assert {p.name for p in K8S.glob("rayservice*.yaml")} == set(MANIFESTS)
 
 
 def test_generate_check_passes():
@@ -229,10 +258,35 @@ def test_generate_check_reports_drift(tmp_path):
     assert "stale: true" in stale.read_text(), "--check must not write"
 
 
+def test_generate_check_reports_drift_of_the_h100_manifest(tmp_path):
+    """The H100 RayService is generated from its own config: an H200 config's copy in it is drift."""
+    target, source = MANIFESTS["rayservice.h100.yaml"]
+    copy_of = tmp_path / target.name
+    copy_of.write_text(target.read_text())
+
+    def check(config: Path) -> subprocess.CompletedProcess:
+        command = [
+            sys.executable,
+            str(K8S / "generate.py"),
+            "--check",
+            "--source",
+            str(config),
+            "--target",
+            str(copy_of),
+        ]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    assert check(source).returncode == 0
+    drift = check(SERVE_CONFIG)
+    assert drift.returncode == 1, drift.stdout + drift.stderr
+    assert re.search(r"^-.*GENERATED serveConfigV2 from deploy/serve_config.h100.yaml", drift.stdout, re.M)
+    assert re.search(r"^\+.*GENERATED serveConfigV2 from deploy/serve_config.gpu.yaml", drift.stdout, re.M)
+
+
 # -- 4. one Ray version everywhere --------------------------------------------------------
-def test_ray_versions_agree():
+def test_ray_versions_agree(manifest):
     image_ray = dockerfile_base()["ray"]
-    assert cluster()["rayVersion"] == image_ray, "rayVersion in k8s/rayservice.yaml != the Dockerfile's base image"
+    assert cluster(manifest)["rayVersion"] == image_ray, f"rayVersion in k8s/{manifest} != the Dockerfile's base image"
     pin = re.search(r'"ray\[serve\]==(\d+\.\d+)\.\*"', (REPO / "pyproject.toml").read_text())
     assert pin, "pyproject.toml must pin ray[serve]==MAJOR.MINOR.*"
     installed = importlib.metadata.version("ray")
@@ -357,15 +411,15 @@ def test_label_value_extraction():
     assert label_values(expr, "reason") == {"draining"}
 
 
-def test_drain_fits_in_serves_and_kuberays_grace_periods():
+def test_drain_fits_in_serves_and_kuberays_grace_periods(manifest):
     """Serve kills a stopping replica graceful_shutdown_timeout_s after it asked it to stop, and KubeRay deletes the
     old cluster of an upgrade rayClusterDeletionDelaySeconds after the switch: both must leave the drain its time."""
     from deploy.replica import H3Replica
 
-    args = deploy_args()
+    args = deploy_args(manifest)
     grace = H3Replica.deployment_options(args)["graceful_shutdown_timeout_s"]
     assert grace > args.engine.drain_timeout_s, (grace, args.engine.drain_timeout_s)
-    delay = rayservice()["spec"].get("rayClusterDeletionDelaySeconds", 60)  # KubeRay's default: 60
+    delay = rayservice(manifest)["spec"].get("rayClusterDeletionDelaySeconds", 60)  # KubeRay's default: 60
     assert delay >= grace, (
         f"rayClusterDeletionDelaySeconds {delay} < the H3 replicas' graceful_shutdown_timeout_s {grace}: an upgrade "
         "would cut off the videos the old cluster is generating"
@@ -376,71 +430,221 @@ def test_rules_and_dashboard_name_the_served_application():
     named = set()
     for expr in rule_exprs() + dashboard_exprs():
         named |= set(re.findall(r'application\s*=\s*"([^"]+)"', expr))
-    assert named == {h3_app()["name"]}, (
-        f"PromQL filters on application {named}, the serve config names {h3_app()['name']!r}"
-    )
+    served = {h3_app(name)["name"] for name in MANIFESTS}  # one monitoring setup for whichever RayService runs
+    assert named == served, f"PromQL filters on application {named}, the serve configs name {served}"
 
 
 # -- 6. GPU arithmetic --------------------------------------------------------------------
-def serve_replica_bounds(name: str) -> tuple[int, int]:
-    config = deployment(name)
+def serve_replica_bounds(deployment_name: str, name: str = RAYSERVICE.name) -> tuple[int, int]:
+    config = deployment(deployment_name, name)
     autoscaling = config.get("autoscaling_config")
     if autoscaling:
         return autoscaling.get("min_replicas", 1), autoscaling.get("max_replicas", 1)
     replicas = config.get("num_replicas", 1)
-    assert isinstance(replicas, int), f"{name}: num_replicas {replicas!r} needs an autoscaling_config"
+    assert isinstance(replicas, int), f"{deployment_name}: num_replicas {replicas!r} needs an autoscaling_config"
     return replicas, replicas
 
 
-def test_worker_group_capacity_covers_serve_autoscaling():
-    args = deploy_args()
-    sp, gpus_per_rank, cpus_per_rank = (
-        args.sp_degree,
-        args.rank_resources.get("GPU", 0),
-        args.rank_resources.get("CPU", 0),
-    )
-    assert args.device == "cuda" and gpus_per_rank >= 1
-    replica_gpus, replica_cpus = sp * gpus_per_rank, sp * cpus_per_rank  # one STRICT_PACK group: one pod
+def node_types(doc: dict) -> dict[str, dict]:
+    """The RayService's Ray node types as Ray's KubeRay autoscaler derives them from its groups: each group's Ray
+    resources (container limits, rayStartParams num-cpus/num-gpus and custom `resources`), min and max pods."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-    group = gpu_group()
-    limits = container(group)["resources"]["limits"]
-    pod_gpus = int(limits["nvidia.com/gpu"])
-    pod_cpus = quantity(group["rayStartParams"].get("num-cpus", limits["cpu"]))
-    head_cpus = quantity(
-        cluster()["headGroupSpec"]["rayStartParams"].get(
-            "num-cpus", container(cluster()["headGroupSpec"])["resources"]["limits"]["cpu"]
-        )
-    )
-    assert cluster()["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0", "GPUs belong to the worker group"
+    ray_cluster = {"metadata": {"name": doc["metadata"]["name"], "namespace": "h3serve"}}
+    return _derive_autoscaling_config_from_ray_cr({**ray_cluster, "spec": doc["spec"]["rayClusterConfig"]})[
+        "available_node_types"
+    ]
 
-    assert pod_gpus % replica_gpus == 0, f"{pod_gpus} GPUs per pod strand some: a replica takes {replica_gpus}"
-    slots = min(pod_gpus // replica_gpus, int(pod_cpus // replica_cpus))
-    assert slots >= 1, (
-        f"a pod ({pod_gpus} GPU, {pod_cpus} CPU) cannot hold one replica ({replica_gpus} GPU, {replica_cpus} CPU)"
-    )
 
-    serve_min, serve_max = serve_replica_bounds("H3Replica")
-    pods_min, pods_max = group["minReplicas"], group["maxReplicas"]
-    assert pods_min <= group.get("replicas", pods_min) <= pods_max
-    assert pods_min * slots >= serve_min, (
-        f"minReplicas {pods_min} x {slots} slot(s) < Serve min_replicas {serve_min} ({replica_gpus} GPUs each)"
+def deployment_demands(name: str) -> dict[str, tuple[dict[str, float], int, int]]:
+    """Every deployment of the app the builder composes from this config: one replica's Ray resources as Serve
+    computes them (an H3Replica's STRICT_PACK placement group as one demand, as Ray's autoscaler packs it) and its
+    replica bounds."""
+    from ray.serve._private.config import ReplicaConfig
+
+    from deploy.replica import H3Replica
+    from deploy.stages import H3Conditioner, H3Decoder
+
+    args = deploy_args(name)
+    options = H3Replica.deployment_options(args)
+    replica = ReplicaConfig.create(
+        "deploy.replica:H3Replica",
+        ray_actor_options=options["ray_actor_options"],
+        placement_group_bundles=options["placement_group_bundles"],
+        placement_group_strategy=options["placement_group_strategy"],
     )
-    assert pods_max * slots >= serve_max, (
-        f"maxReplicas {pods_max} x {slots} slot(s) < Serve max_replicas {serve_max} ({replica_gpus} GPUs each)"
+    assert replica.placement_group_strategy == "STRICT_PACK"  # all its ranks in one Ray node: one pod
+    group_demand: dict[str, float] = collections.Counter()
+    for bundle in replica.placement_group_bundles:
+        group_demand.update(bundle)
+    demands = {"H3Replica": (dict(group_demand), *serve_replica_bounds("H3Replica", name))}
+    for stage in (H3Conditioner, H3Decoder):
+        if stage.role in args.stage_deployments():
+            options = stage.deployment_options(args)
+            config = ReplicaConfig.create(
+                f"deploy.stages:{stage.__name__}", ray_actor_options=options["ray_actor_options"]
+            )
+            demands[stage.__name__] = (config.resource_dict, options["num_replicas"], options["num_replicas"])
+    ingress = ReplicaConfig.create(
+        "deploy.api:H3Ingress", ray_actor_options=deployment("H3Ingress", name).get("ray_actor_options")
     )
-    # Every app rebuild runs admission's probe, one rank's shape: at Serve's max a slot must be left for it.
-    assert pods_max * slots - serve_max >= 1, "no headroom for the admission probe at max_replicas"
-    # At the minimum the ingress replicas must fit next to the H3 replicas (the head runs none).
-    ingress_min, _ = serve_replica_bounds("H3Ingress")
-    ingress_cpus = deployment("H3Ingress").get("ray_actor_options", {}).get("num_cpus", 1)
-    assert pods_min * pod_cpus + head_cpus >= serve_min * replica_cpus + ingress_min * ingress_cpus
+    demands["H3Ingress"] = (ingress.resource_dict, *serve_replica_bounds("H3Ingress", name))
+    return demands
+
+
+def probe_demand(name: str) -> dict[str, float]:
+    """Admission's platform probe: a task shaped like one SP rank (deploy/admission.py), run on every app build."""
+    return dict(deploy_args(name).rank_resources)
+
+
+def unplaced(nodes: list[dict[str, float]], demands: list[dict[str, float]]) -> list[dict[str, float]]:
+    """What Ray's autoscaler's bin packing leaves over after placing ``demands`` on ``nodes``."""
+    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
+
+    residual, _ = get_bin_pack_residual(nodes, demands)
+    return residual
+
+
+def fits(demand: dict[str, float], node: dict[str, float]) -> bool:
+    return not unplaced([node], [demand])
+
+
+def scheduling_problems(doc: dict, name: str) -> list[str]:
+    """Why KubeRay could not run every deployment of ``name``'s config on ``doc``'s worker groups (empty: it can)."""
+    types = {k: v for k, v in node_types(doc).items() if k != "headgroup"}
+    head = node_types(doc)["headgroup"]["resources"]
+    demands = deployment_demands(name)
+    problems = []
+    for deployment_name, (demand, _, _) in demands.items():
+        if not any(fits(demand, t["resources"]) for t in types.values()):
+            problems.append(f"{deployment_name} {demand} fits no worker group's pod")
+    for group, t in types.items():
+        gpus = t["resources"].get("GPU", 0)
+        holds_replica = fits(demands["H3Replica"][0], t["resources"])
+        for deployment_name, (demand, _, _) in demands.items():
+            if demand.get("GPU") and fits(demand, t["resources"]) and gpus % demand["GPU"]:
+                problems.append(f"{group}: {gpus} GPUs per pod strand some, a {deployment_name} takes {demand['GPU']}")
+            # a stage replica on a denoiser pod would take one of the GPUs a replica needs all of, together
+            if (
+                holds_replica
+                and deployment_name.startswith(("H3Conditioner", "H3Decoder"))
+                and fits(demand, t["resources"])
+            ):
+                problems.append(f"{deployment_name} {demand} can land on {group}'s pods, which hold H3Replicas")
+
+    def placed(pods: str, replicas: int, extra: list[dict[str, float]]) -> list[dict[str, float]]:
+        nodes = [dict(head)] + [dict(t["resources"]) for t in types.values() for _ in range(t[pods])]
+        wanted = [demand for demand, *bounds in demands.values() for _ in range(bounds[replicas])]
+        return unplaced(nodes, wanted + extra)
+
+    # At the groups' minimum, Serve's minimum runs without waiting for the autoscaler.
+    if left := placed("min_workers", 0, []):
+        problems.append(f"at every group's minReplicas, Serve's minimum leaves {left} unplaced")
+    # At their maximum, Serve's maximum runs, and admission's probe (every app rebuild) still finds a rank's slot.
+    if left := placed("max_workers", 1, [probe_demand(name)]):
+        problems.append(f"at every group's maxReplicas, Serve's maximum and admission's probe leave {left} unplaced")
+    return problems
+
+
+def test_every_deployment_is_schedulable_at_serves_minimum_and_maximum(manifest):
+    doc = rayservice(manifest)
+    assert cluster(manifest)["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0", "GPUs belong to the worker groups"
+    assert deploy_args(manifest).device == "cuda"
+    for group in cluster(manifest)["workerGroupSpecs"]:
+        assert group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]
+    problems = scheduling_problems(doc, manifest)
+    assert not problems, f"k8s/{manifest}:\n" + "\n".join(problems)
+
+
+def test_the_staged_configs_have_stage_worker_groups(manifest):
+    """Each GPU config runs its conditioner and decoder in deployments of their own, on pods of their own."""
+    demands = deployment_demands(manifest)
+    assert {"H3Conditioner", "H3Decoder"} <= set(demands), f"{MANIFESTS[manifest][1].name} has no stages"
+    types = node_types(rayservice(manifest))
+    stage_groups = [g for g, t in types.items() if t["resources"].get(STAGE_RESOURCE)]
+    assert stage_groups, f"k8s/{manifest}: no worker group offers {STAGE_RESOURCE}"
+    for role in ("H3Conditioner", "H3Decoder"):
+        demand = demands[role][0]
+        assert demand.get(STAGE_RESOURCE) == 1 and demand.get("GPU") == 1, (role, demand)
+        assert [g for g, t in types.items() if fits(demand, t["resources"])] == stage_groups
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        # without the custom resource no stage replica is ever scheduled
+        (
+            lambda groups: next(g for g in groups if "resources" in g["rayStartParams"])["rayStartParams"].pop(
+                "resources"
+            ),
+            "H3Conditioner {",
+        ),
+        # three stage pods hold the three stage replicas, but leave the probe nothing at Serve's maximum
+        (
+            lambda groups: next(g for g in groups if "resources" in g["rayStartParams"]).__setitem__("maxReplicas", 3),
+            "admission's probe leave",
+        ),
+        # one denoiser pod fewer than Serve's max_replicas
+        (
+            lambda groups: next(g for g in groups if "resources" not in g["rayStartParams"]).__setitem__(
+                "maxReplicas", 3
+            ),
+            "Serve's maximum and admission's probe leave",
+        ),
+        # no pod at all before the autoscaler acts: the minimum does not run
+        (
+            lambda groups: next(g for g in groups if "resources" not in g["rayStartParams"]).__setitem__(
+                "minReplicas", 0
+            ),
+            "Serve's minimum leaves",
+        ),
+        # 6-GPU denoiser pods strand 2 GPUs of each
+        (
+            lambda groups: [
+                container(g)["resources"][kind].__setitem__("nvidia.com/gpu", 6)
+                for g in groups
+                if "resources" not in g["rayStartParams"]
+                for kind in ("requests", "limits")
+            ],
+            "GPUs per pod strand some",
+        ),
+        # the stage resource offered on the denoiser pods too: a stage replica could take a replica's GPU
+        (
+            lambda groups: next(g for g in groups if "resources" not in g["rayStartParams"])[
+                "rayStartParams"
+            ].__setitem__("resources", '"{\\"h3serve_stage\\": 4}"'),
+            "which hold H3Replicas",
+        ),
+    ],
+)
+def test_the_scheduling_check_is_not_toothless(mutate, expected):
+    doc = copy.deepcopy(rayservice("rayservice.h100.yaml"))
+    mutate(doc["spec"]["rayClusterConfig"]["workerGroupSpecs"])
+    problems = scheduling_problems(doc, "rayservice.h100.yaml")
+    assert any(expected in p for p in problems), problems
+
+
+def gfd_product(device_name: str) -> str:
+    """NVIDIA GPU Feature Discovery's nvidia.com/gpu.product label for a device name (spaces as dashes)."""
+    return re.sub(r"\s*\(assumed\)$", "", device_name).replace(" ", "-")
+
+
+def test_every_gpu_pod_is_the_platform_the_config_is_admitted_on(manifest):
+    """Admission probes one node and plans every role (denoiser ranks, conditioner, decoder) on that platform: every
+    GPU group of a RayService must select that one GPU model, the one its serve config names for `h3serve admit`."""
+    source = MANIFESTS[manifest][1]
+    admit = re.search(r"h3serve admit \S+ --platform (deploy/platforms/\S+\.json)", source.read_text())
+    assert admit, f"{source.name}: its header names no `h3serve admit ... --platform deploy/platforms/...json`"
+    platform = json.loads((REPO / admit[1]).read_text())
+    products = {g["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for g in gpu_groups(manifest)}
+    assert products == {gfd_product(platform["device_name"])}, (products, platform["device_name"])
 
 
 # -- 7. wiring between the manifests ------------------------------------------------------
-def test_metrics_ports_match_metrics_export_port():
+def test_metrics_ports_match_metrics_export_port(manifest):
     for name, group in [
-        ("head", cluster()["headGroupSpec"]),
-        *((g["groupName"], g) for g in cluster()["workerGroupSpecs"]),
+        ("head", cluster(manifest)["headGroupSpec"]),
+        *((g["groupName"], g) for g in cluster(manifest)["workerGroupSpecs"]),
     ]:
         ports = {p["name"]: p["containerPort"] for p in container(group).get("ports", [])}
         assert str(ports.get("metrics")) == group["rayStartParams"].get("metrics-export-port"), (
@@ -448,8 +652,8 @@ def test_metrics_ports_match_metrics_export_port():
         )
 
 
-def test_podmonitors_select_the_ray_pods():
-    groups = {"head": [cluster()["headGroupSpec"]], "worker": cluster()["workerGroupSpecs"]}
+def test_podmonitors_select_the_ray_pods(manifest):
+    groups = {"head": [cluster(manifest)["headGroupSpec"]], "worker": cluster(manifest)["workerGroupSpecs"]}
     monitors = [d for d in yaml.safe_load_all(PODMONITORS.read_text()) if d]
     assert {m["kind"] for m in monitors} == {"PodMonitor"} and len(monitors) == 2
     for monitor in monitors:
@@ -469,49 +673,53 @@ def test_podmonitors_select_the_ray_pods():
     assert {m["spec"]["selector"]["matchLabels"]["ray.io/node-type"] for m in monitors} == {"head", "worker"}
 
 
-def test_weights_come_read_only_from_the_pvc():
+def test_weights_come_read_only_from_the_pvc(manifest):
+    """Every GPU pod loads models (the denoisers' transformer, the stages' text encoder and VAEs) from the PVC."""
     pvc = load_one(PVC)
     assert pvc["kind"] == "PersistentVolumeClaim" and "ReadOnlyMany" in pvc["spec"]["accessModes"]
-    spec = gpu_group()["template"]["spec"]
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    mounts = [
-        m
-        for m in container(gpu_group())["volumeMounts"]
-        if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]
-    ]
-    assert len(mounts) == 1 and mounts[0].get("readOnly") is True
-    assert volumes[mounts[0]["name"]]["persistentVolumeClaim"].get("readOnly") is True
-    checkpoint = deploy_args().checkpoint
-    assert checkpoint and checkpoint.startswith(mounts[0]["mountPath"].rstrip("/") + "/"), (
-        f"checkpoint {checkpoint} is not under the weights mount {mounts[0]['mountPath']}"
-    )
+    checkpoint = deploy_args(manifest).checkpoint
+    for group in gpu_groups(manifest):
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        mounts = [
+            m
+            for m in container(group)["volumeMounts"]
+            if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"]
+        ]
+        assert len(mounts) == 1 and mounts[0].get("readOnly") is True, group["groupName"]
+        assert volumes[mounts[0]["name"]]["persistentVolumeClaim"].get("readOnly") is True, group["groupName"]
+        assert checkpoint and checkpoint.startswith(mounts[0]["mountPath"].rstrip("/") + "/"), (
+            f"{group['groupName']}: checkpoint {checkpoint} is not under the weights mount {mounts[0]['mountPath']}"
+        )
 
 
-def test_api_key_env_reaches_every_ray_container():
-    name = deploy_args().api_key_env
-    for group in [cluster()["headGroupSpec"], *cluster()["workerGroupSpecs"]]:
+def test_api_key_env_reaches_every_ray_container(manifest):
+    name = deploy_args(manifest).api_key_env
+    for group in [cluster(manifest)["headGroupSpec"], *cluster(manifest)["workerGroupSpecs"]]:
         env = {e["name"]: e for e in container(group).get("env", [])}
         assert name in env, f"{name} is not set on {container(group)['name']} (ingress replicas read it)"
         # required: a missing Secret must stop the pod, never leave the API open
         assert env[name]["valueFrom"]["secretKeyRef"].get("optional") is not True, "the API key Secret is required"
 
 
-def test_the_video_job_store_is_mounted_where_ingress_replicas_run():
-    store = deploy_args().jobs.store
-    worker = container(cluster()["workerGroupSpecs"][0])
-    assert any(
-        store == m["mountPath"] or store.startswith(m["mountPath"] + "/")
-        for m in worker["volumeMounts"]
-        if not m.get("readOnly")
-    ), f"{store} is not a writable mount of the GPU worker pods"
-    claims = {
-        v["name"]: v["persistentVolumeClaim"]["claimName"]
-        for v in cluster()["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
-        if "persistentVolumeClaim" in v
-    }
+def test_the_video_job_store_is_mounted_where_ingress_replicas_run(manifest):
+    """An H3Ingress replica (num_cpus 1) can land on any worker pod with a spare CPU: every worker group mounts
+    the shared job store."""
+    store = deploy_args(manifest).jobs.store
     jobs_pvc = yaml.safe_load((REPO / "k8s" / "jobs-pvc.yaml").read_text())
-    assert jobs_pvc["metadata"]["name"] in claims.values()
     assert jobs_pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every worker pod mounts it
+    for group in cluster(manifest)["workerGroupSpecs"]:
+        worker = container(group)
+        assert any(
+            store == m["mountPath"] or store.startswith(m["mountPath"] + "/")
+            for m in worker["volumeMounts"]
+            if not m.get("readOnly")
+        ), f"{store} is not a writable mount of the {group['groupName']} pods"
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in group["template"]["spec"]["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        assert jobs_pvc["metadata"]["name"] in claims.values(), group["groupName"]
 
 
 # -- 8. runbooks ----------------------------------------------------------------------------

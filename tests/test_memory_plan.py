@@ -153,7 +153,7 @@ def test_cuda_without_device_memory_fails_closed_and_cpu_is_not_checked():
 def test_admit_counts_a_memory_refusal_like_an_attention_refusal():
     from deploy.admission import admit
 
-    args = gpu_args()
+    args = gpu_args(stages=False)  # rank 0 with Qwen3-VL and the VAEs beside the transformer
     recorded: list[dict[str, str]] = []
     h100 = Platform.model_validate_json((PLATFORMS / "h100-flash-attn.json").read_text())
     with pytest.raises(MemoryBudgetError):
