@@ -1,5 +1,6 @@
 """The demo world's training recipe: its conventions checked against the libraries, and one short run end to end."""
 
+import dataclasses
 import json
 
 import pytest
@@ -99,3 +100,17 @@ def test_a_short_run_writes_a_servable_checkpoint_with_its_record(tmp_path):
     assert tuple(vae.block_out_channels) == tuple(preset("tiny").components["vae"]["block_out_channels"])
     media = trained.generate(GenerationRequest(prompt="a red circle moving left", num_inference_steps=2, seed=1))
     assert media.frames.shape[1:] == (64, 128, 3) and media.audio.shape[0] == 2
+
+    # a transformer-only run over its VAEs: the VAEs are the first run's, bit for bit, and its record says so
+    again = tmp_path / "transformer-only"
+    report = train(again, dataclasses.replace(recipe, transformer_steps=2), vaes_from=out)
+    assert report["vaes_from"]["checkpoint"] == str(out) and "video_decoder" not in report
+    assert report["vaes_from"]["video_decoder"] == record["video_decoder"] and report["transformer"]["steps"] == 2
+    assert {"final_video_loss", "final_audio_loss"} <= set(report["transformer"])
+    for folder in ("vae", "audio_vae"):
+        assert (again / folder / "diffusion_pytorch_model.safetensors").read_bytes() == (
+            out / folder / "diffusion_pytorch_model.safetensors"
+        ).read_bytes()
+    assert (again / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() != (
+        out / "transformer" / "diffusion_pytorch_model.safetensors"
+    ).read_bytes()
