@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~6.5 minutes, at most ~10 (each
-# step has a hard timeout: 90 + 60 + 150 + 300 s). The first step is a smoke of the serving path on the device
+# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~7 minutes, at most ~12 (each
+# step has a hard timeout: 90 + 60 + 150 + 300 + 120 s). The first step is a smoke of the serving path on the device
 # (benchmarks/gpu_smoke.py, issue 22); when it fails, the session stops there, loudly, with exit 1. A fifth step,
 # the arrival trace (issue 23, up to 600 s more), runs only on a node with Ray and the released checkpoint (step 5).
 #
@@ -47,7 +47,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 H3SERVE_CACHE=${H3SERVE_CACHE:-/tmp/h3serve-cache}
 
-$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline, benchmarks.gpu_smoke" \
+$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline, benchmarks.gpu_smoke, benchmarks.lora_step" \
     || { echo "gpu_session: the benchmarks do not import here (see above); nothing measured"; exit 2; }
 if [ -n "$DRY" ]; then
     DEST="${OUT:-$(mktemp -d)}/cpu-dry-run"
@@ -90,6 +90,14 @@ timeout 150 $PY -m benchmarks.gpu_kernels $DRY --max-seconds 100 --out "$DEST/gp
 timeout 300 $PY -m benchmarks.gpu_pipeline $DRY --max-seconds 230 --json "$DEST/gpu_pipeline.json" \
     2>&1 | tee "$DEST/gpu_pipeline.log"
 
+# 4b. LoRA (issue 25: benchmarks/lora_step.py --gpu): one packed forward at the released width (2 blocks, bf16) of
+# 4 documents, base-only against 3 adapters + base at ranks 16 and 64; the ratio against the <= 1.15x target. No Ray
+# needed. Its log joins gpu_pipeline.log (the device tool returns 8 files, all taken); its JSON only off the tool.
+LORA_JSON=()
+[ -z "${OUT:-}" ] && LORA_JSON=(--json "$DEST/lora_step.json")
+if [ -n "$DRY" ]; then LORA_MODE=--quick; else LORA_MODE=--gpu; fi
+timeout 120 $PY -m benchmarks.lora_step $LORA_MODE ${LORA_JSON[@]+"${LORA_JSON[@]}"} 2>&1 | tee -a "$DEST/gpu_pipeline.log"
+
 # 5. the arrival trace (issue 23) through request-level FCFS and the engine's policies on the released model. It
 # needs what the lent machine lacks (Ray, which replicas imports, and the released checkpoint), so it runs only
 # where $H3SERVE_CHECKPOINT names a checkpoint directory and Ray imports; elsewhere it says why it did not run
@@ -99,6 +107,19 @@ if [ -z "$DRY" ] && [ -d "${H3SERVE_CHECKPOINT:-}" ] && $PY -c "import ray" 2>/d
         2>&1 | tee "$DEST/trace.log"
 else
     echo "gpu_session: trace skipped: it needs CUDA, Ray and \$H3SERVE_CHECKPOINT (a released checkpoint directory)"
+fi
+
+# 6. the staged app against the one-replica app (issue 27: benchmarks/stages.py --gpu): the same arrival trace through
+# both, the denoiser's duty cycle and the object-store bytes per request. Two Serve apps of the released model at
+# once need Ray, $H3SERVE_CHECKPOINT and 4 CUDA devices (solo's replica; staged's denoiser, conditioner, decoder);
+# the lent single-GPU machine has none of the first two, so there this step says why and takes no time. Where it
+# can run, the Python refuses at once (exit 2) with fewer than 4 devices. Arrivals: $H3SERVE_STAGES_RATE per second
+# (the driver holds no copy of the model to measure capacity). The CPU run: python -m benchmarks.stages.
+if [ -z "$DRY" ] && [ -d "${H3SERVE_CHECKPOINT:-}" ] && $PY -c "import ray" 2>/dev/null; then
+    timeout 900 $PY -m benchmarks.stages --gpu --checkpoint "$H3SERVE_CHECKPOINT" \
+        --rate "${H3SERVE_STAGES_RATE:-0.05}" --json "$DEST/stages.json" 2>&1 | tee "$DEST/stages.log"
+else
+    echo "gpu_session: stages skipped: it needs CUDA (4 devices), Ray and \$H3SERVE_CHECKPOINT (a released checkpoint)"
 fi
 
 ls -l "$DEST"

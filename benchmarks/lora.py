@@ -1,19 +1,6 @@
-"""Per-step cost of a pack with several LoRA adapters against a base-only pack of the same rows (CPU).
+"""LoRA adapters: the per-step cost of the adapter path, and the co-batching trace against the peers' ways.
 
-    python -m benchmarks.lora --quick [--json PATH]
-
-One pack of four T2VA documents on a scaled-down MiniMax-H3 (the released block layout at a smaller
-width, random weights). The same pack runs ``packed_forward`` base-only, and under
-``pipelines.h3.lora.adapting`` with one document on the base model and three on three different
-adapters, at rank 16 and at rank 64 (every linear of the blocks and the AdaLN projections adapted,
-as published Turbo adapters are). The three runs are interleaved rep by rep, so load drift on a
-shared machine hits them alike; the table gives medians and the ratio to base-only.
-
-The delta costs ``2*r*(in+out)`` FLOPs per adapted row against ``2*in*out`` for the base GEMM, so
-its share shrinks with the width: the table also gives that FLOP ratio for this geometry and for
-the released one (same pack rows), which is what the GPU cost tends to, the measured ratio here
-adding the CPU overhead of this first, pure-torch delta path. On a shared machine other work can only
-add time, so the minimum of each case is printed beside the median.
+    python -m benchmarks.lora --quick [--json PATH]      # the per-step cost (benchmarks/lora_step.py; --gpu there)
 
 The co-batching trace (issue 25, item 5):
 
@@ -32,11 +19,12 @@ all: ``--policy``, default srpt, so the modes differ in the adapter rule alone):
 
   co-batched             h3serve's engine: requests on the base model and on any adapters share packs,
                          each adapter's delta on its own documents' rows (``pipelines.h3.lora.adapting``)
-  one adapter per batch  vLLM-Omni's step mode as a policy over the same engine (``OneAdapterPerBatch``): a
-                         step packs requests of one model only; a request of that model joins while the
-                         batch runs only if it ranks ahead of every request of another model waiting, and the
-                         next model's batch starts when the running one has drained (its last request's
-                         schedule done)
+  one adapter per batch  vLLM-Omni's step mode as the engine's public step gate (``OneAdapterPerBatch``, a
+                         ``replicas.engine.StepGate`` passed as ``Engine(gate=...)``): a step packs
+                         requests of one model only; a request of that model joins while the batch runs
+                         only if it ranks ahead of every request of another model waiting, and the next
+                         model's batch starts when the running one has drained (its last request's schedule
+                         done)
   merge-swap             sglang's way, the same gate, but no adapter path at all: the batch's adapter is
                          fused into the base weights (``W += scale * B @ A`` on every adapted layer) and, when
                          the next batch's model differs, the base weights are restored from a host copy
@@ -60,28 +48,22 @@ import math
 import random
 import sys
 import tempfile
-import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from diffusers import MiniMaxH3Transformer3DModel
 
 from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.attention_processor import install
-from pipelines.h3.forward import packed_forward
 from pipelines.h3.lora import (
     BASE_SLOT,
     LoraAdapter,
-    LoraLayer,
     LoraSpec,
     LoraSpecs,
-    adapting,
-    pack_slots,
-    stream_of,
+    linear_kinds,
 )
-from pipelines.h3.packing import pack_documents
-from replicas import Engine, EngineLimits, WorkerGroup
-from replicas.engine import Ticket
-from replicas.scheduler import POLICIES, rank_key
+from replicas import Engine, EngineLimits, StepBoundary, StepGate, Ticket, WorkerGroup
+from replicas.scheduler import POLICIES
 
 from .common import (
     PEAK_TFLOPS,
@@ -98,162 +80,23 @@ from .common import (
     tiny_spec,
     write_json,
 )
-from .h3_shapes import Clip, build_transformer, clip_document, keeps_fp32, transformer_config
+from .h3_shapes import keeps_fp32, transformer_config
+from .lora_step import run as step_cost
 from .packing import PROMPTS
 from .trace import TINY_CLASSES, Arrival, RequestClass, at_rate, engine_replay, stats_of, summarize
-
-RANKS = (16, 64)
-ADAPTERS = 3  # documents 1..3 each on their own adapter, document 0 on the base model
-
-
-def bench_config(quick: bool) -> dict:
-    """The released block layout (head_dim 128, SwiGLU at 2.67x, AdaLN tables) at a CPU-sized width."""
-    heads = 4 if quick else 8
-    hidden = heads * 128
-    return {
-        **transformer_config("full"),
-        "num_attention_heads": heads,
-        "hidden_size": hidden,
-        "ffn_dim": hidden * 8 // 3,
-        "num_layers": 2,
-        "num_refiner_layers": 1,
-        "text_dim": hidden,
-        "time_embed_hidden_dim": hidden,
-        "time_embed_dim": hidden // 2,
-    }
-
-
-def random_adapter(model: torch.nn.Module, rank: int, seed: int) -> LoraAdapter:
-    """Every Linear of the transformer blocks (attention, FFN, AdaLN) at ``rank``, random factors."""
-    generator = torch.Generator().manual_seed(seed)
-    layers = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
-            stream_of(name)  # every name must be one h3serve can attribute
-            w = module.weight  # [out, in]
-            down = torch.randn(rank, w.shape[1], generator=generator) / w.shape[1] ** 0.5  # [r, in]
-            up = torch.randn(w.shape[0], rank, generator=generator) * 0.01  # [out, r]
-            layers[name] = LoraLayer(down=down.to(w), up=up.to(w), scaling=1.0)
-    return LoraAdapter(name=f"r{rank}-{seed}", spec=LoraSpec(path="."), partition="transformer", layers=layers)
-
-
-def delta_flop_ratio(config: dict, rank: int, adapted_fraction: float) -> float:
-    """Block GEMM FLOPs with the deltas over those without (attention and the per-timestep AdaLN tables,
-    unadapted in cost terms, are left out, so this is an upper bound for the whole forward)."""
-    d, f, i = config["hidden_size"], config["ffn_dim"], config["num_attention_heads"] * config["attention_head_dim"]
-    shapes = [(d, i)] * 3 + [(i, d), (d, 2 * f), (f, d)]  # q, k, v, out, SwiGLU in (fused), down
-    base = sum(2 * a * b for a, b in shapes)
-    delta = sum(2 * rank * (a + b) for a, b in shapes) * adapted_fraction
-    return (base + delta) / base
-
-
-def run(quick: bool) -> dict:
-    torch.manual_seed(0)
-    config = bench_config(quick)
-    model = build_transformer(config, "cpu", torch.float32)
-    install(model, _sdpa())
-    clip = Clip(width=256, height=128, num_frames=22, text_tokens=64) if quick else Clip(512, 256, 22, 128)
-    docs = [clip_document(config, clip, progress=p, seed=s) for s, p in enumerate((0.1, 0.4, 0.6, 0.9))]
-    pack = pack_documents(docs)
-    slots = pack_slots(pack, [BASE_SLOT, *range(1, ADAPTERS + 1)])
-    adapted_fraction = 1 - pack.lengths[0] / pack.total_rows
-    by_rank = {r: {s: random_adapter(model, r, seed=s + 10 * r) for s in range(1, ADAPTERS + 1)} for r in RANKS}
-
-    def step(rank: int | None) -> None:
-        if rank is None:
-            packed_forward(model, pack)
-        else:
-            with adapting(model, by_rank[rank], slots):
-                packed_forward(model, pack)
-
-    cases: list[int | None] = [None, *RANKS]
-    reps = 9
-    times: dict[int | None, list[float]] = {c: [] for c in cases}
-    for c in cases:  # warm-up
-        step(c)
-    for _ in range(reps):
-        for c in cases:  # interleaved: the same load on every case
-            t0 = now()
-            step(c)
-            times[c].append((now() - t0) * 1e3)
-
-    base_ms, base_min = median(times[None]), min(times[None])
-    released = transformer_config("full")
-    rows = []
-    result_rows = []
-    for c in cases:
-        ms = median(times[c])
-        here = delta_flop_ratio(config, c, adapted_fraction) if c else 1.0
-        at_release = delta_flop_ratio(released, c, adapted_fraction) if c else 1.0
-        label = "base only" if c is None else f"{ADAPTERS} adapters + base, rank {c}"
-        rows.append([label, ms, ms / base_ms, min(times[c]), min(times[c]) / base_min, here, at_release])
-        result_rows.append(
-            {
-                "case": label,
-                "rank": c,
-                "median_ms": ms,
-                "min_ms": min(times[c]),
-                "ratio_of_min": min(times[c]) / base_min,
-                "times_ms": times[c],
-                "ratio": ms / base_ms,
-                "flop_ratio": here,
-                "flop_ratio_released": at_release,
-            }
-        )
-    say(
-        f"pack: {len(docs)} documents, {pack.total_rows} rows ({adapted_fraction:.0%} on adapters), "
-        f"hidden {config['hidden_size']}, {config['num_layers']} blocks, {torch.get_num_threads()} torch threads, "
-        f"{reps} interleaved reps"
-    )
-    table(
-        [
-            "pack",
-            "ms/step (median)",
-            "x base-only",
-            "ms/step (min)",
-            "x base-only (min)",
-            "FLOP ratio here",
-            "FLOP ratio released",
-        ],
-        rows,
-        title="LoRA deltas in one packed forward (CPU)",
-    )
-    return {"ok": True, "machine": machine(), "rows": pack.total_rows, "config": config, "cases": result_rows}
-
-
-def _sdpa():
-    from attention import get_backend
-
-    return get_backend("torch_sdpa").make_impl()
-
 
 # ----------------------------------------------------------------------------- the co-batching trace (--trace)
 
 TURBO, STYLE_A, STYLE_B = "turbo-4", "style-a", "style-b"
 MODELS: tuple[str | None, ...] = (None, TURBO, STYLE_A, STYLE_B)  # None: the base model
 TURBO_SHIFT = 5.0  # the schedule shift a few-step adapter is distilled for (a request on it runs it)
-EVERY_LINEAR = [  # every nn.Linear kind of the transformer, as published Turbo adapters adapt them
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "adaln_proj.linear",
-    "proj_in",
-    "audio_proj_in",
-    "context_embedder",
-    "time_embedder.linear_1",
-    "time_embedder.linear_2",
-    "norm_out.linear",
-    "proj_out",
-    "audio_proj_out",
-]
+with torch.device("meta"):  # every nn.Linear kind of the transformer (the same at every size)
+    EVERY_LINEAR = linear_kinds(MiniMaxH3Transformer3DModel(**transformer_config("tiny")))
 BLOCK_ATTENTION_FFN = r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
 BLOCK_ATTENTION = r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)"
 # name -> (peft LoraConfig kwargs, scale)
 ADAPTER_CONFIGS: dict[str, tuple[dict, float]] = {
-    TURBO: (dict(r=16, lora_alpha=16, target_modules=EVERY_LINEAR), 1.0),
+    TURBO: (dict(r=16, lora_alpha=16, target_modules=EVERY_LINEAR), 1.0),  # every linear, as published Turbo ones
     STYLE_A: (dict(r=16, lora_alpha=8, target_modules=BLOCK_ATTENTION_FFN), 0.8),
     STYLE_B: (dict(r=8, lora_alpha=8, target_modules=BLOCK_ATTENTION), 1.0),
 }
@@ -378,18 +221,15 @@ def lora_capacity(pipe: H3Pipeline, sizes: TraceSizes) -> dict:
     return {"service_s": service, "mean_service_s": per_request, "requests_per_s": 1.0 / per_request}
 
 
-class TraceEngine(Engine):
-    """h3serve's engine, recording which models (base or adapter) each step's pack holds."""
+class TraceGate(StepGate):
+    """Every prepared request may join (h3serve's co-batching); records which models (base or adapter) each step's
+    batch holds."""
 
-    def __init__(self, group: WorkerGroup, limits: EngineLimits, observer: StepLog):
-        super().__init__(group, limits, observer)
+    def __init__(self) -> None:
         self.models_per_step: list[int] = []  # distinct models (the base model counts as one) in each step's batch
 
-    def _schedule(self) -> list[Ticket]:
-        batch = super()._schedule()
-        if batch:
-            self.models_per_step.append(len({t.adapter for t in batch}))
-        return batch
+    def before_forward(self, batch: Sequence[Ticket]) -> None:
+        self.models_per_step.append(len({t.adapter for t in batch}))
 
 
 class MergeSwap:
@@ -445,8 +285,9 @@ class MergeSwap:
         )
 
 
-class OneAdapterPerBatch(TraceEngine):
-    """vLLM-Omni's step mode as a policy over h3serve's engine: one model (the base or one adapter) per batch.
+class OneAdapterPerBatch(TraceGate):
+    """vLLM-Omni's step mode as a gate over h3serve's engine (``Engine(gate=...)``): one model (the base or one
+    adapter) per batch.
 
     At every step boundary the gate picks the batch's model: the running batch's, while any request of it has
     stepped and not finished its schedule; else the model of the request the engine's policy ranks first among
@@ -457,58 +298,42 @@ class OneAdapterPerBatch(TraceEngine):
     the model thread, and the requests run with no adapter path (their documents' slot is the base's).
     """
 
-    def __init__(self, group: WorkerGroup, limits: EngineLimits, observer: StepLog, merge: MergeSwap | None = None):
-        super().__init__(group, limits, observer)
+    def __init__(self, merge: MergeSwap | None = None) -> None:
+        super().__init__()
         self.merge = merge
-        self.gate: str | None = None
+        self.model: str | None = None  # the running batch's model (None: the base model)
         self.batches: list[str] = []  # each batch's model, in order
         self.swaps: list[dict] = []
 
-    def _rank(self, ticket: Ticket, at: float) -> tuple[float, int]:
-        return rank_key(ticket.view(), self.limits.policy, at, self.limits.aging_s)
-
-    def _choose_model(self) -> str | None:
-        live = [t for t in self._resident if not t.future.done()]
-        running = {t.adapter for t in live if t.started}
+    def _choose_model(self, boundary: StepBoundary) -> str | None:
+        running = {t.adapter for t in boundary.prepared if t.started}
         if len(running) > 1:
             raise RuntimeError(f"one adapter per batch broke: requests of {sorted(map(model_label, running))} ran")
         if running:
             return running.pop()
-        at = time.monotonic()
-        first = min(live, key=lambda t: self._rank(t, at))
+        first = min(boundary.prepared, key=boundary.rank)
         self.batches.append(model_label(first.adapter))
         return first.adapter
 
-    def _candidates(self) -> list[Ticket]:
-        at = time.monotonic()
-        waiting = [*self._waiting, *self._resident, *([self._preparing] if self._preparing else [])]
+    def candidates(self, boundary: StepBoundary) -> list[Ticket]:
+        if not boundary.prepared:
+            return []
+        self.model = self._choose_model(boundary)
         other = min(
-            (self._rank(t, at) for t in waiting if t.adapter != self.gate and not t.future.done()), default=None
+            (boundary.rank(t) for t in (*boundary.waiting, *boundary.prepared) if t.adapter != self.model), default=None
         )
-        live = [t for t in self._resident if not t.future.done() and t.adapter == self.gate]
-        first = min(live, key=lambda t: self._rank(t, at), default=None)
-        return [t for t in live if t.started or t is first or other is None or self._rank(t, at) < other]
+        ours = [t for t in boundary.prepared if t.adapter == self.model]
+        first = min(ours, key=boundary.rank)
+        return [t for t in ours if t.started or t is first or other is None or boundary.rank(t) < other]
 
-    def _schedule(self) -> list[Ticket]:
-        every = self._resident
-        self._resident = self._candidates()  # the engine's own scheduling over the gate's candidates
-        try:
-            batch = super()._schedule()
-        finally:
-            self._resident = every
-        if self.merge is not None:
-            assert self.merge.merged == self.gate, (self.merge.merged, self.gate)
-            for ticket in batch:
-                ticket.prepared.adapter_slot = BASE_SLOT  # its adapter is in the weights now
-        return batch
-
-    async def _step_once(self) -> None:
-        if not any(not t.future.done() for t in self._resident):
+    def before_forward(self, batch: Sequence[Ticket]) -> None:
+        super().before_forward(batch)
+        if self.merge is None:
             return
-        self.gate = self._choose_model()
-        if self.merge is not None and self.merge.merged != self.gate:
-            self.swaps.append(await self._run_blocking(self.merge.swap_to, self.gate))
-        await super()._step_once()
+        if self.merge.merged != self.model:
+            self.swaps.append(self.merge.swap_to(self.model))
+        for ticket in batch:
+            ticket.prepared.adapter_slot = BASE_SLOT  # its adapter is in the weights now
 
 
 def replay_lora(mode: str, group: WorkerGroup, trace: list[Arrival], limits: EngineLimits) -> dict:
@@ -518,10 +343,10 @@ def replay_lora(mode: str, group: WorkerGroup, trace: list[Arrival], limits: Eng
     if mode == MERGE_SWAP:
         merge = MergeSwap(denoiser.transformers["transformer"], list(denoiser.adapters["transformer"].values()))
 
+    gate = TraceGate() if mode == CO_BATCHED else OneAdapterPerBatch(merge)
+
     def make_engine(group: WorkerGroup, limits: EngineLimits, observer: StepLog) -> Engine:
-        if mode == CO_BATCHED:
-            return TraceEngine(group, limits, observer)
-        return OneAdapterPerBatch(group, limits, observer, merge)
+        return Engine(group, limits, observer, gate=gate)
 
     try:
         engine, done, first, last = asyncio.run(engine_replay(group, trace, limits, make_engine))
@@ -530,9 +355,8 @@ def replay_lora(mode: str, group: WorkerGroup, trace: list[Arrival], limits: Eng
         if merge is not None:
             merge.swap_to(None)  # the base weights back for whatever runs next
             restored = merge.restored_exactly()
-    assert isinstance(engine, TraceEngine)
     stats = engine.stats
-    gated = engine if isinstance(engine, OneAdapterPerBatch) else None
+    gated = gate if isinstance(gate, OneAdapterPerBatch) else None
     return {
         "mode": mode,
         "done": done,
@@ -544,7 +368,7 @@ def replay_lora(mode: str, group: WorkerGroup, trace: list[Arrival], limits: Eng
         "preemptions": stats.preemptions,
         "forwards": stats.forwards,
         "rows": stats.rows,
-        "models_per_step": engine.models_per_step,
+        "models_per_step": gate.models_per_step,
         "batches": gated.batches if gated else None,
         "swaps": gated.swaps if gated else [],
         "restored_exactly": restored,
@@ -900,7 +724,7 @@ def main(argv=None) -> int:
                 sizes = dataclasses.replace(sizes, requests=args.requests)
             result = run_trace(sizes, args.policy, args.seed)
         else:
-            result = run(args.quick)
+            result = step_cost(args.quick)
     finally:
         torch.set_num_threads(own_threads)
     write_json(args.json, result)

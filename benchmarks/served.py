@@ -47,20 +47,23 @@ def default_args() -> DeployArgs:
     return DeployArgs.model_validate(args)
 
 
-class ServedDefault:
-    """`h3serve serve deploy/serve_config.yaml --address <this cluster>` on a free port; a context manager."""
+class ServedConfig:
+    """`h3serve serve CONFIG --address <this cluster>` until ``apps`` applications serve; a context manager.
 
-    def __init__(self, startup_timeout_s: float = 300.0):
-        self.port, self.timeout, self.checkpoint = free_port(), startup_timeout_s, served_checkpoint()
-        self.url = f"http://127.0.0.1:{self.port}"
+    Joins the caller's Ray session when there is one (it must be in namespace "serve", where `h3serve serve`
+    deploys, for the caller's handles to reach the replicas); else starts a local cluster of ``num_cpus`` CPUs
+    (None: all of this node's, and its GPUs)."""
+
+    def __init__(self, config: dict, apps: int = 1, startup_timeout_s: float = 300.0, num_cpus: int | None = 2):
+        self.config, self.apps, self.timeout, self.num_cpus = config, apps, startup_timeout_s, num_cpus
         self.dir = tempfile.TemporaryDirectory(prefix="h3serve-bench-")
         self.started_ray = False
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> ServedDefault:
+    def __enter__(self):
         if not ray.is_initialized():  # Serve's controller lives in namespace "serve", where `h3serve serve` puts it
             ray.init(
-                num_cpus=2,
+                num_cpus=self.num_cpus,
                 namespace="serve",
                 include_dashboard=False,
                 log_to_driver=False,
@@ -70,16 +73,10 @@ class ServedDefault:
         elif ray.get_runtime_context().namespace != "serve":
             raise RuntimeError(
                 "the caller's Ray session must be in namespace 'serve' (where `h3serve serve` "
-                "deploys) for this process to reach the replica through a handle"
+                "deploys) for this process to reach the replicas through handles"
             )
-        config = copy.deepcopy(load_config(None))
-        config["http_options"].update(host="127.0.0.1", port=self.port)
-        if self.checkpoint is not None:  # no shipped demo checkpoint in this checkout
-            for app in config["applications"]:
-                if app.get("import_path") == BUILDER:
-                    app["args"]["checkpoint"] = self.checkpoint
         path = Path(self.dir.name) / "serve_config.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(self.config))
         self.log = open(path.with_suffix(".log"), "w+")
         started = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -87,10 +84,11 @@ class ServedDefault:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        while "is serving at" not in self.output():
+        while self.output().count("is serving at") < self.apps:
             if self.proc.poll() is not None or time.perf_counter() - started > self.timeout:
+                text = self.output()[-4000:]
                 self.__exit__(None, None, None)
-                raise RuntimeError(f"h3serve serve did not start:\n{self.output()[-4000:]}")
+                raise RuntimeError(f"h3serve serve did not start its {self.apps} application(s):\n{text}")
             time.sleep(0.5)
         self.startup_s = time.perf_counter() - started
         return self
@@ -111,6 +109,24 @@ class ServedDefault:
             ray.shutdown()
         self.log.close()
         self.dir.cleanup()
+
+
+class ServedDefault(ServedConfig):
+    """`h3serve serve deploy/serve_config.yaml` on a free port of 127.0.0.1 (see the module's docstring)."""
+
+    def __init__(self, startup_timeout_s: float = 300.0):
+        self.port, self.checkpoint = free_port(), served_checkpoint()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = copy.deepcopy(load_config(None))
+        config["http_options"].update(host="127.0.0.1", port=self.port)
+        if self.checkpoint is not None:  # no shipped demo checkpoint in this checkout
+            for app in config["applications"]:
+                if app.get("import_path") == BUILDER:
+                    app["args"]["checkpoint"] = self.checkpoint
+        super().__init__(config, 1, startup_timeout_s)
+
+    def __enter__(self) -> ServedDefault:
+        return super().__enter__()
 
 
 def video_job(http: httpx.Client, body: dict, poll_s: float = 0.05, timeout_s: float = 600.0) -> tuple[dict, bytes]:

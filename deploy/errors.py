@@ -16,10 +16,25 @@ from replicas import DeadlineExceeded, EngineStopped, QueueFull
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "2"
+
+
+class StageUnavailable(RuntimeError):
+    """A stage's replica died under a request on every one of its attempts (``deploy.replica.STAGE_ATTEMPTS``):
+    the request's error, naming the stage (the denoiser replica and the other requests carry on)."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+    def __reduce__(self):  # keep the stage across process boundaries (Ray pickles errors)
+        return type(self), (self.stage, str(self))
+
+
 # every queue on the way is full: the engine's, or Serve's in front of a replica
 QUEUE_FULL = (QueueFull, BackPressureError)
-# no replica can take the request now: stopped, draining (EngineDraining), stalled (EngineStalled), dead, starting
-UNAVAILABLE = (EngineStopped, DeploymentUnavailableError, RayActorError)
+# no replica can take the request now: stopped, draining (EngineDraining), stalled (EngineStalled), dead, starting,
+# or a stage's replicas kept dying under it
+UNAVAILABLE = (EngineStopped, DeploymentUnavailableError, RayActorError, StageUnavailable)
 QUEUE_FULL_MESSAGE = "the queue is full; retry later"
 UNAVAILABLE_MESSAGE = "the model is unavailable right now; retry later"
 DEADLINE_MESSAGE = "the request did not finish within its deadline (timeout_s)"

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
 
 import ray
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from pipelines.h3 import STAGE_ROLES
 from replicas import FAILURE_REASONS
 from replicas import STAGES as ENGINE_STAGES
 
@@ -27,6 +31,7 @@ STAGE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30
 # the stage tag's values: what the engine observes (replicas.STAGES) and the replica's own MP4/PNG encoding
 STAGES = (*ENGINE_STAGES, "encode")
 FAILED_STEP_REASONS = ("pack", "worker_group")
+GAUGE_REFRESH_S = 1.0  # a gauge that holds still is set again this often (Ray's shortest export interval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +136,29 @@ STEP_CACHE_SKIPPED = MetricDef(
     "Rows x transformer blocks that step caching skipped (requests with a cache tier reusing their cached "
     "residual); against h3serve_rows_per_step x blocks it is the share of transformer work caching saved.",
 )
+STAGE_RETRIES = MetricDef(
+    "h3serve_stage_retries",
+    "counter",
+    "Calls from a denoiser to a conditioner or decoder stage (args.stages) made again because the stage replica "
+    "died under them (Serve replaces it); the request waits instead of failing, and no denoising is repeated.",
+    ("stage",),
+)
+# "adapter": a LoRA adapter's name from the deploy args' ``loras`` (a bounded set; an unserved name is never a
+# label), "" for the base model
+LORA_ADAPTERS = MetricDef(
+    "h3serve_lora_adapters",
+    "gauge",
+    "LoRA adapters a replica serves: 1 per adapter (count(...) by replica is how many; the model id is "
+    "'<base>:<adapter>').",
+    ("adapter",),
+)
+ADAPTER_DOCUMENT_STEPS = MetricDef(
+    "h3serve_adapter_document_steps",
+    "counter",
+    "Documents in successful packed forwards, by LoRA adapter ('' for the base model): a request adds one per "
+    "denoising step; its rate is each adapter's share of the pack.",
+    ("adapter",),
+)
 
 ALL_METRICS = (
     ADMISSION_DECISIONS,
@@ -148,6 +176,9 @@ ALL_METRICS = (
     PREEMPTIONS,
     DUTY_CYCLE,
     STEP_CACHE_SKIPPED,
+    STAGE_RETRIES,
+    LORA_ADAPTERS,
+    ADAPTER_DOCUMENT_STEPS,
 )
 
 
@@ -214,6 +245,10 @@ class EngineMetrics:
         )
         self.preemptions, self.duty_cycle = make(PREEMPTIONS), make(DUTY_CYCLE)
         self.cache_skipped = make(STEP_CACHE_SKIPPED)
+        self.stage_retries = make(STAGE_RETRIES)
+        self.adapters, self.adapter_documents = make(LORA_ADAPTERS), make(ADAPTER_DOCUMENT_STEPS)
+        self.served_adapters: tuple[str, ...] = ()  # the adapter label's values, the base model's "" besides
+        self._adapters_refresher: threading.Thread | None = None
 
     def on_step(self, stats, seconds: float) -> None:
         self.step.observe(seconds)
@@ -241,6 +276,31 @@ class EngineMetrics:
 
     def on_duty_cycle(self, fraction: float) -> None:
         self.duty_cycle.set(fraction)
+
+    def on_stage_retry(self, stage: str) -> None:  # deploy.replica.ServeStages: a stage replica died under a call
+        self.stage_retries.inc(1, tags={"stage": checked(stage, STAGE_ROLES, "stage role")})
+
+    def on_adapters(self, served: Sequence[str]) -> None:
+        self.served_adapters = tuple(served)
+        if self.served_adapters and self._adapters_refresher is None:
+            # Ray exports a gauge only while it is set again within each export interval (one set at start would
+            # vanish after a few seconds): a daemon thread sets it for as long as the replica lives
+            self._adapters_refresher = threading.Thread(
+                target=self._refresh_adapters, name="h3serve-adapter-gauge", daemon=True
+            )
+            self._adapters_refresher.start()
+
+    def _refresh_adapters(self) -> None:
+        while True:
+            for name in self.served_adapters:
+                self.adapters.set(1, tags={"adapter": name})
+            time.sleep(GAUGE_REFRESH_S)
+
+    def on_adapter_documents(self, documents: Mapping[str | None, int]) -> None:
+        for adapter, count in documents.items():
+            label = "" if adapter is None else checked(adapter, self.served_adapters, "adapter")
+            if count > 0:  # Ray's counters refuse an increment of 0
+                self.adapter_documents.inc(count, tags={"adapter": label})
 
 
 class RequestMetrics:

@@ -4,7 +4,8 @@ Start: the worker group is built (failing closed), then one warm-up forward (``e
 ``__init__`` returns, so kernel setup and compilation never land on the first user: Serve reports a replica
 ready only after its constructor. With stage deployments of their own (``args.stages``: ``spec.stages`` is
 "remote") rank 0 holds no text encoder and no VAE, so the warm-up request is prepared by the conditioner stage
-(the constructor is async to await it) and its one forward runs here.
+(the constructor is async to await it) and its one forward runs here. A stage call whose stage replica dies
+under it is made again on a live one (``ServeStages``): the request waits, it does not fail.
 
 Serving: ``generate_image`` / ``generate_video`` submit to the engine with the
 ingress's request id (in every log line about the request) and deadline; ``check_health`` is the engine's
@@ -33,6 +34,7 @@ step 4 never cuts a drain that keeps to its budget.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -54,6 +56,7 @@ from pipelines.h3 import (
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 
 from .args import DeployArgs
+from .errors import StageUnavailable
 from .metrics import EngineMetrics, admission_recorder
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,13 @@ DRAIN_MARGIN_S = 60.0
 # how long a staged replica's warm-up waits for the conditioner stage to prepare its request: the conditioner
 # may still be loading Qwen3-VL (tens of GB) when this replica's transformer is ready
 STAGE_WARMUP_TIMEOUT_S = 900.0
+# a stage call whose replica died under it is made again, on a live replica, up to this many calls in all; the
+# waits between them double from the first to the second (Serve's router meanwhile drops the dead replica)
+STAGE_ATTEMPTS = 3
+STAGE_RETRY_BACKOFF_S = (1.0, 5.0)
+# the stage replica (not the stage's code) failed: its actor died or is unreachable, or its result was lost
+# with its node
+STAGE_REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
 
 
@@ -88,22 +98,63 @@ def log_through_serve(packages: tuple[str, ...] = H3SERVE_PACKAGES) -> None:
 
 class ServeStages:
     """The engine's ``StageClient`` over the stage deployments' handles (``deploy/stages.py``); ``caller`` is this
-    H3Replica's replica id, which the stages count their work by."""
+    H3Replica's replica id, which the stages count their work by.
 
-    def __init__(self, conditioner: DeploymentHandle, decoder: DeploymentHandle, caller: str):
-        self.conditioner, self.decoder, self.caller = conditioner, decoder, caller
+    A call whose stage replica died under it (``STAGE_REPLICA_LOST``: Ray's actor-died or actor-unavailable error,
+    or its result lost with its node) is made again: Serve's router has dropped the dead replica, so the call
+    goes to another live replica, or waits for the one Serve starts in its place. At most ``STAGE_ATTEMPTS`` calls
+    in all, ``STAGE_RETRY_BACKOFF_S`` apart; then ``StageUnavailable``. The stage's own exception (a request it
+    refuses) is never retried. Each retry is logged and counted by stage (``retries``, and the observer's
+    ``on_stage_retry``). The arguments stay here until a call returns: a redone decode gets the same finished
+    latents, so no denoising is ever repeated."""
+
+    def __init__(
+        self,
+        conditioner: DeploymentHandle,
+        decoder: DeploymentHandle,
+        caller: str,
+        observer: EngineMetrics | None = None,
+    ):
+        self.conditioner, self.decoder, self.caller, self.observer = conditioner, decoder, caller, observer
+        self.retries: collections.Counter[str] = collections.Counter()  # stage -> calls made again
 
     async def prepare(self, request: GenerationRequest, shift: float | None) -> PreparedState:
-        try:
-            return await self.conditioner.prepare.remote(request, shift, self.caller)
-        except ray.exceptions.RayTaskError as e:
-            raise _stage_error(e) from None
+        return await self._call("conditioner", self.conditioner.prepare, request, shift)
 
     async def decode(self, handoff: DecodeHandoff, output: str | None) -> GeneratedMedia | EncodedMedia:
-        try:
-            return await self.decoder.decode.remote(handoff, output, self.caller)
-        except ray.exceptions.RayTaskError as e:
-            raise _stage_error(e) from None
+        return await self._call("decoder", self.decoder.decode, handoff, output)
+
+    async def _call(self, stage: str, method, *args):
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method.remote(*args, self.caller)
+            except ray.exceptions.RayTaskError as e:  # first: the stage's own exception, whatever its type
+                raise _stage_error(e) from None
+            except STAGE_REPLICA_LOST as e:
+                if attempt >= STAGE_ATTEMPTS:
+                    logger.error("the %s stage's replica died under this call %d times: giving up", stage, attempt)
+                    raise StageUnavailable(
+                        stage,
+                        f"the {stage} stage's replica died under this request {attempt} times in a row "
+                        f"(last: {type(e).__name__}); no live {stage} replica finished it",
+                    ) from e
+                wait_s = min(STAGE_RETRY_BACKOFF_S[0] * 2 ** (attempt - 1), STAGE_RETRY_BACKOFF_S[1])
+                logger.warning(
+                    "the %s stage's replica died under a call (attempt %d of %d, %s: %s); making it again on a live "
+                    "replica in %.1f s",
+                    stage,
+                    attempt,
+                    STAGE_ATTEMPTS,
+                    type(e).__name__,
+                    (str(e).splitlines() or [""])[0],
+                    wait_s,
+                )
+                self.retries[stage] += 1
+                if self.observer is not None:
+                    self.observer.on_stage_retry(stage)
+                await asyncio.sleep(wait_s)
 
 
 def _stage_error(error: ray.exceptions.RayTaskError) -> Exception:
@@ -197,7 +248,9 @@ class H3Replica:
             raise
         remote = None
         if conditioner is not None and decoder is not None:
-            remote = ServeStages(conditioner, decoder, serve.get_replica_context().replica_id.unique_id)
+            caller = serve.get_replica_context().replica_id.unique_id
+            remote = ServeStages(conditioner, decoder, caller, self.metrics)
+        self.stage_client = remote
         self.engine = Engine(self.group, limits, self.metrics, remote)
         if limits.warmup:
             try:
@@ -382,6 +435,8 @@ class H3Replica:
                 for name, model in self.group.pipeline.held_models().items()
             },
             "handoff_bytes": dict(self.engine.stats.handoff_bytes),
+            # stage calls made again because the stage replica died under them, by stage
+            "stage_retries": dict(self.stage_client.retries) if self.stage_client is not None else {},
             "policy": self.engine.limits.policy,
             "preemptions": self.engine.stats.preemptions,
             "duty_cycle": self.engine.stats.duty_cycle,

@@ -5,12 +5,17 @@ The builder binds ``H3Conditioner`` and ``H3Decoder`` beside ``H3Replica`` when 
 ``H3Conditioner.prepare`` returns the request's prepared state (``PreparedState``: host tensors, through the
 object store), the denoiser steps it in its packs, and ``H3Decoder.decode`` gets its latents rows
 (``DecodeHandoff``) and returns the PNG/MP4 bytes. The client sees one request. A stage's error is the
-request's error (a RequestError stays one, an HTTP 400); a stage replica that dies fails the requests it held,
-never the H3Replica, and Serve replaces it. Every H3Replica's rank 0 then loads none of these models
+request's error (a RequestError stays one, an HTTP 400), never retried. A stage replica that dies fails no
+request and never the H3Replica: Serve replaces it, and each H3Replica makes the calls it had in flight there
+again (``deploy.replica.ServeStages``), on another live replica or on the replacement once it is up, up to
+``STAGE_ATTEMPTS`` calls in all, counted in ``h3serve_stage_retries`` by stage. The denoiser holds a request's
+finished latents until its decode returns, so a redone decode repeats no denoising; a redone prepare repeats
+only the prepare. Every H3Replica's rank 0 then loads none of these models
 (``ReplicaSpec.stages`` "remote": the transformer partitions and the tokenizer only), and admission checks
 each stage's memory plan beside the denoiser's ranks (``pipelines/h3/memory.py``).
 
-Each stage counts what it served per caller (``report``): the calling H3Replica's replica id.
+Each stage counts what it served per caller (``report``): the calling H3Replica's replica id, and the calls it
+is working on now.
 """
 
 from __future__ import annotations
@@ -53,21 +58,31 @@ class StageReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.calls: collections.Counter[str] = collections.Counter()  # caller's replica id -> requests served
         self.failures = 0
+        self.ongoing = 0  # calls running now (report() is answered while they run)
         logger.info("%s stage ready (replica %s)", self.role, self.replica_id)
 
     def report(self) -> dict[str, Any]:
-        """This stage replica's id and the requests it served, by calling H3Replica (and how many failed)."""
-        return {"replica_id": self.replica_id, "calls": dict(self.calls), "failures": self.failures}
+        """This stage replica's id, the requests it served by calling H3Replica, how many failed, and how many
+        it is working on now."""
+        return {
+            "replica_id": self.replica_id,
+            "calls": dict(self.calls),
+            "failures": self.failures,
+            "ongoing": self.ongoing,
+        }
 
     async def _run(self, caller: str, what: str, fn, *args):
         self.calls[caller] += 1
         started = time.perf_counter()
+        self.ongoing += 1
         try:
             result = await asyncio.to_thread(fn, *args)  # off the event loop: report() and health stay answered
         except Exception:
             self.failures += 1
             logger.warning("%s for %s failed", what, caller, exc_info=True)
             raise
+        finally:
+            self.ongoing -= 1
         logger.info("%s for %s in %.2f s", what, caller, time.perf_counter() - started)
         return result
 

@@ -16,6 +16,8 @@ from .engine import (
     EngineStopped,
     QueueFull,
     StageClient,
+    StepBoundary,
+    StepGate,
     Ticket,
 )
 from .spec import ReplicaSpec
@@ -39,6 +41,8 @@ __all__ = [
     "QueueFull",
     "ReplicaSpec",
     "StageClient",
+    "StepBoundary",
+    "StepGate",
     "Ticket",
     "WorkerGroup",
     "WorkerGroupBroken",

@@ -21,7 +21,9 @@ or ``decode``); ``stats.handoff_bytes`` counts what crossed.
 
 Under ``srpt`` and ``priority`` a running request the scheduler leaves out at a step boundary is paused
 (a preemption): its latents and schedulers stay in its ``RequestState`` on the model's device, and it
-resumes where it stopped, with the same output as if never paused.
+resumes where it stopped, with the same output as if never paused. A ``StepGate`` (``Engine(gate=...)``, none by
+default) is a rule above the policy: at each boundary it names which prepared requests may join the batch (the
+LoRA benchmark's one-adapter-per-batch and merge-swap modes are gates); the ones it holds back wait, prepared.
 
 Step caching (``limits.step_cache``): a request's ``cache`` tier resolves at submit to its First-Block-Cache
 policy (``pipelines/h3/step_cache.py``), or to a RequestError("cache") naming the tiers. Its state lives in its
@@ -43,13 +45,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -206,6 +209,16 @@ class EngineObserver(Protocol):
 
     def on_duty_cycle(self, fraction: float) -> None: ...  # after each step: forward time / busy time so far
 
+    # optional (an observer without them is not told): LoRA adapters, names from the deployment's bounded set
+    def on_adapters(self, served: Sequence[str]) -> None: ...  # once, when the engine starts: the adapters it serves
+
+    # after each packed forward: its documents by adapter (None: the base model)
+    def on_adapter_documents(self, documents: Mapping[str | None, int]) -> None: ...
+
+
+# observer methods added after the first observers were written: the engine skips them on an observer without them
+OPTIONAL_OBSERVER_METHODS = ("on_adapters", "on_adapter_documents")
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -322,6 +335,49 @@ class StageWorker:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepBoundary:
+    """What a ``StepGate`` sees at a step boundary (no forward in flight)."""
+
+    prepared: tuple[Ticket, ...]  # prepared, not finished: ready (never stepped), running or paused; in held order
+    waiting: tuple[Ticket, ...]  # submitted, not finished, not prepared yet (queued, or being prepared now)
+    now: float  # time.monotonic() at this boundary
+    policy: Policy  # the engine's ``limits.policy``
+    aging_s: float  # the engine's ``limits.aging_s``
+
+    def rank(self, ticket: Ticket) -> tuple[float, int]:
+        """``ticket``'s place under the engine's policy at this boundary; lower runs first (``scheduler.rank_key``)."""
+        return scheduler.rank_key(ticket.view(), self.policy, self.now, self.aging_s)
+
+
+class StepGate:
+    """A rule above the engine's policy: which prepared requests may join a step's batch (``Engine(gate=...)``).
+
+    At every step boundary the engine asks ``candidates`` which of ``boundary.prepared`` may run this step; the
+    policy, the request and row budget and preemption then choose the batch among those exactly as they do
+    without a gate. A request the gate holds back waits, prepared, and is asked about again at the next boundary:
+    nothing is dropped. A running request it leaves out is paused (counted as a preemption) and resumes, where it
+    stopped, when a later boundary lets it in. When it lets none in, the step loop sleeps until a request is
+    prepared, cancelled or passes its deadline, then asks again (a gate that never lets work in is a stall, which
+    the watchdog reports).
+
+    ``before_forward(batch)`` runs on the model thread once the batch is chosen, before its forward: the place for
+    model state the batch needs (``benchmarks/lora.py`` fuses the batch's adapter there for sglang's merge-swap).
+    An exception from either method is an engine fault: the prepared requests fail, the engine goes on.
+
+    This base class lets every prepared request in and does nothing before a forward, so an engine with it
+    schedules as one without a gate. Subclasses override either method (for example one LoRA adapter per batch).
+    """
+
+    def candidates(self, boundary: StepBoundary) -> Iterable[Ticket]:
+        """The prepared requests (a subset of ``boundary.prepared``) that may run this step."""
+        return boundary.prepared
+
+    def before_forward(self, batch: Sequence[Ticket]) -> None:
+        """On the model thread: ``batch`` (non-empty) is about to run one step."""
+        return None
+
+
 class Engine:
     def __init__(
         self,
@@ -329,9 +385,13 @@ class Engine:
         limits: EngineLimits | None = None,
         observer: EngineObserver | None = None,
         remote: StageClient | None = None,
+        gate: StepGate | None = None,
     ):
-        """``remote``: conditioner and decoder stages of their own; None: prepare and decode run here."""
+        """``remote``: conditioner and decoder stages of their own; None: prepare and decode run here.
+        ``gate``: which prepared requests may join each step's batch (``StepGate``); None: every one, by the policy.
+        """
         self.group, self.pipeline, self.observer, self.remote = group, group.pipeline, observer, remote
+        self.gate = gate
         self.limits = limits or EngineLimits()
         self.stats = EngineStats()
         self._waiting: list[Ticket] = []  # submitted, not yet prepared
@@ -349,13 +409,16 @@ class Engine:
         self._orders = itertools.count()
         # the watchdog: the expected step time (warm-up, then an EMA of steps) and the last completed work
         self.expected_step_s: float | None = None
+        self.warmup_s: dict[str | None, float] = {}  # warm_up()'s forward seconds by adapter (None: the base model)
         self._progress_at = time.monotonic()
+        self._stage_calls = 0  # calls to stage deployments in flight (``_awaiting_stage``)
         self._busy_since: float | None = None  # when the current stretch of busy time began (stats.busy_s)
         self._device = self.pipeline.denoiser.device
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
         self._stages = StageWorker(self._device)
         self._check_step_cache()
+        self._observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
 
     def _check_step_cache(self) -> None:
         """Refuse tiers this replica cannot run (the deploy args refuse them earlier, from the preset)."""
@@ -526,7 +589,8 @@ class Engine:
     def warm_up(self, state: RequestState | None = None) -> float:
         """Prepare the smallest request and run one packed forward on every rank, discarding the result.
 
-        Synchronous, before any submit (kernel setup and compilation land here, not on the first user).
+        Synchronous, before any submit (kernel setup and compilation land here, not on the first user). With LoRA
+        adapters, one more forward per adapter (``warmup_s`` holds each forward's seconds).
         ``state``: ``warmup_request()`` already prepared elsewhere (a conditioner stage); None prepares it here.
         Returns the forward's seconds, which seed the watchdog's expected step time.
         """
@@ -539,6 +603,7 @@ class Engine:
         self.group(pack)
         seconds = time.perf_counter() - prepared
         self.expected_step_s = seconds
+        self.warmup_s = {None: seconds}
         logger.info(
             "warm-up: prepare %.2f s, one packed forward of %d rows on %d ranks %.2f s",
             prepared - started,
@@ -546,7 +611,28 @@ class Engine:
             self.group.sp_degree,
             seconds,
         )
+        self._warm_up_adapters(state)
         return seconds
+
+    def _warm_up_adapters(self, state: RequestState) -> None:
+        """One more forward of the warm-up state per LoRA adapter, its documents on the adapter's slot: the adapter
+        path's first-use costs (its GEMM shapes, the widened timestep path) land here, not on its first request."""
+        slots = self.pipeline.denoiser.loras.slots
+        own_slot = state.adapter_slot
+        try:
+            for name, slot in slots.items():
+                state.adapter_slot = slot
+                ((_, pack),) = self.pipeline.packs([state])
+                started = time.perf_counter()
+                self.group(pack)
+                self.warmup_s[name] = time.perf_counter() - started
+        finally:
+            state.adapter_slot = own_slot
+        if slots:
+            logger.info(
+                "warm-up through each LoRA adapter: %s",
+                ", ".join(f"{name} {self.warmup_s[name]:.2f} s" for name in slots),
+            )
 
     @property
     def stall_window_s(self) -> float:
@@ -558,11 +644,17 @@ class Engine:
         """Whether any submitted request has not finished (whatever its stage)."""
         return bool(self._held_tickets())
 
+    def _only_awaiting_stages(self) -> bool:
+        """Whether the only work is a stage deployment's: a call to it in flight and nothing to step here. A stage
+        replica that Serve is replacing can take minutes to load (Qwen3-VL); the stage's own health check covers
+        a stage that hangs, and a step that hangs here with a call in flight is still caught (there is work to step)."""
+        return self._stage_calls > 0 and all(t.future.done() for t in self._resident)
+
     def check_health(self) -> None:
         """Raise EngineStopped (closed, or the group broke), EngineStalled or WorkerGroupBroken."""
         if self._stop_reason:
             raise EngineStopped(self._stop_reason)
-        if self._busy:
+        if self._busy and not self._only_awaiting_stages():
             quiet = time.monotonic() - self._progress_at
             if quiet > self.stall_window_s:
                 message = (
@@ -645,33 +737,63 @@ class Engine:
                 self._resident = []
 
     def _schedule(self) -> list[Ticket]:
-        """This step's batch by the policy; running requests left out are paused (preemptions)."""
-        by_order = {t.order: t for t in self._resident}
+        """This step's batch by the policy (among the gate's candidates, with a gate); running requests left out
+        are paused (preemptions)."""
+        candidates = self._resident if self.gate is None else self._gated()
+        by_order = {t.order: t for t in candidates}
         plan = scheduler.schedule(
-            [t.view() for t in self._resident],
+            [t.view() for t in candidates],
             Budget(self.limits.max_active, self.limits.max_rows_per_step),
             self.limits.policy,
             time.monotonic(),
             self.limits.aging_s,
         )
         batch = [by_order[view.order] for view in plan.batch]
+        # running requests the gate held back pause too (without a gate every resident request is a candidate)
+        paused = [v.id for v in plan.preempted] + [
+            t.id for t in self._resident if t.running and t.order not in by_order
+        ]
         for ticket in self._resident:
             ticket.running = False
         for ticket in batch:
             ticket.running = True
-        if plan.preempted:
-            self.stats.preemptions += len(plan.preempted)
-            self._observe("on_preempted", len(plan.preempted))
+        if paused:
+            self.stats.preemptions += len(paused)
+            self._observe("on_preempted", len(paused))
             logger.info(
                 "paused %s at step boundary for %s (%s)",
-                [v.id for v in plan.preempted],
+                paused,
                 [t.id for t in batch if not t.forwards],
                 self.limits.policy,
             )
         return batch
 
+    def _gated(self) -> list[Ticket]:
+        """The prepared requests the gate lets into this step, in held order; RuntimeError for one it invents."""
+        assert self.gate is not None
+        waiting = [*self._waiting, *([self._preparing] if self._preparing is not None else [])]
+        boundary = StepBoundary(
+            prepared=tuple(t for t in self._resident if not t.future.done()),
+            waiting=tuple(t for t in waiting if not t.future.done()),
+            now=time.monotonic(),
+            policy=self.limits.policy,
+            aging_s=self.limits.aging_s,
+        )
+        allowed = set(map(id, self.gate.candidates(boundary)))
+        prepared = set(map(id, boundary.prepared))
+        if not allowed <= prepared:
+            raise RuntimeError(f"the step gate {type(self.gate).__name__} named requests that are not prepared")
+        return [t for t in boundary.prepared if id(t) in allowed]
+
     async def _step_once(self) -> None:
         batch = self._schedule()
+        if self.gate is not None:
+            if not batch:  # the gate held every prepared request back: sleep until the engine's state changes
+                self._wake.clear()
+                await self._wake.wait()
+                return
+            if type(self.gate).before_forward is not StepGate.before_forward:
+                await self._run_blocking(self.gate.before_forward, tuple(batch))
         partitions: dict[str, list[Ticket]] = {}
         for ticket in batch:  # one pack per transformer partition; a failure in one never touches the other
             partitions.setdefault(ticket.prepared.partition, []).append(ticket)
@@ -736,6 +858,7 @@ class Engine:
         self.stats.padding_rows += stats.padding_rows
         self.stats.forward_s += seconds
         self._observe("on_step", stats, seconds)
+        self._observe("on_adapter_documents", collections.Counter(t.adapter for t in tickets))
         self._stage("step", seconds)
         for ticket, error in zip(tickets, errors, strict=True):
             if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
@@ -850,11 +973,21 @@ class Engine:
         self._report_queue()
         self._wake.set()
 
+    @contextlib.contextmanager
+    def _awaiting_stage(self):
+        """Around a call to a stage deployment: the watchdog does not count it as this engine's stall."""
+        self._stage_calls += 1
+        try:
+            yield
+        finally:
+            self._stage_calls -= 1
+
     async def _prepare_remote(self, ticket: Ticket) -> RequestState:
         """The conditioner stage prepares it; its host tensors become this pipeline's state on the stage worker."""
         _, shift = self.pipeline.check_prepare(ticket.request, ticket.step_cache, ticket.adapter)  # refuse before
         assert self.remote is not None
-        prepared = await self.remote.prepare(ticket.request, shift)
+        with self._awaiting_stage():
+            prepared = await self.remote.prepare(ticket.request, shift)
         self.stats.handoff_bytes["prepared"] += prepared.nbytes
         logger.info("request %s: %d prepared bytes from the conditioner stage", ticket.id, prepared.nbytes)
         return await self._stages.run(self.pipeline.admit, ticket.request, prepared, ticket.step_cache, ticket.adapter)
@@ -864,7 +997,8 @@ class Engine:
         assert self.remote is not None
         handoff = await self._stages.run(self.pipeline.decode_handoff, ticket.prepared)
         self.stats.handoff_bytes["latents"] += handoff.nbytes
-        media = await self.remote.decode(handoff, ticket.output)
+        with self._awaiting_stage():
+            media = await self.remote.decode(handoff, ticket.output)
         media_bytes = len(media.data) if isinstance(media, EncodedMedia) else payload_bytes(media)
         self.stats.handoff_bytes["media"] += media_bytes
         logger.info(
@@ -963,6 +1097,8 @@ class Engine:
     def _observe(self, method: str, *args: Any) -> None:
         """Report to the observer; a failing observer is logged and never fails a request."""
         if self.observer is None:
+            return
+        if method in OPTIONAL_OBSERVER_METHODS and not hasattr(self.observer, method):
             return
         try:
             getattr(self.observer, method)(*args)

@@ -28,6 +28,7 @@ from benchmarks import (
     run_all,
     serving,
     sp,
+    stages,
     step_cache,
     trace,
 )
@@ -352,3 +353,60 @@ def test_serving_smoke_http_handle_and_in_process_agree(ray_cluster, capsys):
         "HTTP video job: POST, poll, GET content",
     ]
     assert all(path in out for path in paths) and "target HTTP / in-process" in out
+
+
+@pytest.mark.ray
+def test_stages_smoke_serves_one_trace_through_both_apps_and_counts_the_object_store_bytes(
+    ray_cluster, capsys, tmp_path
+):
+    assert stages.main(["--smoke", "--json", str(tmp_path / "stages.json")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "stages.json").read_text())
+    assert result["ok"] and all(c["met"] for c in result["checks"])
+    n = result["sizes"]["requests"]
+    assert n == 4 and len(result["trace"]) == n
+    solo, staged = result["results"]
+    assert (solo["app"], staged["app"]) == (stages.SOLO, stages.STAGED)
+    for row in (solo, staged):
+        assert row["requests"] == n and len(row["latency_by_request"]) == n  # every request got its MP4
+        assert 0 < row["duty_cycle"] <= 1 and row["forwards"] > 0
+        assert row["latency"]["p50"] <= row["latency"]["p99"] and row["throughput_rps"] > 0
+        assert row["bytes_per_request"]["mp4 to caller"] > 0
+    assert solo["handoff_bytes"] == {}  # one replica: nothing crosses between stages
+    per_request = staged["bytes_per_request"]
+    assert per_request["prepared"] > per_request["latents"] > 0 and per_request["media"] > 0
+    # the staged denoiser's rank 0 holds the transformer alone: fewer parameters than solo's, which has all
+    assert 0 < staged["rank0_parameters"] < solo["rank0_parameters"]
+    # what the staged replica counted through the object store = the same requests prepared in the driver
+    expected = result["expected_prepared_bytes"]
+    assert staged["handoff_bytes"]["prepared"] == sum(
+        v for e in expected for k, v in e.items() if k != "handoff latents"
+    )
+    assert staged["handoff_bytes"]["latents"] == sum(e["handoff latents"] for e in expected)
+    assert sum(result["stage_reports"]["conditioner"]["calls"].values()) == n + 1  # each request and the warm-up
+    assert sum(result["stage_reports"]["decoder"]["calls"].values()) == n
+    for words in ("denoiser duty", "prepared B/req", "row_timestep_plan", "1344x768x345, 50 steps"):
+        assert words in out
+
+
+def test_stages_released_bytes_follow_the_model_geometry():
+    short, long = stages.released_bytes()
+    # 345 frames -> 5 * 20 + 2 latent frames; 16x spatial and a (1, 2, 2) patch -> 24 x 42 rows per latent frame;
+    # 24 channels x 4 per row, float32
+    video_rows = (5 * 20 + 2) * (768 // 32) * (1344 // 32)
+    assert long["latents"] == video_rows * 24 * 4 * 4
+    assert long["video_indices"] == video_rows * 8  # int64
+    rows = long["position_ids"] // (3 * 8)  # [rows, 3] float64: every row of the document
+    assert rows > video_rows + stages.RELEASED_TEXT_TOKENS
+    # one row -> timestep index (int64) per step of 50 (49 intervals) and a few distinct timesteps each
+    assert 49 * rows * 8 < long["row_timestep_plan"] <= 49 * (rows * 8 + 4 * 4)
+    assert long["prompt_embeds"] == stages.RELEASED_TEXT_TOKENS * 5120 * 2  # bf16
+    assert long["handoff latents"] == long["latents"] + long["audio_latents"]
+    assert long["prepared"] == sum(v for k, v in long.items() if k not in ("request", "prepared", "handoff latents"))
+    assert short["latents"] * 102 == long["latents"] * (5 * 7 + 2)  # 124 frames: 37 latent frames
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_stages_gpu_mode_refuses_at_once_without_cuda(capsys):
+    assert stages.main(["--gpu", "--checkpoint", str(REPO), "--rate", "0.1"]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().out

@@ -23,6 +23,8 @@ from replicas import (
     Engine,
     EngineDraining,
     EngineLimits,
+    StepBoundary,
+    StepGate,
     WorkerGroup,
 )
 from replicas.scheduler import Budget, RequestView, rank, schedule
@@ -419,3 +421,91 @@ def test_a_higher_priority_request_takes_the_prepared_room_of_a_lower_one_that_n
     assert engine.stats.preemptions == 1  # high paused low; ready never ran before low finished
     assert (low.prepares, ready.prepares, high.prepares) == (1, 2, 1)
     assert [t.forwards for t in (low, ready, high)] == [39, 2, 2]
+
+
+# --- the step gate: a public rule over which prepared requests may join a step -----------------------
+
+
+class HoldBack(StepGate):
+    """Lets ``held`` in only when no other request is prepared or waiting; records every batch and its thread."""
+
+    def __init__(self, held: str):
+        self.held = held
+        self.batches: list[list[str]] = []
+        self.threads: set[str] = set()
+        self.held_everything = 0  # boundaries at which it let no prepared request in
+
+    def candidates(self, boundary: StepBoundary):
+        others = [t for t in (*boundary.prepared, *boundary.waiting) if t.id != self.held]
+        allowed = [t for t in boundary.prepared if t.id != self.held or not others]
+        self.held_everything += bool(boundary.prepared) and not allowed
+        return allowed
+
+    def before_forward(self, batch):
+        self.batches.append([t.id for t in batch])
+        self.threads.add(threading.current_thread().name)
+
+
+def test_a_request_the_gate_refuses_waits_prepared_and_runs_after_the_others_with_nothing_lost(solo):
+    requests = {name: request(name, 3, seed=seed) for seed, name in enumerate(("held", "a", "b"), 1)}
+    alone = {name: solo.pipeline.generate(r) for name, r in requests.items()}
+    gate = HoldBack("held")
+
+    async def scenario():
+        engine = Engine(solo, EngineLimits(max_active=4), gate=gate)  # fcfs: without the gate "held" runs first
+        tickets = [engine.submit(r, request_id=name) for name, r in requests.items()]
+        order = finish_order(tickets)
+        results = await asyncio.wait_for(asyncio.gather(*(t.future for t in tickets)), timeout=300)
+        return engine, tickets, order, dict(zip(requests, results, strict=True))
+
+    engine, tickets, order, results = asyncio.run(scenario())
+    assert order[-1] == "held" and engine.stats.completed == 3 and engine.queue_depth == (0, 0)
+    assert gate.held_everything >= 1  # "held" was prepared first, alone: the loop slept until "a" was prepared
+    with_held = [i for i, batch in enumerate(gate.batches) if "held" in batch]
+    assert all(gate.batches[i] == ["held"] for i in with_held)  # never beside a request still running
+    assert min(with_held) > max(i for i, batch in enumerate(gate.batches) if "held" not in batch)
+    assert [t.forwards for t in tickets] == [2, 2, 2] and engine.stats.preemptions == 0
+    assert len(gate.threads) == 1 and next(iter(gate.threads)).startswith("h3-engine")  # the model thread
+    for name, media in results.items():
+        assert_same_media(media, alone[name])
+
+
+class PauseFor(StepGate):
+    """Leaves ``paused`` out while ``first`` is prepared or waiting."""
+
+    def __init__(self, paused: str, first: str):
+        self.paused, self.first = paused, first
+        self.batches: list[list[str]] = []
+
+    def candidates(self, boundary: StepBoundary):
+        first_pending = any(t.id == self.first for t in (*boundary.prepared, *boundary.waiting))
+        return [t for t in boundary.prepared if t.id != self.paused or not first_pending]
+
+    def before_forward(self, batch):
+        self.batches.append([t.id for t in batch])
+
+
+def test_a_running_request_the_gate_leaves_out_pauses_and_resumes_with_the_same_output(solo):
+    limits = EngineLimits(max_active=4)
+    long_request, short_request = request("long", 12, seed=3), request("short", 3, seed=4)
+    long_alone, _ = run_alone(solo, long_request, limits)
+
+    async def scenario():
+        recorder = Recorder()
+        engine = Engine(solo, limits, recorder, gate=gate)
+        long = engine.submit(long_request, request_id="long")
+        await long.changed.wait()  # one step done
+        short = engine.submit(short_request, request_id="short")
+        long_media, _ = await asyncio.wait_for(asyncio.gather(long.future, short.future), timeout=300)
+        return engine, recorder, long, long_media
+
+    gate = PauseFor("long", "short")
+    engine, recorder, long, long_media = asyncio.run(scenario())
+    assert gate.batches.count(["short"]) == short_request.num_inference_steps - 1  # "short" ran alone
+    short_steps = [i for i, batch in enumerate(gate.batches) if batch == ["short"]]
+    long_steps = [i for i, batch in enumerate(gate.batches) if batch == ["long"]]
+    assert len(long_steps) + len(short_steps) == len(gate.batches)  # never together
+    assert min(long_steps) < min(short_steps) and max(short_steps) < max(long_steps)  # paused part-way, resumed
+    assert long.forwards == long_request.num_inference_steps - 1  # every step exactly once, across the pause
+    assert engine.stats.preemptions == 1 and recorder.preempted == [1]
+    assert_identical(long_media, long_alone)  # alone in every pack, paused or not: the same bits

@@ -27,6 +27,8 @@ from pipelines.h3.lora import (
     LoraSpecs,
     adapting,
     check_request_steps,
+    linear_kinds,
+    load_partitions,
     pack_slots,
 )
 from pipelines.h3.packing import pack_documents
@@ -34,23 +36,8 @@ from pipelines.h3.request import RequestError
 from tests.test_h3_forward import CONFIG, DOCUMENTS, diffusers_forward, document
 
 ATOL = 1e-5  # fp32; packed GEMMs round differently from one document's (see test_h3_forward)
-EVERY_LAYER = [  # every nn.Linear kind of the transformer: all five row streams, the timestep path included
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "adaln_proj.linear",
-    "proj_in",
-    "audio_proj_in",
-    "context_embedder",
-    "time_embedder.linear_1",
-    "time_embedder.linear_2",
-    "norm_out.linear",
-    "proj_out",
-    "audio_proj_out",
-]
+with torch.device("meta"):  # every nn.Linear kind of the transformer: all five row streams, the timestep path too
+    EVERY_LAYER = linear_kinds(MiniMaxH3Transformer3DModel(**CONFIG))
 # name -> (peft config, scale): mixed ranks with a rank pattern, alpha != rank, a scale != 1
 ADAPTERS = {
     "turbo": (
@@ -131,6 +118,17 @@ def run(served, docs, document_slots, adapters_by_slot, row_multiple=1):
     pack = pack_documents(docs, row_multiple=row_multiple)
     with adapting(served, adapters_by_slot, pack_slots(pack, document_slots)):
         return pack.split(*packed_forward(served, pack))
+
+
+def test_every_linear_kind_targets_every_linear_layer_and_nothing_else(base, adapters):
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    linears = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    config = LoraConfig(r=4, target_modules=EVERY_LAYER)
+    targeted = {n for n, _ in base.named_modules() if check_target_module_exists(config, n)}
+    assert targeted == linears == set(adapters["turbo"].layers)  # the turbo adapter, written by peft, holds them all
+    # one kind per repeated layer: the 4 blocks' and 2 refiner blocks' attention and FFN share theirs
+    assert len(EVERY_LAYER) == len(set(EVERY_LAYER)) < len(linears) and "attn.to_q" in EVERY_LAYER
 
 
 def test_adapters_read_ranks_and_alphas_from_their_own_files(adapters):
@@ -432,3 +430,75 @@ def test_a_few_step_adapter_runs_its_own_steps_and_refuses_others():
     assert check_request_steps("style", LoraSpec(path="x"), 30) == 30  # an adapter without steps takes any
     with pytest.raises(RequestError, match="declares no steps"):
         check_request_steps("style", LoraSpec(path="x"), None)
+
+
+# ----------------------------------------------------------------------------- an adapter for transformer_ref only
+
+
+@pytest.fixture(scope="module")
+def ref_base():
+    """A stand-in for the checkpoint's Ref2VA partition: the same layout, its own weights."""
+    torch.manual_seed(1)
+    return MiniMaxH3Transformer3DModel(**CONFIG).eval()
+
+
+def test_a_transformer_ref_only_adapter_adapts_that_partition_alone_as_diffusers_does(base, served, ref_base, tmp_path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=EVERY_LAYER)  # every layer, the timestep path included
+    directory = tmp_path / "ref-only"
+    MiniMaxH3ModularPipeline.save_lora_weights(
+        directory,
+        transformer_ref_lora_layers=lora_state_dict(ref_base, config, seed=7),
+        transformer_ref_lora_adapter_metadata=config.to_dict(),
+    )
+    spec = LoraSpec(path=directory, scale=0.6)
+    served_ref = copy.deepcopy(ref_base)
+    install(served_ref, get_backend("torch_sdpa").make_impl())
+
+    adapters = load_partitions("ref-only", spec, {"transformer": served, "transformer_ref": served_ref})
+    assert adapters["transformer"].layers == {}  # the file names transformer_ref alone: transformer stays the base
+    linears = {n for n, m in ref_base.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(adapters["transformer_ref"].layers) == linears
+    with pytest.raises(LoraError, match=r"does not serve \(it serves 'transformer'\): transformer_ref\.") as e:
+        load_partitions("ref-only", spec, {"transformer": served})  # a checkpoint without the Ref2VA partition
+    assert "adapter 'ref-only'" in str(e.value)
+
+    # diffusers alone: load_lora_weights routes the file into transformer_ref, fuse_lora fuses it there
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(transformer=copy.deepcopy(base), transformer_ref=copy.deepcopy(ref_base))
+    pipe.load_lora_weights(directory, adapter_name="ref-only")
+    pipe.fuse_lora(components=["transformer_ref"], lora_scale=spec.scale)
+
+    docs = [document(**s) for s in DOCUMENTS]
+    slots = [1, 0, 1]
+    outputs = run(served_ref, docs, slots, {1: adapters["transformer_ref"]})
+    for doc, slot, (video, audio) in zip(docs, slots, outputs, strict=True):
+        expected_video, expected_audio = diffusers_forward(pipe.transformer_ref if slot else ref_base, doc)
+        torch.testing.assert_close(video, expected_video, atol=ATOL, rtol=0)
+        torch.testing.assert_close(audio, expected_audio, atol=ATOL, rtol=0)
+        if slot:  # the adapter really changes this document's output, far beyond the tolerance
+            base_video, _ = diffusers_forward(ref_base, doc)
+            assert (video - base_video).abs().max() > 1e-2
+    # on transformer, diffusers left the weights alone, and h3serve's empty adapter adds nothing: the same bits
+    doc = docs[0]
+    torch.testing.assert_close(diffusers_forward(pipe.transformer, doc), diffusers_forward(base, doc), atol=0, rtol=0)
+    ((on_adapter, _),), ((on_base, _),) = (
+        run(served, [doc], [1], {1: adapters["transformer"]}),
+        run(served, [doc], [0], {}),
+    )
+    assert torch.equal(on_adapter, on_base)
+
+
+def test_a_file_for_both_partitions_adapts_each_with_its_own_keys(served, good_state_dict, tmp_path):
+    ref_state_dict = {k: -v for k, v in good_state_dict.items()}
+    MiniMaxH3ModularPipeline.save_lora_weights(
+        tmp_path / "both", transformer_lora_layers=good_state_dict, transformer_ref_lora_layers=ref_state_dict
+    )
+    spec = LoraSpec(path=tmp_path / "both")
+    adapters = load_partitions("both", spec, {"transformer": served, "transformer_ref": served})
+    main, ref = adapters["transformer"].layers, adapters["transformer_ref"].layers
+    assert set(main) == set(ref) and main
+    for module in main:
+        assert torch.equal(ref[module].up, -main[module].up) and torch.equal(ref[module].down, -main[module].down)
+    # one partition's view (LoraAdapter.load) still refuses the other's keys
+    with pytest.raises(LoraError, match=r"keys outside the 'transformer' partition: transformer_ref\."):
+        LoraAdapter.load("both", spec, served)

@@ -13,6 +13,7 @@ from tests.harness import (
     error_of,
     free_port,
     requests_counted,
+    scrape,
     wait_for,
     write_config,
 )
@@ -49,6 +50,14 @@ def generations_counted(server, model: str) -> float:
     return requests_counted(server.metrics_port, route="/v1/images/generations", status="200", model=model)
 
 
+def adapter_documents(server) -> dict[str, float]:
+    """ray_h3serve_adapter_document_steps_total by adapter ("" for the base model), summed over replicas."""
+    counted: dict[str, float] = {}
+    for sample in scrape(server.metrics_port).get("ray_h3serve_adapter_document_steps_total", []):
+        counted[sample.labels["adapter"]] = counted.get(sample.labels["adapter"], 0.0) + sample.value
+    return counted
+
+
 def test_adapters_are_model_ids_and_a_request_picks_one(server):
     with client(server.url) as http:
         models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
@@ -81,6 +90,7 @@ def test_adapters_are_model_ids_and_a_request_picks_one(server):
 
         # 200s only: the refused requests above are counted too (status 400), and Ray's export may add them late
         before = {m: generations_counted(server, m) for m in ids}
+        documents_before = adapter_documents(server)
         generated(f"{BASE_ID}:turbo")  # its own 3 steps, though the deployment's default is 50
         generated(f"{BASE_ID}:style", num_inference_steps=3)
         generated(BASE_ID, num_inference_steps=3)
@@ -97,3 +107,19 @@ def test_adapters_are_model_ids_and_a_request_picks_one(server):
     time.sleep(3)
     after = {m: generations_counted(server, m) for m in ids}
     assert {m: after[m] - before[m] for m in ids} == dict.fromkeys(ids, 1)
+
+    # the engine's own view, by adapter name: the adapters the replica serves, and one document per request in each
+    # of its packed forwards (3 steps: 2 model evaluations); turbo ran an image and a video
+    expected = {"": 2.0, "turbo": 4.0, "style": 2.0}
+
+    def documented():
+        now = adapter_documents(server)
+        delta = {a: now.get(a, 0.0) - documents_before.get(a, 0.0) for a in expected}
+        return delta if all(delta[a] >= expected[a] for a in expected) else None
+
+    wait_for(documented, timeout=60, what="documents per adapter")
+    time.sleep(3)
+    documents = adapter_documents(server)
+    assert {a: documents.get(a, 0.0) - documents_before.get(a, 0.0) for a in expected} == expected
+    served = {s.labels["adapter"]: s.value for s in scrape(server.metrics_port).get("ray_h3serve_lora_adapters", [])}
+    assert served == {"turbo": 1.0, "style": 1.0}

@@ -5,6 +5,7 @@ adapter is diffusers' ``load_lora_weights`` + ``fuse_lora`` on a copy of the bas
 """
 
 import asyncio
+import collections
 import copy
 
 import pytest
@@ -18,6 +19,7 @@ from pipelines.h3.attention_processor import install
 from pipelines.h3.lora import LoraSpec, LoraSpecs
 from pipelines.h3.step_cache import StepCachePolicy
 from replicas import Engine, EngineLimits, WorkerGroup
+from tests.test_engine_faults import assert_same_media
 from tests.test_lora import ADAPTERS, fused_reference, lora_state_dict, save
 from tests.test_replicas import RESOLUTION, spec
 
@@ -141,13 +143,22 @@ def test_adapters_inside_a_step_cache_sub_pack_stay_on_their_documents_rows(adap
 
 
 class MaxPack:
-    """An EngineObserver keeping the largest pack the engine stepped."""
+    """An EngineObserver keeping the largest pack the engine stepped, the adapters it serves and the documents
+    of every forward by adapter (deploy's EngineMetrics exports the last two)."""
 
     def __init__(self):
         self.requests = 0
+        self.served: tuple[str, ...] | None = None
+        self.documents: collections.Counter[str | None] = collections.Counter()
 
     def on_step(self, stats, seconds):
         self.requests = max(self.requests, stats.requests)
+
+    def on_adapters(self, served):
+        self.served = tuple(served)
+
+    def on_adapter_documents(self, documents):
+        self.documents.update(documents)
 
     def __getattr__(self, name):  # the other reports are not needed here
         return lambda *args: None
@@ -164,11 +175,14 @@ def test_a_pack_of_base_and_two_adapters_in_the_engine_gives_each_request_its_ow
         tickets = [engine.submit(r, adapter=a) for r, a in batch]
         await asyncio.gather(*(t.future for t in tickets))
         await engine.close()
-        return [t.prepared for t in tickets], observer.requests
+        return [t.prepared for t in tickets], observer
 
     try:
-        together, widest = asyncio.run(serve(list(zip(requests, adapters, strict=True))))
-        assert widest == 3  # all three shared at least one packed forward
+        together, observer = asyncio.run(serve(list(zip(requests, adapters, strict=True))))
+        assert observer.requests == 3  # all three shared at least one packed forward
+        assert observer.served == ("turbo", "style")  # the deployment's adapters, in declaration order
+        # one document per request in each of its forwards, by adapter (None: the base model)
+        assert observer.documents == {None: STEPS - 1, "style": STEPS - 1, "turbo": TURBO_STEPS - 1}
         assert together[2].steps == TURBO_STEPS - 1  # model evaluations of a 4-point grid
         for pair, packed in zip(zip(requests, adapters, strict=True), together, strict=True):
             (alone,), _ = asyncio.run(serve([pair]))
@@ -185,6 +199,28 @@ def test_a_pack_of_base_and_two_adapters_in_the_engine_gives_each_request_its_ow
     (expected,) = run_together(reference, [requests[1]], [None])
     assert_same_latents(together[1], expected)
     assert (expected.video_rows - plain.video_rows).abs().max() > 1e-2  # the adapter's effect dwarfs the tolerance
+
+
+def test_warm_up_runs_a_forward_through_each_adapter_and_leaves_the_requests_alone(tiny_checkpoint, loras):
+    group = WorkerGroup.create(spec(1, tiny_checkpoint).model_copy(update={"loras": loras}))
+    request = clip("after warm-up", 5, steps=None)  # turbo's own 4 steps
+
+    async def scenario():
+        engine = Engine(group, EngineLimits())
+        engine.warm_up()
+        seeded = engine.expected_step_s
+        media = await engine.generate(request, adapter="turbo")
+        await engine.close()
+        return engine, seeded, media
+
+    try:
+        engine, seeded, media = asyncio.run(scenario())
+        alone = group.pipeline.generate(request, adapter="turbo")
+    finally:
+        group.shutdown()
+    assert list(engine.warmup_s) == [None, "turbo", "style"] and all(s > 0 for s in engine.warmup_s.values())
+    assert seeded == engine.warmup_s[None]  # the watchdog is seeded by the base forward
+    assert_same_media(media, alone)
 
 
 def test_a_replica_refuses_an_adapter_that_does_not_fit(tiny_checkpoint, tmp_path):
@@ -305,3 +341,38 @@ def test_the_packs_slots_follow_each_ranks_rows_under_ulysses(adapted, tiny_chec
     video, audio = torch.load(out_file)
     torch.testing.assert_close(video, expected_video, atol=ATOL, rtol=0)
     torch.testing.assert_close(audio, expected_audio, atol=ATOL, rtol=0)
+
+
+def test_a_transformer_ref_only_adapter_is_admitted_and_refuses_requests_of_the_other_partition(tmp_path):
+    """A file naming transformer_ref alone (diffusers' ``transformer_ref_lora_layers``) adapts that partition and
+    leaves ``transformer`` the base model: admitted, served in its slot, and a T2VA request on it is refused."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.modular_pipelines import MiniMaxH3ModularPipeline
+
+    from pipelines.h3.checkpoint import write_tiny_checkpoint
+    from pipelines.h3.lora import LoraError, check_adapters
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "with-ref", with_ref=True)
+    ref = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint / "transformer_ref").eval()
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q", "ff.net.2"])
+    directory = tmp_path / "ref-style"
+    MiniMaxH3ModularPipeline.save_lora_weights(
+        directory, transformer_ref_lora_layers=lora_state_dict(ref, config, seed=3)
+    )
+    loras = LoraSpecs(loras={"ref-style": LoraSpec(path=directory)})
+    layers = sum(name.endswith(("attn.to_q", "ff.net.2")) for name, _ in ref.named_modules())
+
+    configs = {
+        p: dict(MiniMaxH3Transformer3DModel.load_config(checkpoint / p)) for p in ("transformer", "transformer_ref")
+    }
+    assert check_adapters(loras, configs)["ref-style"].layers == layers  # transformer_ref's alone
+    with pytest.raises(LoraError, match=r"does not serve \(it serves 'transformer'\)"):
+        check_adapters(loras, {"transformer": configs["transformer"]})
+
+    pipeline = H3Pipeline.load(checkpoint, "torch_sdpa", loras=loras)
+    adapters = pipeline.denoiser.adapters
+    assert adapters["transformer"][1].layers == {} and len(adapters["transformer_ref"][1].layers) == layers
+    request = pipeline.with_adapter(clip("a kite", 1, steps=3), "ref-style")
+    with pytest.raises(RequestError, match=r"adapts only the 'transformer_ref' partition; a t2va request") as e:
+        pipeline.prepare(request, None, "ref-style")
+    assert e.value.field == "model"

@@ -21,12 +21,12 @@ from PIL import Image
 from ray import serve
 
 from deploy.args import DeployArgs
-from deploy.errors import root_cause
-from deploy.replica import SERVE_CONTROLLER, ServeStages
+from deploy.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
+from deploy.replica import SERVE_CONTROLLER, STAGE_ATTEMPTS, ServeStages
 from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, RequestError
 from pipelines.h3.pipeline import StagesElsewhere
 from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
-from tests.harness import ServeProcess, default_config, free_port, write_config
+from tests.harness import ServeProcess, default_config, free_port, scrape, wait_for, write_config
 from tests.test_engine_faults import assert_same_media
 from tests.test_replicas import RESOLUTION, spec
 
@@ -53,7 +53,10 @@ def two_apps_config() -> dict:
         return new
 
     stages = {"conditioner": {"ray_actor_options": SMALL}, "decoder": {"ray_actor_options": SMALL}}
-    base["applications"] = [app(SOLO, {}, 1), app(STAGED, {"stages": stages}, 2)]
+    # one request per staged pack: concurrent requests then make exactly what each makes alone (co-batching would
+    # round fp32 GEMMs differently), so a run with a stage replica killed compares bit for bit with the solo app
+    one_per_pack = dict(template["args"]["engine"], max_active=1)
+    base["applications"] = [app(SOLO, {}, 1), app(STAGED, {"stages": stages, "engine": one_per_pack}, 2)]
     return base
 
 
@@ -320,6 +323,48 @@ def test_a_request_whose_decode_fails_at_the_decoder_stage_fails_alone(server, t
     print(f"hand-off bytes of three tiny requests: {dict(engine.stats.handoff_bytes)}")
 
 
+class LoadingStages(ServeStages):
+    """The real stage deployments, the conditioner answering only after ``delay_s`` (as a replacement replica that
+    is still loading Qwen3-VL would)."""
+
+    def __init__(self, *args, delay_s: float):
+        super().__init__(*args)
+        self.delay_s = delay_s
+
+    async def prepare(self, request, shift):
+        await asyncio.sleep(self.delay_s)
+        return await super().prepare(request, shift)
+
+
+def test_waiting_on_a_stage_is_not_a_stall_of_the_denoiser(server, tiny_checkpoint):
+    group = WorkerGroup.create(staged_spec(1, tiny_checkpoint))
+    stall_min_s = 0.5
+    try:
+
+        async def scenario():
+            stages = LoadingStages(
+                serve.get_deployment_handle("H3Conditioner", app_name=STAGED),
+                serve.get_deployment_handle("H3Decoder", app_name=STAGED),
+                "test-engine",
+                delay_s=8 * stall_min_s,
+            )
+            engine = Engine(group, EngineLimits(max_active=2, stall_min_s=stall_min_s), remote=stages)
+            ticket = engine.submit(GenerationRequest(prompt="a clip", num_inference_steps=2, seed=1), request_id="r")
+            healthy_while_waiting = 0
+            while not ticket.future.done():
+                await asyncio.sleep(stall_min_s)
+                if engine.stats.completed == 0 and engine._stage_calls:  # only the stage works, past the window
+                    engine.check_health()  # EngineStalled here would fail the test
+                    healthy_while_waiting += 1
+            return await ticket.future, healthy_while_waiting
+
+        media, healthy_while_waiting = asyncio.run(scenario())
+    finally:
+        group.shutdown()
+    assert healthy_while_waiting >= 4  # checked well past the stall window while the conditioner was "loading"
+    assert media.frames.shape[0] > 0
+
+
 def test_a_bad_keyframe_is_the_same_request_error_from_the_conditioner_stage(server):
     bad = GenerationRequest(prompt="a sunrise", num_inference_steps=3, first_frame=b"not an image")
     failures_before = stage_report("conditioner")["failures"]
@@ -332,3 +377,169 @@ def test_a_bad_keyframe_is_the_same_request_error_from_the_conditioner_stage(ser
     assert [c.field for c in causes] == ["first_frame", "first_frame"]  # an HTTP 400 naming first_frame
     assert all(str(c).startswith("first_frame is not a decodable image") for c in causes), causes
     assert stage_report("conditioner")["failures"] == failures_before + 1  # it failed there, not in the denoiser
+
+
+# -- a stage replica that dies: its calls are made again, no request fails ------------------------------------------
+def dying_stage(ledger, deaths: int):
+    """A real Ray actor in the place of a stage deployment's handle (same methods): its process exits in the middle
+    of its first ``deaths`` calls (counted in ``ledger``, a file: a restarted actor starts afresh), and after them
+    it answers each call with what it was sent. ``flaw`` makes it raise the stage's own RequestError instead."""
+
+    class DyingStage:  # defined here so that Ray ships it by value (its worker needs no tests package)
+        def __init__(self, ledger: str, deaths: int, flaw: bool):
+            self.ledger, self.deaths, self.flaw = ledger, deaths, flaw
+
+        def _call(self, role: str, args: tuple) -> tuple:
+            import os
+
+            with open(self.ledger, "a+") as ledger:
+                ledger.seek(0)
+                died = len(ledger.readlines())
+                if died < self.deaths:
+                    ledger.write(f"{role}\n")
+                    ledger.flush()
+                    os._exit(1)  # the worker process dies under the call, as a killed replica does
+            if self.flaw:
+                from pipelines.h3 import RequestError
+
+                raise RequestError("first_frame", "first_frame is not a decodable image")
+            return (role, *args)
+
+        def prepare(self, request, shift, caller):
+            return self._call("conditioner", (request, shift, caller))
+
+        def decode(self, handoff, output, caller):
+            return self._call("decoder", (handoff, output, caller))
+
+    return ray.remote(num_cpus=0.05, max_restarts=-1, max_task_retries=0)(DyingStage)
+
+
+def test_a_stage_call_whose_replica_dies_is_made_again_with_the_same_arguments(ray_cluster, tmp_path):
+    import torch
+
+    latents = torch.arange(24, dtype=torch.float32, device="cpu").reshape(4, 6)  # [rows, channels] finished rows
+    request = REQUESTS["t2va"]
+    for role, died in (("decoder", STAGE_ATTEMPTS - 1), ("conditioner", 1)):
+        ledger = tmp_path / f"{role}.deaths"
+        stage = dying_stage(ledger, died).remote(str(ledger), died, False)
+        stages = ServeStages(stage, stage, "denoiser-1")
+        if role == "decoder":
+            got = asyncio.run(stages.decode(latents, "mp4"))  # type: ignore[arg-type]  # the stand-in echoes it
+            assert got[0] == "decoder" and torch.equal(got[1], latents) and got[2:] == ("mp4", "denoiser-1")
+        else:
+            got = asyncio.run(stages.prepare(request, 3.0))
+            assert got == ("conditioner", request, 3.0, "denoiser-1")
+        assert ledger.read_text().splitlines() == [role] * died  # it really died that often, then answered
+        assert stages.retries == {role: died}
+        ray.kill(stage)
+
+
+def test_a_stage_that_keeps_dying_fails_the_request_naming_the_stage_and_its_own_error_is_never_retried(
+    ray_cluster, tmp_path
+):
+    ledger = tmp_path / "always.deaths"
+    stage = dying_stage(ledger, 100).remote(str(ledger), 100, False)
+    stages = ServeStages(stage, stage, "denoiser-1")
+    with pytest.raises(
+        StageUnavailable, match=f"the decoder stage's replica died under this request {STAGE_ATTEMPTS}"
+    ) as unavailable:
+        asyncio.run(stages.decode(b"rows", None))  # type: ignore[arg-type]
+    error = http_error(unavailable.value, "test")  # the client may retry: 503 + Retry-After, not a 500
+    assert (error.status, error.headers) == (503, {"Retry-After": RETRY_AFTER_S})
+    assert ledger.read_text().splitlines() == ["decoder"] * STAGE_ATTEMPTS  # bounded: no call after the last
+    assert stages.retries == {"decoder": STAGE_ATTEMPTS - 1}
+    ray.kill(stage)
+
+    flawed_ledger = tmp_path / "flawed.deaths"
+    flawed = dying_stage(flawed_ledger, 0).remote(str(flawed_ledger), 0, True)
+    stages = ServeStages(flawed, flawed, "denoiser-1")
+    with pytest.raises(RequestError, match="first_frame is not a decodable image") as caught:
+        asyncio.run(stages.prepare(REQUESTS["t2va"], None))
+    assert caught.value.field == "first_frame"  # the stage's own error, as if it had run in process
+    assert stages.retries == {}  # a bad request is never made again
+    ray.kill(flawed)
+
+
+STAGE_DEPLOYMENT = {"conditioner": "H3Conditioner", "decoder": "H3Decoder"}
+RETRIES_SERIES = "ray_h3serve_stage_retries_total"
+
+
+@pytest.fixture(scope="module")
+def solo_clips(server) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The kill test's videos made by the one-replica app, one at a time (nothing killed): frames and audio."""
+    return {rid: mp4_frames_and_audio(video_of(SOLO, request, f"solo-{rid}")) for rid, request in KILL_RUN.items()}
+
+
+# default canvas (128x64, 5 s): a decode takes seconds on a CPU, a prepare a fraction of one
+KILL_RUN = {f"kite-{i}": GenerationRequest(prompt=f"a kite {i}", num_inference_steps=3, seed=20 + i) for i in range(4)}
+
+
+def staged_denoisers() -> set[str]:
+    controller = ray.get_actor(*SERVE_CONTROLLER)
+    details = ray.get(controller.get_deployment_details.remote(STAGED, "H3Replica"))
+    return {r.replica_id for r in details.replicas if r.state == "RUNNING"}
+
+
+def stage_retries_scraped(metrics_port: int, role: str) -> float:
+    return sum(s.value for s in scrape(metrics_port).get(RETRIES_SERIES, []) if s.labels.get("stage") == role)
+
+
+def stage_retries_reported(role: str) -> int:
+    views: dict[str, dict] = {}
+    for _ in range(40):  # the router picks one denoiser per call
+        view = replica(STAGED).diagnostics.remote().result(timeout_s=60)
+        views[view["replica"]] = view
+        if len(views) == 2:
+            break
+    assert len(views) == 2, views
+    return sum(view["stage_retries"].get(role, 0) for view in views.values())
+
+
+@pytest.mark.parametrize("role", ["decoder", "conditioner"])
+def test_killing_a_stage_replica_mid_run_loses_no_request(server, ray_cluster, solo_clips, role):
+    """Videos in flight on both denoisers; the stage's one replica is killed while it works on some of them. Every
+    video completes, equal to the solo app's, the denoisers stay up, and the calls it held are made again."""
+    denoisers = staged_denoisers()
+    assert len(denoisers) == 2
+    stage = serve.get_deployment_handle(STAGE_DEPLOYMENT[role], app_name=STAGED)
+    retries_before = stage_retries_reported(role)
+    scraped_before = stage_retries_scraped(ray_cluster.metrics_port, role)
+
+    async def run() -> tuple[dict[str, bytes], dict]:
+        async def video(request_id: str, request: GenerationRequest) -> bytes:
+            stream = replica(STAGED).options(stream=True).generate_video.remote(request, f"{role}-{request_id}")
+            return [chunk async for chunk in stream if "mp4" in chunk][-1]["mp4"]
+
+        videos = [asyncio.ensure_future(video(rid, request)) for rid, request in KILL_RUN.items()]
+        while True:  # kill it while it works on a call (report() is answered during its work)
+            report = await stage.report.remote()
+            if report["ongoing"] > 0:
+                break
+            assert not all(v.done() for v in videos), "every video finished before the stage was seen at work"
+            await asyncio.sleep(0.01)
+        controller = ray.get_actor(*SERVE_CONTROLLER)
+        details = await controller.get_deployment_details.remote(STAGED, STAGE_DEPLOYMENT[role])
+        [victim] = [r for r in details.replicas if r.replica_id == report["replica_id"]]
+        ray.kill(ray.get_actor(victim.actor_name, namespace="serve"), no_restart=True)
+        done = await asyncio.wait_for(asyncio.gather(*videos), timeout=600)
+        return dict(zip(KILL_RUN, done, strict=True)), report
+
+    clips, killed = asyncio.run(run())
+    for request_id, mp4 in clips.items():  # every request completed, exactly as the unkilled one-replica run
+        frames, audio = mp4_frames_and_audio(mp4)
+        np.testing.assert_array_equal(frames, solo_clips[request_id][0])
+        np.testing.assert_array_equal(audio, solo_clips[request_id][1])
+    assert staged_denoisers() == denoisers  # no denoiser failed or was replaced
+    replacement = stage.report.remote().result(timeout_s=120)
+    assert replacement["replica_id"] != killed["replica_id"]  # Serve replaced the killed replica
+    # the calls the killed replica held were made again: each counted once by its denoiser, and the replacement
+    # served them (with every call that came after the kill)
+    retried = stage_retries_reported(role) - retries_before
+    assert 1 <= retried <= len(KILL_RUN) * (STAGE_ATTEMPTS - 1), (retried, killed)
+    assert set(replacement["calls"]) <= denoisers and sum(replacement["calls"].values()) >= retried, replacement
+    wait_for(
+        lambda: stage_retries_scraped(ray_cluster.metrics_port, role) - scraped_before == retried,
+        timeout=60,
+        interval=0.5,
+        what=f"{RETRIES_SERIES}{{stage={role!r}}} to count {retried} more",
+    )

@@ -49,6 +49,10 @@ from .packing import Pack
 from .request import RequestError
 
 BASE_SLOT = 0  # rows of documents served by the base model
+LORA_PARTITIONS = (
+    "transformer",
+    "transformer_ref",
+)  # MiniMax-H3's transformer partitions (diffusers' LoRA-loadable ones)
 _LISTED = 5
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _A_SUFFIX, _B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
@@ -156,6 +160,24 @@ def stream_of(module: str) -> str:
     raise LoraError(f"h3serve does not know which rows reach {module!r}, so it cannot adapt it")
 
 
+_REPEATED_PREFIX = re.compile(r"^(?:[^.]+\.)*?\d+\.")  # up to the first index: "transformer_blocks.3."
+
+
+def linear_kinds(model: torch.nn.Module) -> list[str]:
+    """Every kind of ``nn.Linear`` in ``model``, in module order: each name with its repeated-block prefix dropped
+    (``transformer_blocks.3.attn.to_q`` -> ``attn.to_q``; ``token_refiner.refiner_blocks.0.`` likewise).
+
+    As peft's ``target_modules`` (which matches a name or its dotted suffix) they adapt every linear layer, the
+    timestep path and the refiner included, as published few-step adapters do; derived from the model, so a
+    diffusers release that adds a linear layer adds its kind. Works on the meta device.
+    """
+    kinds: dict[str, None] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            kinds[_REPEATED_PREFIX.sub("", name, count=1)] = None
+    return list(kinds)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraLayer:
     """One adapted linear layer: delta(x) = scaling * up(down(x))."""
@@ -192,32 +214,27 @@ class LoraAdapter:
 
         ``partition`` is the transformer partition the adapter is served on; a file's ``transformer.``
         keys go to ``transformer_ref`` when that is the partition and the file names no other, as
-        diffusers' ``load_into_transformer_ref`` routes them.
+        diffusers' ``load_into_transformer_ref`` routes them. Every key must serve this partition (for a
+        deployment of several partitions, where a key may serve another, see ``load_partitions``).
         """
-        from diffusers.loaders import MiniMaxH3LoraLoaderMixin
-
-        validate_lora_name(name)
-        directory = spec.path
-        if not directory.is_dir():
-            raise LoraError(f"adapter {name!r}: {directory} is not a directory")
-        try:
-            state_dict, metadata = MiniMaxH3LoraLoaderMixin.lora_state_dict(
-                str(directory), return_lora_metadata=True, local_files_only=True
-            )
-        except (OSError, ValueError, RuntimeError) as e:
-            raise LoraError(f"adapter {name!r}: {directory} cannot be read as a MiniMax-H3 LoRA: {e}") from None
-        if not state_dict:
-            raise LoraError(f"adapter {name!r}: {directory} holds no LoRA weights")
-
-        prefix = partition
-        if partition == "transformer_ref" and not any(k.startswith("transformer_ref.") for k in state_dict):
-            prefix = "transformer"
-        ours = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+        state_dict, metadata = _read_adapter(name, spec)
+        prefix = _source_prefix(partition, state_dict)
         others = sorted(k for k in state_dict if not k.startswith(f"{prefix}."))
         if others:
-            raise LoraError(_listed(name, directory, f"keys outside the {partition!r} partition", others))
-        config = _lora_config(name, directory, ours, metadata, prefix)
-        layers = _checked_layers(name, directory, ours, config, transformer)
+            raise LoraError(_listed(name, spec.path, f"keys outside the {partition!r} partition", others))
+        return cls._checked(name, spec, partition, state_dict, metadata, transformer)
+
+    @classmethod
+    def _checked(
+        cls, name: str, spec: LoraSpec, partition: str, state_dict: dict[str, torch.Tensor], metadata, transformer
+    ) -> LoraAdapter:
+        """The adapter's layers on ``partition`` (its source prefix's keys; none: an adapter with no layers)."""
+        prefix = _source_prefix(partition, state_dict)
+        ours = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+        if not ours:
+            return cls(name=name, spec=spec, partition=partition, layers={})
+        config = _lora_config(name, spec.path, ours, metadata, prefix)
+        layers = _checked_layers(name, spec.path, ours, config, transformer)
         return cls(name=name, spec=spec, partition=partition, layers=layers)
 
     def placed_for(self, model: torch.nn.Module) -> LoraAdapter:
@@ -242,6 +259,69 @@ class LoraAdapter:
         )
 
 
+def _read_adapter(name: str, spec: LoraSpec) -> tuple[dict[str, torch.Tensor], Any]:
+    """The adapter's state dict (keys ``<partition>.<module>.lora_A/B.weight``) and metadata, read by diffusers'
+    ``MiniMaxH3LoraLoaderMixin.lora_state_dict`` (non-diffusers layouts converted), or LoraError naming it."""
+    from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+    validate_lora_name(name)
+    directory = spec.path
+    if not directory.is_dir():
+        raise LoraError(f"adapter {name!r}: {directory} is not a directory")
+    try:
+        state_dict, metadata = MiniMaxH3LoraLoaderMixin.lora_state_dict(
+            str(directory), return_lora_metadata=True, local_files_only=True
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise LoraError(f"adapter {name!r}: {directory} cannot be read as a MiniMax-H3 LoRA: {e}") from None
+    if not state_dict:
+        raise LoraError(f"adapter {name!r}: {directory} holds no LoRA weights")
+    return state_dict, metadata
+
+
+def _source_prefix(partition: str, state_dict: Mapping[str, torch.Tensor]) -> str:
+    """The key prefix that adapts ``partition``: its own, except that ``transformer_ref`` takes the ``transformer.``
+    keys of a file that names no ``transformer_ref.`` key (diffusers' ``load_into_transformer_ref``)."""
+    if partition == "transformer_ref" and not any(k.startswith("transformer_ref.") for k in state_dict):
+        return "transformer"
+    return partition
+
+
+def load_partitions(name: str, spec: LoraSpec, transformers: Mapping[str, torch.nn.Module]) -> dict[str, LoraAdapter]:
+    """The adapter on each transformer partition of a deployment (``transformers``: partition -> its model).
+
+    Keys are routed as diffusers' ``load_lora_weights`` routes them on a pipeline holding these partitions:
+    ``transformer_ref.`` keys adapt ``transformer_ref`` alone, ``transformer.`` keys adapt ``transformer``, and
+    ``transformer_ref`` too when the file names no ``transformer_ref.`` key (h3serve's rule, as
+    ``load_into_transformer_ref``). A partition the file leaves alone gets an adapter with no layers (a
+    ``transformer_ref``-only adapter leaves ``transformer`` unadapted). Refused by name (LoraError): keys of no
+    MiniMax-H3 partition, ``transformer_ref.`` keys on a checkpoint without that partition, and every key the
+    partitions' own checks refuse (``LoraAdapter.load``).
+    """
+    unknown = sorted(set(transformers) - set(LORA_PARTITIONS))
+    if unknown:
+        raise ValueError(f"unknown transformer partitions {unknown}; MiniMax-H3's are {', '.join(LORA_PARTITIONS)}")
+    state_dict, metadata = _read_adapter(name, spec)
+    stray = sorted(k for k in state_dict if not k.startswith(tuple(f"{p}." for p in LORA_PARTITIONS)))
+    if stray:
+        raise LoraError(_listed(name, spec.path, "keys of no MiniMax-H3 transformer partition", stray))
+    # a key is served when it adapts some served partition (`transformer.` keys adapt transformer_ref where the
+    # file names no transformer_ref key, as diffusers' ref2va pipeline loads them)
+    sources = {_source_prefix(partition, state_dict) for partition in transformers}
+    unserved = sorted(k for k in state_dict if k.split(".", 1)[0] not in sources)
+    if unserved:
+        served = ", ".join(repr(p) for p in transformers)
+        what = f"keys for a partition this checkpoint does not serve (it serves {served})"
+        raise LoraError(_listed(name, spec.path, what, unserved))
+    adapters = {}
+    for partition, model in transformers.items():
+        try:
+            adapters[partition] = LoraAdapter._checked(name, spec, partition, state_dict, metadata, model)
+        except LoraError as e:
+            raise LoraError(f"{e} [checked against the {partition!r} transformer partition]") from None
+    return adapters
+
+
 @dataclasses.dataclass(frozen=True)
 class AdapterFootprint:
     """What one adapter adds to every rank: its adapted layers and its factors' bytes, over every partition."""
@@ -262,19 +342,17 @@ def check_adapters(
 
     from .memory import served_itemsize
 
-    layers: dict[str, int] = dict.fromkeys(loras.loras, 0)
-    nbytes: dict[str, int] = dict.fromkeys(loras.loras, 0)
+    models = {}
     for partition, config in transformer_configs.items():
         with torch.device("meta"):
-            model = MiniMaxH3Transformer3DModel.from_config(config)
-        for name, spec in loras.loras.items():
-            try:
-                adapter = LoraAdapter.load(name, spec, model, partition)
-            except LoraError as e:
-                raise LoraError(f"{e} [checked against the {partition!r} transformer partition]") from None
+            models[partition] = MiniMaxH3Transformer3DModel.from_config(config)
+    layers: dict[str, int] = dict.fromkeys(loras.loras, 0)
+    nbytes: dict[str, int] = dict.fromkeys(loras.loras, 0)
+    for name, spec in loras.loras.items():
+        for partition, adapter in load_partitions(name, spec, models).items():  # the replicas' own routing
             layers[name] += len(adapter.layers)
             nbytes[name] += sum(
-                (layer.down.numel() + layer.up.numel()) * served_itemsize(model, module, dtype)
+                (layer.down.numel() + layer.up.numel()) * served_itemsize(models[partition], module, dtype)
                 for module, layer in adapter.layers.items()
             )
     return {name: AdapterFootprint(layers[name], nbytes[name]) for name in loras.loras}

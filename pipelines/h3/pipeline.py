@@ -39,9 +39,9 @@ from . import checkpoint as ckpt
 from .attention_processor import SequenceParallel, install
 from .config import TransformerGeometry
 from .forward import packed_forward
-from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, asked_steps
+from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, asked_steps, load_partitions
 from .packing import Document, Pack, pack_documents
-from .request import GenerationRequest, ModelRules
+from .request import GenerationRequest, ModelRules, RequestError
 from .stages import DECODE_KEYS, PREPARED_KEYS, H3Stages
 from .step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, skipped_block_rows
 
@@ -116,13 +116,12 @@ class H3Denoiser:
         self.adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in transformers}
 
     def load_adapters(self, loras: LoraSpecs) -> None:
-        """Read every adapter onto every partition (``LoraAdapter.load``: refused by name and key unless it fits)."""
-        adapters: dict[str, dict[int, LoraAdapter]] = {}
-        for partition, model in self.transformers.items():
-            adapters[partition] = {
-                loras.slots[name]: LoraAdapter.load(name, spec, model, partition).placed_for(model)
-                for name, spec in loras.loras.items()
-            }
+        """Read every adapter onto every partition (``load_partitions``: a file's keys routed as diffusers routes
+        them; refused by name and key unless it fits). A partition an adapter leaves alone holds it with no layers."""
+        adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in self.transformers}
+        for name, spec in loras.loras.items():
+            for partition, adapter in load_partitions(name, spec, self.transformers).items():
+                adapters[partition][loras.slots[name]] = adapter.placed_for(self.transformers[partition])
         self.loras, self.adapters = loras, adapters
         if loras.loras:
             logger.info("LoRA adapters served in slots %s", loras.slots)
@@ -657,6 +656,15 @@ class H3Pipeline:
         if step_cache is not None:
             self.check_step_cache(step_cache)
         slot, spec, _ = self.denoiser.loras.resolve(adapter, request.num_inference_steps)  # checked again
+        partition = ckpt.PARTITIONS[request.task]
+        served = self.denoiser.adapters.get(partition, {})
+        if adapter is not None and slot in served and not served[slot].layers:
+            adapted = [p for p, by_slot in self.denoiser.adapters.items() if by_slot[slot].layers]
+            raise RequestError(
+                "model",
+                f"adapter {adapter!r} adapts only the {', '.join(map(repr, adapted))} partition; a {request.task} "
+                f"request runs on {partition!r}, which it leaves as the base model (use the base model id)",
+            )
         return slot, spec.shift if spec is not None and spec.shift is not None else None
 
     @torch.no_grad()
