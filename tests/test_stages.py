@@ -10,8 +10,8 @@ fresh process that built a real WorkerGroup.
 
 import asyncio
 import copy
-import importlib.util
 import io
+from pathlib import Path
 
 import av
 import numpy as np
@@ -23,7 +23,8 @@ from ray import serve
 from deploy.args import DeployArgs
 from deploy.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
 from deploy.replica import SERVE_CONTROLLER, STAGE_ATTEMPTS, ServeStages
-from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, RequestError
+from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, Reference, RequestError
+from pipelines.h3.checkpoint import write_tiny_checkpoint
 from pipelines.h3.pipeline import StagesElsewhere
 from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
 from tests.harness import ServeProcess, default_config, free_port, scrape, wait_for, write_config
@@ -33,14 +34,13 @@ from tests.test_replicas import RESOLUTION, spec
 pytestmark = [pytest.mark.ray]
 SOLO, STAGED = "solo", "staged"
 SMALL = {"num_cpus": 0.2}
-NEEDS_TORCHVISION = "FL2VA/Ref2VA keyframes and references go through Qwen3-VL's vision processor, which needs "
-NEEDS_TORCHVISION += "torchvision (not installed here)"
 
 
-def two_apps_config() -> dict:
+def two_apps_config(checkpoint: Path) -> dict:
+    """Both apps on ``checkpoint``: the tiny preset with a transformer_ref partition, so Ref2VA runs too."""
     base = default_config()
     template = base["applications"][0]
-    template["args"].update(rank_resources={"CPU": 0.2}, limits={"default_steps": 4})
+    template["args"].update(rank_resources={"CPU": 0.2}, limits={"default_steps": 4}, checkpoint=str(checkpoint))
 
     def app(name: str, args: dict, replicas: int) -> dict:
         new = copy.deepcopy(template)
@@ -63,8 +63,10 @@ def two_apps_config() -> dict:
 @pytest.fixture(scope="module")
 def server(ray_cluster, tmp_path_factory):
     port = free_port()
+    # the same tensors as tiny_checkpoint for every component but the added transformer_ref (drawn last)
+    checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("ref-checkpoint"), with_ref=True)
     process = ServeProcess(
-        write_config(tmp_path_factory.mktemp("stages"), two_apps_config(), port), ray_cluster.address, port
+        write_config(tmp_path_factory.mktemp("stages"), two_apps_config(checkpoint), port), ray_cluster.address, port
     )
     try:
         process.wait_serving(apps=2, timeout=300)
@@ -109,6 +111,13 @@ def keyframe_png() -> bytes:
 REQUESTS = {
     "t2va": GenerationRequest(prompt="a red circle moving left", num_inference_steps=4, seed=5),
     "fl2va": GenerationRequest(prompt="a sunrise", num_inference_steps=4, seed=6, first_frame=keyframe_png()),
+    # an image reference goes through Qwen3-VL's image processor, which needs no torchvision (video ones do)
+    "ref2va": GenerationRequest(
+        prompt="the subject walks",
+        num_inference_steps=4,
+        seed=7,
+        references=(Reference(kind="image", data=keyframe_png()),),
+    ),
 }
 
 
@@ -217,29 +226,60 @@ def test_a_replica_refuses_stage_handles_that_do_not_match_its_spec(tiny_checkpo
     assert not hasattr(unbuilt, "group")  # nothing was built
 
 
-def test_every_staged_denoiser_replica_serves_with_the_transformer_alone(server):
+def test_every_staged_denoiser_replica_serves_with_the_transformer_partitions_alone(server):
     solo = replica(SOLO).diagnostics.remote().result(timeout_s=60)
     assert {"transformer", "text_encoder", "vae", "audio_vae"} <= set(solo["rank0_models"])
     for _ in range(4):  # Serve routes each call to either denoiser
         staged = replica(STAGED).diagnostics.remote().result(timeout_s=60)
         assert staged["stages"] is True
-        assert staged["rank0_models"] == {"transformer": solo["rank0_models"]["transformer"]}
+        assert staged["rank0_models"] == {p: solo["rank0_models"][p] for p in ("transformer", "transformer_ref")}
 
 
-@pytest.mark.parametrize("task", ["t2va", "fl2va"])
+# the default canvas; a first frame sets the canvas's aspect (the 64x64 keyframe: square)
+STILL_SHAPES = {"t2va": (64, 128, 3), "fl2va": (64, 64, 3), "ref2va": (64, 128, 3)}
+
+
+@pytest.mark.parametrize("task", ["t2va", "fl2va", "ref2va"])
 def test_the_staged_app_makes_exactly_what_the_one_replica_app_makes(server, task):
-    if task != "t2va" and importlib.util.find_spec("torchvision") is None:
-        pytest.skip(NEEDS_TORCHVISION)
     request = REQUESTS[task]
     images = [
         replica(app).generate_image.remote(request, f"{task}-still").result(timeout_s=300) for app in (SOLO, STAGED)
     ]
     solo_still, staged_still = (png_pixels(png) for png in images)
-    assert solo_still.shape == (64, 128, 3)
+    assert solo_still.shape == STILL_SHAPES[task]
     np.testing.assert_array_equal(staged_still, solo_still)  # bit-identical: same blocks, same weights, fp32 CPU
     solo_clip, staged_clip = (mp4_frames_and_audio(video_of(app, request, f"{task}-clip")) for app in (SOLO, STAGED))
     np.testing.assert_array_equal(staged_clip[0], solo_clip[0])
     np.testing.assert_array_equal(staged_clip[1], solo_clip[1])
+
+
+def test_the_readmes_examples_over_http_from_the_staged_app(server):
+    """The README's openai-client lines against the staged app's route: a clip with sound, and a still that is
+    the one-replica app's pixel for pixel."""
+    import base64
+
+    import openai
+
+    def api(app: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{server.url}/{app}/v1", api_key="unused", max_retries=0)
+
+    staged = api(STAGED)
+    video = staged.videos.create(prompt="a red circle moving left with a high beep")
+    wait_for(
+        lambda: staged.videos.retrieve(video.id).status in ("completed", "failed"),
+        timeout=300,
+        interval=0.5,
+        what="the staged video job",
+    )
+    assert staged.videos.retrieve(video.id).status == "completed"
+    frames, audio = mp4_frames_and_audio(staged.videos.download_content(video.id).read())
+    assert frames.shape == (124, 64, 128, 3) and audio.shape[0] == 2  # the shortest clip, stereo
+
+    def still(app: str) -> np.ndarray:
+        result = api(app).images.generate(prompt="a blue square", response_format="b64_json", extra_body={"seed": 9})
+        return png_pixels(base64.b64decode(result.data[0].b64_json))
+
+    np.testing.assert_array_equal(still(STAGED), still(SOLO))
 
 
 def test_two_denoiser_replicas_share_one_conditioner_and_one_decoder(server):
@@ -265,6 +305,14 @@ def test_two_denoiser_replicas_share_one_conditioner_and_one_decoder(server):
         assert set(after["calls"]) == denoisers, (role, after)  # called by both denoisers, nobody else
         served = sum(after["calls"].values()) - sum(before[role]["calls"].values())
         assert served == sent, (role, after, before[role])
+
+
+def stage_handles():
+    """The staged app's conditioner and decoder deployments' handles, for a ServeStages of a test's own."""
+    return (
+        serve.get_deployment_handle("H3Conditioner", app_name=STAGED),
+        serve.get_deployment_handle("H3Decoder", app_name=STAGED),
+    )
 
 
 class CorruptingStages(ServeStages):
@@ -293,8 +341,7 @@ def test_a_request_whose_decode_fails_at_the_decoder_stage_fails_alone(server, t
 
         async def scenario():
             stages = CorruptingStages(
-                serve.get_deployment_handle("H3Conditioner", app_name=STAGED),
-                serve.get_deployment_handle("H3Decoder", app_name=STAGED),
+                *stage_handles(),
                 "test-engine",
                 poisoned_rows=bad_rows,
             )
@@ -343,8 +390,7 @@ def test_waiting_on_a_stage_is_not_a_stall_of_the_denoiser(server, tiny_checkpoi
 
         async def scenario():
             stages = LoadingStages(
-                serve.get_deployment_handle("H3Conditioner", app_name=STAGED),
-                serve.get_deployment_handle("H3Decoder", app_name=STAGED),
+                *stage_handles(),
                 "test-engine",
                 delay_s=8 * stall_min_s,
             )

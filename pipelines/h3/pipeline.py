@@ -314,11 +314,20 @@ class H3StageModels:
     checkpoint, device and dtype (the same diffusers blocks on the same weights).
     """
 
-    def __init__(self, role: str, stages: H3Stages, schedulers: dict[str, MiniMaxH3Scheduler], device: torch.device):
+    def __init__(
+        self,
+        role: str,
+        stages: H3Stages,
+        schedulers: dict[str, MiniMaxH3Scheduler],
+        device: torch.device,
+        partitions: tuple[str, ...],
+    ):
+        """``partitions``: the checkpoint's transformer partitions, which the denoisers hold (a stage loads none,
+        yet prepares Ref2VA requests for ``transformer_ref``)."""
         self.role, self.stages, self.device = role, stages, device
         self._schedulers = schedulers
         self._preparing = threading.Lock()
-        self.rules: ModelRules = stages.rules()
+        self.rules: ModelRules = stages.rules().model_copy(update={"partitions": partitions})
 
     @classmethod
     def load(
@@ -346,7 +355,7 @@ class H3StageModels:
         if role == "conditioner":  # as H3Pipeline.load: trimmed to the layer H3 reads before it moves
             ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
             components["text_encoder"].to(device)
-        return cls(role, stages, schedulers, torch.device(device))
+        return cls(role, stages, schedulers, torch.device(device), index.partitions())
 
     def held_models(self) -> dict[str, torch.nn.Module]:
         """Every model this stage holds, by component name (the memory plan's stage roles count these)."""
