@@ -49,10 +49,8 @@ from .packing import Pack
 from .request import RequestError
 
 BASE_SLOT = 0  # rows of documents served by the base model
-LORA_PARTITIONS = (
-    "transformer",
-    "transformer_ref",
-)  # MiniMax-H3's transformer partitions (diffusers' LoRA-loadable ones)
+# MiniMax-H3's transformer partitions (diffusers' LoRA-loadable ones)
+LORA_PARTITIONS = ("transformer", "transformer_ref")
 _LISTED = 5
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _A_SUFFIX, _B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
