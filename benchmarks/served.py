@@ -105,6 +105,11 @@ class ServedConfig:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # the command shut Serve down (its controller is gone): forget this driver's cached controller client, or
+        # the next Serve app in this Ray session is looked up through the dead one (ActorDiedError)
+        from ray.serve.context import _disconnect
+
+        _disconnect()
         if self.started_ray:
             ray.shutdown()
         self.log.close()
