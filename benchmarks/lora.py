@@ -14,9 +14,9 @@ attention, rank 8). One seeded trace of ``N`` requests (the size classes of ``be
 stills, a third clips, the rest long; a quarter each on the base model and on each adapter, the turbo ones
 asking no steps, so they run the adapter's) arrives Poisson at 0.8 of the baseline's capacity: the same
 requests all at once through one adapter per batch, requests / makespan (the request-level capacity, each
-class on each model alone, is printed beside it), and is replayed, one mode after the other, through the same engine and pipeline
-(``max_active`` 8, ``max_rows_per_step`` 2048, one policy for all: ``--policy``, default srpt, so the modes
-differ in the adapter rule alone):
+class on each model alone, is printed beside it), and is replayed, one mode after the other, through the same
+engine and pipeline (``max_active`` 8, ``max_rows_per_step`` 2048, one policy for all: ``--policy``, default
+srpt, so the modes differ in the adapter rule alone):
 
   co-batched             h3serve's engine: requests on the base model and on any adapters share packs,
                          each adapter's delta on its own documents' rows (``pipelines.h3.lora.adapting``)

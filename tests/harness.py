@@ -153,6 +153,16 @@ def wait_for(predicate, timeout: float, interval: float = 1.0, what: str = "cond
     raise TimeoutError(f"{what} not met within {timeout}s")
 
 
+def finished_video(api, video_id: str, timeout: float = 180):
+    """The openai client's video job once it has finished (completed or failed), polled every half second."""
+    return wait_for(
+        lambda: (video := api.videos.retrieve(video_id)).status in ("completed", "failed") and video,
+        timeout=timeout,
+        interval=0.5,
+        what=f"video job {video_id}",
+    )
+
+
 def serve_status():
     """``serve.status()``, never through a dead controller's handle: this process caches the controller it
     first reached, and a test that shut Serve down (in any process) leaves that handle pointing nowhere."""

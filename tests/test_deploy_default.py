@@ -22,6 +22,7 @@ from tests.harness import (
     client,
     default_config,
     error_of,
+    finished_video,
     free_port,
     wait_for,
     wait_video,
@@ -131,13 +132,7 @@ def test_video_job_lifecycle_down_to_a_playable_mp4_with_stereo_audio(server):
 def test_openai_client_creates_retrieves_and_downloads_a_video(api, server):
     video = api.videos.create(prompt="a train", seconds="8", size="128x64", extra_body={"num_inference_steps": 2})
     assert (video.status, video.seconds, video.size) == ("queued", "8", "128x64")  # 8 s is 192 = 17 * 11 + 5
-    wait_for(
-        lambda: api.videos.retrieve(video.id).status in ("completed", "failed"),
-        timeout=180,
-        interval=0.5,
-        what="the video job",
-    )
-    assert api.videos.retrieve(video.id).status == "completed"
+    assert finished_video(api, video.id).status == "completed"
     assert_clip(api.videos.download_content(video.id).read(), 192)
     paged = [v.id for v in api.videos.list(limit=1)]  # one per page: the client follows last_id and has_more
     assert video.id in paged and paged == [v.id for v in api.videos.list(limit=100).data]

@@ -27,7 +27,7 @@ from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedS
 from pipelines.h3.checkpoint import write_tiny_checkpoint
 from pipelines.h3.pipeline import StagesElsewhere
 from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
-from tests.harness import ServeProcess, default_config, free_port, scrape, wait_for, write_config
+from tests.harness import ServeProcess, default_config, finished_video, free_port, scrape, wait_for, write_config
 from tests.test_engine_faults import assert_same_media
 from tests.test_replicas import RESOLUTION, spec
 
@@ -265,13 +265,7 @@ def test_the_readmes_examples_over_http_from_the_staged_app(server):
 
     staged = api(STAGED)
     video = staged.videos.create(prompt="a red circle moving left with a high beep")
-    wait_for(
-        lambda: staged.videos.retrieve(video.id).status in ("completed", "failed"),
-        timeout=300,
-        interval=0.5,
-        what="the staged video job",
-    )
-    assert staged.videos.retrieve(video.id).status == "completed"
+    assert finished_video(staged, video.id, timeout=300).status == "completed"
     frames, audio = mp4_frames_and_audio(staged.videos.download_content(video.id).read())
     assert frames.shape == (124, 64, 128, 3) and audio.shape[0] == 2  # the shortest clip, stereo
 
