@@ -99,6 +99,23 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def clip_layout(config: dict, clip: Clip) -> tuple:
+    """diffusers' packed layout of a T2VA clip, on the host: (position_ids, token_tags, video, audio and text
+    indices, conditioning video and audio rows), as ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` returns."""
+    text_tags = torch.full((clip.text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long, device="cpu")
+    return MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        text_tags,
+        video_latent_num_frames(clip.num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK),
+        clip.height // SPATIAL,
+        clip.width // SPATIAL,
+        audio_latent_num_frames(clip.num_frames),
+        tuple(config["patch_size"]),
+        MINIMAX_H3_AUDIO_CHANNELS,
+        MINIMAX_H3_AUDIO_TAG,
+        MINIMAX_H3_VIDEO_TAG,
+    )
+
+
 def clip_document(
     config: dict, clip: Clip, progress: float = 0.5, seed: int = 0, device: str | torch.device = "cpu"
 ) -> Document:
@@ -106,22 +123,7 @@ def clip_document(
 
     On ``device``, as diffusers' layout step leaves it (on the execution device); built on the host.
     """
-    latent_frames = video_latent_num_frames(clip.num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK)
-    audio_latents = audio_latent_num_frames(clip.num_frames)
-    text_tags = torch.full((clip.text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
-    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = (
-        MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_tags,
-            latent_frames,
-            clip.height // SPATIAL,
-            clip.width // SPATIAL,
-            audio_latents,
-            tuple(config["patch_size"]),
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG,
-        )
-    )
+    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = clip_layout(config, clip)
     video_t, audio_t = 1.0 - progress, (1.0 - progress) ** 2  # two schedules: two distinct timesteps
     timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
         video_idx,

@@ -93,38 +93,16 @@ def handoff_bytes(
     its two schedulers (video and audio shifts) for ``steps``; latents float32, prompt embeddings ``embed_dtype``.
     ``config``: the transformer's (patch, channels, text width)."""
     from diffusers import MiniMaxH3Scheduler
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3PrepareLayoutStep,
-        MiniMaxH3SetTimestepsStep,
-    )
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-        MINIMAX_H3_AUDIO_CHANNELS,
-        MINIMAX_H3_AUDIO_TAG,
-        MINIMAX_H3_TEXT_TAG,
-        MINIMAX_H3_VIDEO_TAG,
-        audio_latent_num_frames,
-        video_latent_num_frames,
-    )
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
-    from .h3_shapes import FRAMES_PER_CHUNK, KEYFRAME_NOISE_AUG, LATENTS_PER_CHUNK, SPATIAL
+    from .h3_shapes import KEYFRAME_NOISE_AUG, Clip, clip_layout
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
     patch = tuple(config["patch_size"])
-    text_tags = torch.full((text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long, device="cpu")
-    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = (
-        MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            text_tags,
-            video_latent_num_frames(num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK),
-            height // SPATIAL,
-            width // SPATIAL,
-            audio_latent_num_frames(num_frames),
-            patch,
-            MINIMAX_H3_AUDIO_CHANNELS,
-            MINIMAX_H3_AUDIO_TAG,
-            MINIMAX_H3_VIDEO_TAG,
-        )
+    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = clip_layout(
+        config, Clip(width=width, height=height, num_frames=num_frames, text_tokens=text_tokens)
     )
     video, audio = MiniMaxH3Scheduler(shift=shifts[0]), MiniMaxH3Scheduler(shift=shifts[1])
     video.set_timesteps(steps, device="cpu")
