@@ -20,7 +20,9 @@ Three stages, each a library class trained in place and saved in the released la
    documents runs through h3serve's ``packed_forward`` with gradients. The loss is the one the
    scheduler implies: it steps ``x0 = x_t + (1 - t) v`` with ``x_t = (1 - t) noise + t x0``, so the
    target velocity is ``x0 - noise``; video and audio draw their timesteps from one uniform ``u``
-   through their own shifts (12 and 3), as every inference step pairs them.
+   through their own shifts (12 and 3), as every inference step pairs them. A share of the documents is
+   cut to a window of the clip (``crop_to_window``): a step costs a fraction of a whole clip's, and the
+   prompt is a larger share of what each row attends to, which the model learns to read sooner.
 
 ``--vaes-from CHECKPOINT`` keeps the VAEs of a checkpoint this recipe wrote and trains the transformer alone
 (stage 3), for iterating on it without the VAE stages' ~12 minutes.
@@ -77,7 +79,21 @@ class Recipe:
     transformer_steps: int = 2500
     transformer_batch: int = 8
     transformer_lr: float = 1e-3
+    # the share of documents cut to a window of the clip (``crop_to_window``): a window of a fraction drawn
+    # uniformly from [min, max] of the clip's time, text rows kept; the rest are whole clips
+    transformer_window_share: float = 0.0
+    transformer_window_min: float = 1.0
+    transformer_window_max: float = 1.0
     warmup_steps: int = 100
+
+    def __post_init__(self):
+        if not 0.0 <= self.transformer_window_share <= 1.0:
+            raise ValueError(f"transformer_window_share must be in [0, 1], got {self.transformer_window_share}")
+        if not 0.0 < self.transformer_window_min <= self.transformer_window_max <= 1.0:
+            raise ValueError(
+                "transformer_window_min and transformer_window_max must satisfy 0 < min <= max <= 1, got "
+                f"{self.transformer_window_min} and {self.transformer_window_max}"
+            )
 
     def scaled(self, factor: float) -> Recipe:
         """The same recipe with every stage's steps times ``factor`` (a quick run for tests)."""
@@ -380,6 +396,37 @@ class TrainingDocuments:
         return document, x0_video - noise_video, x0_audio - noise_audio
 
 
+def crop_to_window(document, video_target: torch.Tensor, audio_target: torch.Tensor, start: float, stop: float):
+    """(document, video target, audio target) of only the media rows whose time position is in [start, stop].
+
+    The prompt's rows are kept, and every kept row keeps the whole clip's position ids, so a window trains
+    the rows it keeps exactly as they sit in the clip (the video and audio of the same seconds: H3 puts both
+    on one time axis); only the rows outside it are missing. A step over windows costs a fraction of one over
+    whole clips, and the prompt is a larger share of each document's attention.
+    """
+    from pipelines.h3.packing import Document
+
+    time = document.position_ids[:, 0]  # [S] the time coordinate of every row
+    in_window = (time >= start) & (time <= stop)
+    keep_video, keep_audio = in_window[document.video_indices], in_window[document.audio_indices]
+    keep = in_window.clone()
+    keep[document.text_indices] = True  # text rows have time positions too (0, 1, ...): never cut the prompt
+    position = torch.cumsum(keep.long(), 0) - 1  # [S] each kept row's index in the window
+    window = Document(
+        prompt_embeds=document.prompt_embeds,
+        video_rows=document.video_rows[keep_video],
+        audio_rows=document.audio_rows[keep_audio],
+        position_ids=document.position_ids[keep],
+        token_tags=document.token_tags[keep],
+        video_indices=position[document.video_indices[keep_video]],
+        audio_indices=position[document.audio_indices[keep_audio]],
+        text_indices=position[document.text_indices],
+        timestep=document.timestep,
+        timestep_indices=document.timestep_indices[keep],
+    )
+    return window, video_target[keep_video], audio_target[keep_audio]
+
+
 def train_transformer(pipeline, documents: TrainingDocuments, recipe: Recipe) -> dict[str, Any]:
     from pipelines.h3.forward import packed_forward
     from pipelines.h3.packing import pack_documents
@@ -390,9 +437,23 @@ def train_transformer(pipeline, documents: TrainingDocuments, recipe: Recipe) ->
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.transformer_lr, weight_decay=0.01)
     schedule = _warmup_cosine(optimizer, recipe.warmup_steps, recipe.transformer_steps)
     progress = _Progress("transformer", recipe.transformer_steps)
+    windows = random.Random(recipe.seed + 7)
+
+    def training_document(scene: world.Scene):
+        document, video_target, audio_target = documents.document(scene)
+        if windows.random() >= recipe.transformer_window_share:
+            return document, video_target, audio_target
+        media = torch.cat([document.video_indices, document.audio_indices])
+        first, last = (float(f(document.position_ids[media, 0])) for f in (torch.min, torch.max))
+        length = (last - first) * windows.uniform(recipe.transformer_window_min, recipe.transformer_window_max)
+        # windows may run off either end of the clip, so its first and last frames are in as many windows as
+        # any other (a window kept inside the clip would reach them only when it starts exactly there)
+        start = first - length + windows.random() * (last - first + length)
+        return crop_to_window(document, video_target, audio_target, start, start + length)
+
     model.train()
     for step in range(recipe.transformer_steps):
-        batch = [documents.document(next(scenes)) for _ in range(recipe.transformer_batch)]
+        batch = [training_document(next(scenes)) for _ in range(recipe.transformer_batch)]
         pack = pack_documents([d for d, _, _ in batch])
         video_out, audio_out = forward(model, pack)  # [N_video, Cp], [N_audio, C]
         video_target = torch.cat([v for _, v, _ in batch])

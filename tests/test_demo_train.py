@@ -8,7 +8,7 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Scheduler
 
 from demo import world
-from demo.train import DecodeWindows, Recipe, TrainingDocuments, latent_statistics, train
+from demo.train import DecodeWindows, Recipe, TrainingDocuments, crop_to_window, latent_statistics, train
 from pipelines.h3 import GenerationRequest, H3Pipeline, preset
 
 
@@ -65,10 +65,83 @@ def test_the_training_target_is_the_velocity_the_scheduler_steps_with(pipeline):
         assert t_audio == pytest.approx(1 - 3 * u / (1 + 2 * u), abs=1e-5)
 
 
+def test_a_window_keeps_the_prompt_and_the_same_seconds_of_video_and_audio(pipeline):
+    """A window of a training document: every text row, the video and audio rows of one stretch of time with
+    their whole-clip positions and targets, and nothing else; a window over the whole clip is the clip."""
+    from pipelines.h3.forward import packed_forward
+    from pipelines.h3.packing import pack_documents
+
+    fmt = world.ClipFormat.of(pipeline.rules)
+    scene = world.Scene("blue", "square", "up", "high beep")
+    layout = pipeline.prepare(GenerationRequest(prompt=scene.prompt, num_inference_steps=2)).layout
+    n_video, n_audio = layout["video_indices"].numel(), layout["audio_indices"].numel()
+    clean = {scene.combination: torch.randn(n_video, 32)}, {scene.sound: torch.randn(n_audio, 8)}
+    document, video_target, audio_target = TrainingDocuments(pipeline, *clean, fmt, seed=1).document(scene)
+
+    whole = crop_to_window(document, video_target, audio_target, float("-inf"), float("inf"))
+    for a, b in zip(
+        (*dataclasses.astuple(whole[0]), *whole[1:]),
+        (*dataclasses.astuple(document), video_target, audio_target),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+    time = document.position_ids[:, 0]
+    start, stop = float(time[layout["video_indices"]].quantile(0.4)), float(time[layout["video_indices"]].quantile(0.6))
+    window, window_video, window_audio = crop_to_window(document, video_target, audio_target, start, stop)
+    for indices, rows, target, window_indices, window_rows, window_target in (
+        (
+            document.video_indices,
+            document.video_rows,
+            video_target,
+            window.video_indices,
+            window.video_rows,
+            window_video,
+        ),
+        (
+            document.audio_indices,
+            document.audio_rows,
+            audio_target,
+            window.audio_indices,
+            window.audio_rows,
+            window_audio,
+        ),
+    ):
+        inside = (time[indices] >= start) & (time[indices] <= stop)
+        assert 0 < int(inside.sum()) < indices.numel()
+        assert torch.equal(window.position_ids[window_indices], document.position_ids[indices[inside]])
+        assert torch.equal(window_rows, rows[inside]) and torch.equal(window_target, target[inside])
+        assert torch.equal(window.timestep_indices[window_indices], document.timestep_indices[indices[inside]])
+    assert torch.equal(window.position_ids[window.text_indices], document.position_ids[document.text_indices])
+    assert torch.equal(window.prompt_embeds, document.prompt_embeds)
+    assert window.length == document.text_indices.numel() + window_video.shape[0] + window_audio.shape[0]
+    # the window packs beside a whole clip, and the forward answers each of its rows
+    video_out, audio_out = packed_forward(
+        pipeline.denoiser.transformers["transformer"], pack_documents([window, document])
+    )
+    assert (video_out.shape[0], audio_out.shape[0]) == (
+        window_video.shape[0] + n_video,
+        window_audio.shape[0] + n_audio,
+    )
+
+
 def test_latent_statistics_are_per_channel():
     a = torch.stack([torch.full((4, 5), 1.0), torch.full((4, 5), 3.0)])  # channel 0: 1s, channel 1: 3s
     mean, std = latent_statistics([a, a + 1], 0)
     assert mean == pytest.approx([1.5, 3.5]) and std[0] == pytest.approx(std[1])
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"transformer_window_share": 1.5}, "transformer_window_share"),
+        ({"transformer_window_min": 0.5, "transformer_window_max": 0.2}, "transformer_window_min"),
+        ({"transformer_window_min": 0.0}, "transformer_window_min"),
+    ],
+)
+def test_a_recipe_refuses_windows_it_cannot_draw(fields, named):
+    with pytest.raises(ValueError, match=named):
+        Recipe(**fields)
 
 
 def test_recipe_scaling_keeps_every_stage():
