@@ -68,7 +68,7 @@ def deployment_memory_plan(args: DeployArgs, adapters: dict[str, AdapterFootprin
         # the reserve is the CUDA context, workspaces and the caching allocator's slack: none of it on CPU
         reserve_bytes=DEFAULT_RESERVE_BYTES if args.device == "cuda" else 0,
         adapters={name: footprint.bytes for name, footprint in adapters.items()},
-        step_cache=args.sp_degree == 1 and bool(args.engine.step_cache.tiers),
+        step_cache=bool(args.engine.step_cache.tiers),
         stages="remote" if args.stages is not None else "local",
     )
 

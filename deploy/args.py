@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from attention import Platform, Resolution
 from pipelines.h3 import TransformerGeometry, default_dtype, preset
 from pipelines.h3.lora import LoraSpec, LoraSpecs
-from pipelines.h3.step_cache import OFF
+from pipelines.h3.step_cache import OFF, StepCacheTiers
 from replicas import EngineLimits, ReplicaSpec
 
 
@@ -263,11 +263,17 @@ class DeployArgs(BaseModel):
                 "MiniMax-H3 layout (only tiny has a built-in checkpoint)"
             )
         step_cache = self.engine.step_cache
-        if self.sp_degree > 1 and step_cache.default != OFF:
-            raise ValueError(
-                f"engine.step_cache.default={step_cache.default!r} needs sp_degree 1 (step caching does not run "
-                f"under Ulysses yet); this deployment sets sp_degree={self.sp_degree}: set the default to 'off'"
-            )
+        if self.sp_degree > 1 and "tiers" not in step_cache.model_fields_set:
+            # Under Ulysses every rank holds every caching row's residuals and the rows gathered at the cache's
+            # transitions (the memory plan counts them): a deployment offers the tiers it lists, none by default.
+            if step_cache.default != OFF:
+                raise ValueError(
+                    f"engine.step_cache.default={step_cache.default!r} with sp_degree={self.sp_degree} needs "
+                    "engine.step_cache.tiers listed: over several ranks a deployment offers only the tiers it lists "
+                    "(each rank then holds every caching row's residuals)"
+                )
+            step_cache = StepCacheTiers(tiers={})
+            self.engine = self.engine.model_copy(update={"step_cache": step_cache})
         for name, lora in self.loras.items():
             if lora.steps is not None and not 2 <= lora.steps <= self.limits.max_steps:
                 raise ValueError(
@@ -304,8 +310,8 @@ class DeployArgs(BaseModel):
 
     @property
     def cache_tiers(self) -> list[str]:
-        """What a request's ``cache`` field may name here: 'off', and the tiers where step caching runs (sp 1)."""
-        return self.engine.step_cache.names if self.sp_degree == 1 else [OFF]
+        """What a request's ``cache`` field may name here: 'off' and the deployment's tiers."""
+        return self.engine.step_cache.names
 
     @property
     def generation_slots(self) -> int:

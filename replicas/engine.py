@@ -29,6 +29,7 @@ Step caching (``limits.step_cache``): a request's ``cache`` tier resolves at sub
 policy (``pipelines/h3/step_cache.py``), or to a RequestError("cache") naming the tiers. Its state lives in its
 ``RequestState``: kept while paused (it resumes deciding as if never paused), freed when its schedule finishes,
 and when it fails or is cancelled at the next step boundary (never under a forward that may still read it).
+Under Ulysses every worker rank holds the same states (``worker_group``), freed before the next pack.
 
 Failures stay with the requests that cause them. A pack whose data fails (``PackFailed``: every rank
 finished, the group is healthy) is retried in halves, down to single requests, so only a request that
@@ -70,7 +71,7 @@ from pipelines.h3 import (
 )
 from pipelines.h3.packing import Pack
 from pipelines.h3.pipeline import payload_bytes
-from pipelines.h3.step_cache import OFF, StepCachePolicy, StepCacheTiers, skipped_block_rows
+from pipelines.h3.step_cache import StepCachePolicy, StepCacheTiers, skipped_block_rows
 
 from . import scheduler
 from .scheduler import POLICIES as POLICIES  # the policies, re-exported where EngineLimits names them
@@ -173,7 +174,9 @@ class EngineLimits(BaseModel):
         default_factory=StepCacheTiers,
         description="per-request step caching (First-Block-Cache, decided per request inside a pack): the tiers "
         "a request may name in its `cache` field, and the default for one that names none ('off' unless set). "
-        "A caching request holds two [rows, hidden] residuals while it runs. Needs sp_degree 1",
+        "A caching request holds two [rows, hidden] residuals while it runs. Under Ulysses (sp_degree > 1) every "
+        "rank holds them and the rows gathered at the cache's transitions, and a deployment offers only the tiers "
+        "it lists here (none unless listed)",
     )
 
     @property
@@ -422,15 +425,7 @@ class Engine:
 
     def _check_step_cache(self) -> None:
         """Refuse tiers this replica cannot run (the deploy args refuse them earlier, from the preset)."""
-        tiers = self.limits.step_cache
-        if self.group.sp_degree > 1 and tiers.default != OFF:
-            raise ValueError(
-                f"engine.step_cache.default={tiers.default!r} needs sp_degree 1; this replica runs "
-                f"sp_degree={self.group.sp_degree} (set it to 'off')"
-            )
-        if self.group.sp_degree > 1:
-            return  # requests naming a tier are refused at submit (step_cache_policy)
-        for name, policy in tiers.tiers.items():
+        for name, policy in self.limits.step_cache.tiers.items():
             try:
                 self.pipeline.check_step_cache(policy)
             except ValueError as e:
@@ -438,12 +433,6 @@ class Engine:
 
     def step_cache_policy(self, request: GenerationRequest) -> StepCachePolicy | None:
         """The policy of the request's ``cache`` tier (None: off), or RequestError("cache") naming what is allowed."""
-        if self.group.sp_degree > 1 and request.cache not in (None, OFF):
-            raise RequestError(
-                "cache",
-                f"cache must be {OFF!r} on this deployment: step caching needs sp_degree 1 and this replica runs "
-                f"sp_degree={self.group.sp_degree}; got {request.cache!r}",
-            )
         return self.limits.step_cache.policy(request.cache)
 
     # -- API ------------------------------------------------------------------------------

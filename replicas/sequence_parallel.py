@@ -2,7 +2,8 @@
 
 Rank r holds rows ``r*T/W : (r+1)*T/W`` of the pack with all heads. Before attention
 an all-to-all gives every rank all T rows for H/W heads, so varlen attention runs with
-the pack's global ``cu_seqlens``; a second all-to-all brings the rows home.
+the pack's global ``cu_seqlens``; a second all-to-all brings the rows home. Step caching gathers
+every rank's rows onto every rank at its transitions (``all_gather_rows``).
 """
 
 from __future__ import annotations
@@ -61,3 +62,12 @@ class UlyssesGroup:
         parts = [torch.empty_like(local) for _ in range(self.sp_degree)]
         dist.gather(local.contiguous(), parts, dst=0, group=self.group)
         return torch.cat(parts)
+
+    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [W*n, ...]: every rank's rows, concatenated in rank order, on every rank."""
+        if self.sp_degree == 1:
+            return local
+        local = local.contiguous()
+        out = local.new_empty((self.sp_degree * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=self.group)
+        return out

@@ -6,6 +6,10 @@ CUDA and gloo on CPU, rendezvousing at rank 0. Rank 0 holds the whole pipeline (
 decoding run there), unless ``spec.stages`` is "remote" (stage deployments of their own condition and decode):
 then rank 0, like the other ranks, holds only the transformer partitions (and the tokenizer).
 
+Step caching: rank 0's per-request states live in its ``RequestState``s; each worker keeps its own
+(``step_cache.RankCaches``), the same states, kept in step by the ``CacheMirror`` each pack carries
+(the documents' keys, policies and counters, and the keys rank 0 freed since its last pack).
+
 Steps are strictly serial on every rank (the workers' "step" concurrency group holds one call; health
 pings have their own group). A step ends when every rank returned or raised: rank 0 waits for the
 workers' side of a step it failed in, bounded by the collective timeout plus a margin, before anything
@@ -37,6 +41,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipelines.h3 import H3Denoiser, H3Pipeline, TransformerGeometry
 from pipelines.h3.packing import Pack
+from pipelines.h3.step_cache import CachedPack, CacheMirrorWriter, RankCaches
 
 from .sequence_parallel import UlyssesGroup
 from .spec import ReplicaSpec
@@ -166,6 +171,7 @@ class SPWorker:
         self.spec, self.rank = spec, rank
         self.denoiser: H3Denoiser | None = None
         self.sp: UlyssesGroup | None = None
+        self.step_caches = RankCaches()  # this rank's copy of each caching request's state, by key
 
     @ray.method(concurrency_group="step")
     def build(self) -> str:
@@ -181,11 +187,23 @@ class SPWorker:
         """This rank's share of step ``step``; an error is returned (classified), not raised."""
         try:
             assert self.denoiser is not None and self.sp is not None, "build() and join() first"
+            if isinstance(pack, CachedPack) and pack.mirror is not None:  # this rank's states of the documents
+                cache = self.step_caches.pack_cache(pack.mirror)  # first drops the states rank 0 freed
+                if pack.mirror.documents:
+                    pack = CachedPack.of(pack, cache)
             self.denoiser.forward(pack, self.sp)
         except Exception as e:
             logger.exception("rank %d: step %d failed", self.rank, step)
             return RankOutcome.of(self.rank, step, e)
         return RankOutcome.of(self.rank, step, None)
+
+    @ray.method(concurrency_group="step")
+    def step_cache_bytes(self) -> dict[int, int]:
+        """Each step-cache state this rank holds (by key): the bytes of its residuals."""
+        return {
+            key: sum(t.nbytes for t in (s.first_residual, s.middle_residual) if t is not None)
+            for key, s in self.step_caches.documents.items()
+        }
 
     @ray.method(concurrency_group="step")
     def resync(self, step: int, timeout_s: float) -> RankOutcome:
@@ -223,6 +241,7 @@ class WorkerGroup:
         self.spec, self.pipeline, self.workers, self.sp, self._own_pg = spec, pipeline, workers, sp, own_pg
         self.broken_reason: str | None = None
         self.steps = 0  # steps launched; every rank numbers them alike
+        self.step_cache_mirror = CacheMirrorWriter()  # what the workers hold of the requests' step caches
         # packs are now aligned for, and run on, the whole group
         pipeline.row_multiple = spec.sp_degree
         pipeline.forward = self
@@ -303,7 +322,12 @@ class WorkerGroup:
         self.steps += 1
         if not self.workers:
             return []
-        ref = ray.put(pack.to("cpu"))  # one host copy for every worker; each moves it to its own device
+        wire = pack.to("cpu")
+        # the step-cache states' keys and counters, not their tensors; and those rank 0 freed since its last pack
+        mirror = self.step_cache_mirror.mirror(pack.step_cache if isinstance(pack, CachedPack) else None)
+        if mirror is not None:
+            wire = CachedPack.of(wire, mirror=mirror)
+        ref = ray.put(wire)  # one host copy for every worker; each moves it to its own device
         return [w.forward.remote(ref, self.steps) for w in self.workers]
 
     def forward_rank0(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:

@@ -211,11 +211,18 @@ def test_the_memory_plan_counts_the_residuals_a_caching_request_holds(tiny_pipel
 def test_a_deployment_plans_step_caches_only_where_a_request_can_cache():
     from deploy.admission import deployment_memory_plan
     from deploy.args import DeployArgs
+    from pipelines.h3.memory import STEP_CACHE_GATHERED_ROWS
 
     offered = deployment_memory_plan(DeployArgs()).row_cost.step_cache
     assert offered > 0  # the built-in tiers are offered by default
     assert deployment_memory_plan(DeployArgs(engine={"step_cache": {"tiers": {}}})).row_cost.step_cache == 0
-    assert deployment_memory_plan(DeployArgs(sp_degree=2)).row_cost.step_cache == 0  # refused under Ulysses
+    assert deployment_memory_plan(DeployArgs()).row_cost.step_cache_gathers == 0  # one rank gathers nothing
+    # over two ranks a deployment offers the tiers it lists, none by default (its plan is as without caching)
+    assert deployment_memory_plan(DeployArgs(sp_degree=2)).row_cost.step_cache == 0
+    listed = DeployArgs(sp_degree=2, engine={"step_cache": {"tiers": {"high": BUILTIN_TIERS["high"].model_dump()}}})
+    sharded = deployment_memory_plan(listed).row_cost
+    # every rank holds the full rows' residuals, and the rows gathered at the cache's transitions
+    assert sharded.step_cache == offered and sharded.step_cache_gathers == offered * STEP_CACHE_GATHERED_ROWS / 2
 
 
 def test_policies_that_leave_no_block_to_skip_are_refused(tiny_pipeline):
@@ -251,14 +258,17 @@ def test_document_cache_computes_in_warmup_and_after_max_skips():
 # --- the per-request policy: deploy args, request bodies, the engine ------------------------------
 
 
-def test_deploy_args_refuse_tiers_that_cannot_run():
+def test_deploy_args_offer_the_tiers_and_refuse_those_that_cannot_run():
     from deploy.args import DeployArgs
 
     assert DeployArgs().cache_tiers == ["off", "high", "low", "medium"]
     assert DeployArgs().engine.step_cache.default == "off"  # off unless a deployment sets it
-    with pytest.raises(ValidationError, match=r"engine.step_cache.default='high' needs sp_degree 1"):
+    # over several ranks (tests/test_step_cache_sp.py) a deployment offers the tiers it lists, none by default
+    assert DeployArgs(sp_degree=2).cache_tiers == ["off"] and DeployArgs(sp_degree=2).engine.step_cache.tiers == {}
+    listed = {"tiers": {"fast": {"threshold": 0.2}}, "default": "fast"}
+    assert DeployArgs(sp_degree=2, engine={"step_cache": listed}).cache_tiers == ["off", "fast"]
+    with pytest.raises(ValidationError, match=r"engine.step_cache.default='high' with sp_degree=2 needs engine.step"):
         DeployArgs(sp_degree=2, engine={"step_cache": {"default": "high"}})
-    assert DeployArgs(sp_degree=2).cache_tiers == ["off"]  # requests naming a tier get a 400 there
     with pytest.raises(ValidationError, match=r"engine.step_cache.tiers.deep: fn_blocks=3 \+ bn_blocks=1 leave no"):
         DeployArgs(engine={"step_cache": {"tiers": {"deep": {"threshold": 0.1, "fn_blocks": 3, "bn_blocks": 1}}}})
 

@@ -38,6 +38,10 @@ class SequenceParallel(Protocol):
         """Every rank's rows in rank order on rank 0, None elsewhere."""
         ...
 
+    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [W*n, ...], every rank's rows in rank order, on every rank (step caching)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Documents:

@@ -17,7 +17,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODA
 from .attention_processor import Documents, SequenceParallel, attending
 from .lora import LoraAdapter, adapting, pack_slots
 from .packing import Pack
-from .step_cache import PackCache, cached_blocks
+from .step_cache import PackCache, ShardedRows, cached_blocks
 
 
 def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +40,7 @@ def packed_forward(
     (other ranks return None). ``pack`` must already be on the model's device. With ``cache`` (one
     entry per document), each document with a policy may skip the middle blocks (``step_cache``);
     its state is updated only when the whole forward succeeded. Without one, nothing changes.
+    Under ``sp`` every rank gets its own ``cache`` (the same states: ``step_cache.RankCaches``).
     ``adapters`` (slot -> adapter placed on ``model``) serve the documents whose ``pack.document_slots``
     are not 0 (``lora.adapting``, this rank's rows); a pack of base documents only runs exactly as without.
     """
@@ -54,11 +55,6 @@ def _packed_forward(
     model, pack: Pack, sp: SequenceParallel | None, cache: PackCache | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
-    if cache is not None and world > 1:
-        raise ValueError(
-            f"step caching runs on one rank only; this forward is sharded over sp_degree={world} ranks "
-            "(deploy with sp_degree 1 to use cache tiers)"
-        )
     if pack.total_rows % world:
         raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
     lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
@@ -92,7 +88,13 @@ def _packed_forward(
             for block in model.transformer_blocks:
                 hidden = block(hidden, temb, adaln_indices, rotary_emb)
         else:  # each document runs the middle blocks only when its first blocks' residual changed enough
-            hidden = cached_blocks(model.transformer_blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache)
+            sharded = None
+            if sp is not None and world > 1:  # a sub-pack's rows are anywhere in the pack: every row's AdaLN index
+                pack_adaln = pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags  # [T]
+                sharded = ShardedRows(sp, pack_adaln, model.rope)
+            hidden = cached_blocks(
+                model.transformer_blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache, sharded
+            )
     hidden = model.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(model.proj_out))[0]  # [T/W, hidden]
 
     # 4. Each head on its own modality's rows, on the rank that holds them.
@@ -110,6 +112,8 @@ def _packed_forward(
     local[:, :c_video].index_copy_(0, video_at, video_out)
     local[:, :c_audio].index_copy_(0, audio_at, audio_out)
     rows = sp.gather_rows(local)  # [T, max(C_video, C_audio)] on rank 0
+    if cache is not None:
+        cache.commit()  # after the last collective: every rank commits the same step, or (failing) none does
     if rows is None:
         return None
     return rows.index_select(0, pack.video_indices)[:, :c_video], rows.index_select(0, pack.audio_indices)[:, :c_audio]

@@ -444,6 +444,9 @@ class PackSlots:
     groups: torch.Tensor  # [G] the distinct slots of the whole pack, sorted: the widened timestep axis
     row_groups: torch.Tensor  # [T/W] index into `groups` of each of this rank's rows
     timesteps: int  # K, the pack's distinct timesteps
+    # every pack row's slot and group [T]: a step-cache sub-pack runs pack rows from anywhere (under Ulysses too)
+    pack_rows: torch.Tensor
+    pack_row_groups: torch.Tensor
 
     def stream(self, name: str) -> torch.Tensor:
         if name == "timesteps":  # [G*K]: group g's copy of every timestep
@@ -472,14 +475,17 @@ def pack_slots(pack: Pack, document_slots: Sequence[int], rank: int = 0, world: 
         return rows[indices[(indices >= lo) & (indices < hi)]]
 
     groups = torch.unique(rows, sorted=True)  # [G]
+    row_groups = torch.searchsorted(groups, rows)  # [T]
     return PackSlots(
         rows=rows[lo:hi],
         text=rows[pack.text_indices],
         video=local(pack.video_indices),
         audio=local(pack.audio_indices),
         groups=groups,
-        row_groups=torch.searchsorted(groups, rows[lo:hi]),
+        row_groups=row_groups[lo:hi],
         timesteps=int(pack.timestep.numel()),
+        pack_rows=rows,
+        pack_row_groups=row_groups,
     )
 
 
@@ -510,7 +516,9 @@ _ROW_SUBSET: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVa
 
 @contextlib.contextmanager
 def rows_subset(index: torch.Tensor) -> Iterator[None]:
-    """Blocks called inside run on the pack rows ``index`` [T_sub] only (in this order), not on all T/W rows.
+    """Blocks called inside run on the pack rows ``index`` [T_sub] only (in this order), not on this rank's T/W rows.
+
+    ``index`` holds pack positions (0..T-1), wherever they are under Ulysses: a step-cache sub-pack's share.
 
     ``step_cache`` wraps its sub-pack blocks in it, so that an active ``adapting`` adds each adapter's delta on
     the sub-pack's rows of its documents; without ``adapting`` it changes nothing.
@@ -551,7 +559,7 @@ class _RowRuns:
             return self.whole[stream], self.sizes[stream]
         key = id(subset)
         if key not in self._subsets:  # keeps ``subset`` alive, so its id is never reused within the pack
-            self._subsets[key] = (subset, _runs(self.slots.rows.index_select(0, subset)))
+            self._subsets[key] = (subset, _runs(self.slots.pack_rows.index_select(0, subset)))
         return self._subsets[key][1], int(subset.numel())
 
 
@@ -626,16 +634,18 @@ def _widen_timesteps(model: Any, slots: PackSlots) -> list[Any]:
     k, groups = slots.timesteps, slots.groups.numel()
     adaln_shift = slots.row_groups * (k * MINIMAX_H3_MODALITY_NUM)  # [T/W] table rows are (g*K + t)*3 + tag
     norm_shift = slots.row_groups * k  # [T/W] norm_out's table rows are g*K + t
+    pack_adaln_shift = slots.pack_row_groups * (k * MINIMAX_H3_MODALITY_NUM)  # [T]: a sub-pack's rows index it
+    pack_norm_shift = slots.pack_row_groups * k  # [T]
 
     def repeat_timesteps(module, args, output: torch.Tensor) -> torch.Tensor:
         if output.shape[0] != k:
             raise RuntimeError(f"time_proj saw {output.shape[0]} timesteps where the pack has {k}")
         return output.repeat(groups, 1)  # [K, freq] -> [G*K, freq]
 
-    def shifted(position: int, name: str, whole: torch.Tensor):
+    def shifted(position: int, name: str, whole: torch.Tensor, pack_whole: torch.Tensor):
         def pre_hook(module, args: tuple[Any, ...], kwargs: dict[str, Any]):
             subset = _ROW_SUBSET.get()  # a step-cache sub-pack: its rows' shifts, in its order
-            shift = whole if subset is None else whole.index_select(0, subset)
+            shift = whole if subset is None else pack_whole.index_select(0, subset)
             if name in kwargs:
                 kwargs = {**kwargs, name: kwargs[name] + shift}
             else:
@@ -646,8 +656,14 @@ def _widen_timesteps(model: Any, slots: PackSlots) -> list[Any]:
 
     handles = [model.time_proj.register_forward_hook(repeat_timesteps)]
     for block in model.transformer_blocks:
-        handles.append(block.register_forward_pre_hook(shifted(2, "adaln_indices", adaln_shift), with_kwargs=True))
+        handles.append(
+            block.register_forward_pre_hook(
+                shifted(2, "adaln_indices", adaln_shift, pack_adaln_shift), with_kwargs=True
+            )
+        )
     handles.append(
-        model.norm_out.register_forward_pre_hook(shifted(2, "timestep_indices", norm_shift), with_kwargs=True)
+        model.norm_out.register_forward_pre_hook(
+            shifted(2, "timestep_indices", norm_shift, pack_norm_shift), with_kwargs=True
+        )
     )
     return handles

@@ -45,6 +45,8 @@ from .config import preset
 
 GiB = 2**30
 DEFAULT_RESERVE_BYTES = 4 * GiB
+# full-row [T, hidden] tensors step caching keeps live beside a block under Ulysses (``step_cache``'s sharded path)
+STEP_CACHE_GATHERED_ROWS = 3
 TEXT_ENCODER_LAYER = 50  # H3 reads Qwen3-VL's hidden_states[50]; H3Pipeline.load keeps layers [0, 51)
 
 # The released text_encoder/config.json (Qwen3-VL-32B), as Qwen3VLConfig kwargs: read when no checkpoint
@@ -99,8 +101,12 @@ Live bytes of one packed forward at its peak, per rank, no grad; the peak is the
                         + 4*2*6r      rotary cos, sin (fp32)
                         + 8 + 8       AdaLN row index, the row's position in its modality (int64)
                         + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank) )
-  step caching (sp_degree 1, when the deployment offers a tier): + T * 2*s*d, every row's two [rows, hidden]
-               residuals (First-Block-Cache's h_Fn - h_0 and the middle blocks'), kept between steps
+  step caching (when the deployment offers a tier): + T * 2*s*d, every row's two [rows, hidden] residuals
+               (First-Block-Cache's h_Fn - h_0 and the middle blocks'), kept between steps, on every rank
+               (W > 1: each rank holds every caching row's full-row residuals, not its own T/W rows')
+             + W > 1: T * 3*s*d, the full rows gathered at its transitions, at most 3 [T, hidden] live beside a
+               block (the rows as of the last transition, h_0 until the last decision, the computing rows' h_Fn
+               until their middle ends)
 A budget takes each computed row at its dearer variant and N = T (nothing caps a pack's prompt rows yet).
 Released dims: SwiGLU 78848 elements, attention 60928 (W = 1) / 75264 (W > 1); tiny: 1408, 1088 / 1344."""
 
@@ -119,19 +125,21 @@ class RowCost:
     per_pack_row: float  # both phases, per row of the pack: its inputs, on every rank
     text_share: float | None = None
     step_cache: float = 0.0  # both phases, per row of a step-caching request: its two residuals, held across steps
+    step_cache_gathers: float = 0.0  # both phases, per pack row under Ulysses: step caching's gathered full rows
 
     def bytes_for(self, rows: int, sp_degree: int) -> int:
         """Activation bytes on one rank for a pack of ``rows`` split over ``sp_degree`` ranks."""
         local_rows = -(-rows // sp_degree)  # padding makes T divisible by W
         text_rows = rows * (1.0 if self.text_share is None else self.text_share)
         block = self.local * local_rows + self.kept_text * text_rows
-        return int((self.per_pack_row + self.step_cache) * rows + max(block, self.refiner_text * text_rows))
+        every_rank = self.per_pack_row + self.step_cache + self.step_cache_gathers  # per pack row, on every rank
+        return int(every_rank * rows + max(block, self.refiner_text * text_rows))
 
     def per_row(self, sp_degree: int) -> float:
         """Bytes per pack row on one rank (the pack's padding aside)."""
         share = 1.0 if self.text_share is None else self.text_share
         block = self.local / sp_degree + self.kept_text * share
-        return self.per_pack_row + self.step_cache + max(block, self.refiner_text * share)
+        return self.per_pack_row + self.step_cache + self.step_cache_gathers + max(block, self.refiner_text * share)
 
     def rows_that_fit(self, free_bytes: int, sp_degree: int) -> int:
         """The most pack rows whose activations fit in ``free_bytes`` on one rank (0 if none)."""
@@ -170,7 +178,8 @@ def activation_row_cost(
     ``text_fraction`` (share of the pack's rows that are prompt rows) gives the exact mix, as the
     benchmark measures it; None takes each row at its dearer variant, which is what a budget needs.
     ``phase`` ("swiglu" or "attention") takes that phase's peak; None the larger of the two.
-    ``step_cache``: every row may belong to a step-caching request (its residuals live across steps).
+    ``step_cache``: every row may belong to a step-caching request (its residuals live across steps); over
+    ``sp_degree`` > 1 every rank also gathers the full rows at the cache's transitions.
     """
     s = dtype_bytes(dtype)
     d, f, r, e = config["hidden_size"], config["ffn_dim"], config["rope_freq_dim"], config["text_dim"]
@@ -194,6 +203,7 @@ def activation_row_cost(
         per_pack_row=float(inputs),
         text_share=text_fraction,
         step_cache=float(2 * s * d) if step_cache else 0.0,
+        step_cache_gathers=float(STEP_CACHE_GATHERED_ROWS * s * d) if step_cache and sp_degree > 1 else 0.0,
     )
 
 
@@ -389,7 +399,7 @@ def memory_plan(
     if step_cache:
         notes += (
             f"a request paused under srpt or priority keeps its step cache: {2 * dtype_bytes(dtype)} x hidden_size "
-            "bytes per row each, beyond the pack's",
+            "bytes per row each, beyond the pack's" + (" (on every rank)" if sp_degree > 1 else ""),
         )
     activations = row_cost.bytes_for(max_rows, sp_degree)
     transformers = {

@@ -164,7 +164,7 @@ class H3Denoiser:
     def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's share of one packed forward; rank 0 gets every row's velocity back.
 
-        A ``CachedPack`` carries its documents' step caches into the forward (one rank only).
+        A ``CachedPack`` carries its documents' step caches into the forward (under Ulysses each rank its own).
         """
         cache = pack.step_cache if isinstance(pack, CachedPack) else None
         adapters = self.adapters[pack.partition] if pack.adapted else None
@@ -617,11 +617,7 @@ class H3Pipeline:
         return self.rules.rows(request, self.text_tokens(request.prompt))
 
     def check_step_cache(self, policy: StepCachePolicy) -> None:
-        """ValueError unless ``policy`` fits every transformer partition and this pipeline runs on one rank."""
-        if self.row_multiple > 1:
-            raise ValueError(
-                f"step caching runs on one rank only; this pipeline runs over sp_degree={self.row_multiple} ranks"
-            )
+        """ValueError unless ``policy`` leaves a block to skip in every transformer partition."""
         for model in self.denoiser.transformers.values():
             blocks = model.transformer_blocks
             assert isinstance(blocks, torch.nn.ModuleList)
@@ -740,8 +736,6 @@ class H3Pipeline:
             slots = [s.adapter_slot for s in group]
             pack = pack_documents([s.document() for s in group], partition, self.row_multiple, slots)
             if any(s.step_cache is not None for s in group):  # else exactly the pack of a deployment without caching
-                if self.row_multiple > 1:  # refused before any rank starts, never half-run
-                    raise ValueError(f"step caching runs on one rank only, not over sp_degree={self.row_multiple}")
                 pack = CachedPack.of(pack, PackCache([s.step_cache for s in group]))
             packs.append((group, pack))
         return packs
