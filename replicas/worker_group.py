@@ -200,10 +200,7 @@ class SPWorker:
     @ray.method(concurrency_group="step")
     def step_cache_bytes(self) -> dict[int, int]:
         """Each step-cache state this rank holds (by key): the bytes of its residuals."""
-        return {
-            key: sum(t.nbytes for t in (s.first_residual, s.middle_residual) if t is not None)
-            for key, s in self.step_caches.documents.items()
-        }
+        return {key: state.residual_bytes for key, state in self.step_caches.documents.items()}
 
     @ray.method(concurrency_group="step")
     def resync(self, step: int, timeout_s: float) -> RankOutcome:

@@ -147,6 +147,11 @@ class DocumentCache:
         """Whether it holds the residuals of a computed step."""
         return self.first_residual is not None and self.middle_residual is not None
 
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of the residuals it holds now."""
+        return sum(t.nbytes for t in (self.first_residual, self.middle_residual) if t is not None)
+
     def must_compute(self) -> bool:
         """Whether this step computes whatever its residual says (warm-up, a forced step, no state)."""
         p = self.policy
@@ -609,13 +614,6 @@ class RankCaches:
                 raise RuntimeError(f"step cache {told.key} is out of step with rank 0: {here} here, {told} on rank 0")
             entries.append(state)
         return PackCache(entries)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the residuals this rank holds now."""
-        return sum(
-            t.nbytes for s in self.documents.values() for t in (s.first_residual, s.middle_residual) if t is not None
-        )
 
 
 def skipped_block_rows(pack: Pack) -> int:
