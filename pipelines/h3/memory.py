@@ -45,8 +45,21 @@ from .config import preset
 
 GiB = 2**30
 DEFAULT_RESERVE_BYTES = 4 * GiB
-# full-row [T, hidden] tensors step caching keeps live beside a block under Ulysses (``step_cache``'s sharded path)
-STEP_CACHE_GATHERED_ROWS = 3
+# Step caching (``step_cache``): its [rows, hidden] tensors per pack row beyond a forward without a cache, at its
+# peak (inside a block), in units of s*d. tests/test_step_cache_memory.py measures them on real cached forwards.
+STEP_CACHE_HELD_ROWS = 2  # kept between steps: a caching document's residuals, h_Fn - h_0 and the middle blocks'
+# during a forward, a computing document's next residuals beside the held ones until ``PackCache.commit``: its new
+# h_Fn - h_0, and a copy of h_Fn until its middle blocks end, then its new middle residual in the copy's place
+STEP_CACHE_PENDING_ROWS = 2
+# the blocks' input h_0, which ``packed_forward`` holds until ``cached_blocks`` returns (without a cache it is let
+# go after the first block): the whole pack at sp_degree 1, this rank's T/W rows under Ulysses
+STEP_CACHE_INPUT_ROWS = 1
+# sp_degree 1: while a block runs on a sub-pack of the computing documents, the whole pack beside it (the skipping
+# documents' rows stay there; the sub-pack's rows are the block's input)
+STEP_CACHE_SUBPACK_ROWS = 1
+# Ulysses (sp_degree > 1): full-row [T, hidden] tensors gathered onto every rank beside a block: the rows as of the
+# last transition (while a sub-pack runs, the other documents' rows are there) and h_0 until the last decision
+STEP_CACHE_GATHERED_ROWS = 2
 TEXT_ENCODER_LAYER = 50  # H3 reads Qwen3-VL's hidden_states[50]; H3Pipeline.load keeps layers [0, 51)
 
 # The released text_encoder/config.json (Qwen3-VL-32B), as Qwen3VLConfig kwargs: read when no checkpoint
@@ -101,12 +114,18 @@ Live bytes of one packed forward at its peak, per rank, no grad; the peak is the
                         + 4*2*6r      rotary cos, sin (fp32)
                         + 8 + 8       AdaLN row index, the row's position in its modality (int64)
                         + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank) )
-  step caching (when the deployment offers a tier): + T * 2*s*d, every row's two [rows, hidden] residuals
-               (First-Block-Cache's h_Fn - h_0 and the middle blocks'), kept between steps, on every rank
-               (W > 1: each rank holds every caching row's full-row residuals, not its own T/W rows')
-             + W > 1: T * 3*s*d, the full rows gathered at its transitions, at most 3 [T, hidden] live beside a
-               block (the rows as of the last transition, h_0 until the last decision, the computing rows' h_Fn
-               until their middle ends)
+  step caching (when the deployment offers a tier), per pack row, on every rank (W > 1: every rank holds
+  every caching row's full-row tensors, not its own T/W rows'):
+    both phases: + T * 2*s*d  held: each row's two residuals (First-Block-Cache's h_Fn - h_0 and the middle
+                              blocks'), kept between steps
+    block phase: + T * 2*s*d  pending: a computing step's new h_Fn - h_0, and its h_Fn copy until its middle
+                              ends, then its new middle residual, beside the held ones until the forward ends
+                 + T/W * s*d  the blocks' input h_0, held by the forward until the cached blocks return
+                 + W = 1: T * (s*d + 16 + 48r)   while a sub-pack of the computing rows runs a block, the whole
+                              pack beside it; the sub-pack's row index, AdaLN index, cos and sin (fp32)
+                   W > 1: T * (2*s*d + 24 + (8 + 48r)/W)   the full rows gathered at the transitions (the rows
+                              as of the last one, h_0 until the last decision); the sub-pack's row index and its
+                              padded copy, every row's AdaLN index; this rank's share's AdaLN index, cos and sin
 A budget takes each computed row at its dearer variant and N = T (nothing caps a pack's prompt rows yet).
 Released dims: SwiGLU 78848 elements, attention 60928 (W = 1) / 75264 (W > 1); tiny: 1408, 1088 / 1344."""
 
@@ -125,21 +144,28 @@ class RowCost:
     per_pack_row: float  # both phases, per row of the pack: its inputs, on every rank
     text_share: float | None = None
     step_cache: float = 0.0  # both phases, per row of a step-caching request: its two residuals, held across steps
-    step_cache_gathers: float = 0.0  # both phases, per pack row under Ulysses: step caching's gathered full rows
+    # block phase, per row of a step-caching request, on every rank: its pending residuals, the blocks' input h_0,
+    # the sub-pack's per-row indices and angles, and (sp_degree 1) the whole pack beside a sub-pack's block
+    step_cache_working: float = 0.0
+    step_cache_gathers: float = 0.0  # block phase, per pack row under Ulysses, on every rank: the gathered full rows
+
+    def _block_phase_every_rank(self) -> float:
+        """Per pack row on every rank, block phase only: step caching's tensors of the forward (not the refiner's)."""
+        return self.step_cache_working + self.step_cache_gathers
 
     def bytes_for(self, rows: int, sp_degree: int) -> int:
         """Activation bytes on one rank for a pack of ``rows`` split over ``sp_degree`` ranks."""
         local_rows = -(-rows // sp_degree)  # padding makes T divisible by W
         text_rows = rows * (1.0 if self.text_share is None else self.text_share)
-        block = self.local * local_rows + self.kept_text * text_rows
-        every_rank = self.per_pack_row + self.step_cache + self.step_cache_gathers  # per pack row, on every rank
+        block = self.local * local_rows + self.kept_text * text_rows + self._block_phase_every_rank() * rows
+        every_rank = self.per_pack_row + self.step_cache  # per pack row, on every rank, both phases
         return int(every_rank * rows + max(block, self.refiner_text * text_rows))
 
     def per_row(self, sp_degree: int) -> float:
         """Bytes per pack row on one rank (the pack's padding aside)."""
         share = 1.0 if self.text_share is None else self.text_share
-        block = self.local / sp_degree + self.kept_text * share
-        return self.per_pack_row + self.step_cache + self.step_cache_gathers + max(block, self.refiner_text * share)
+        block = self.local / sp_degree + self.kept_text * share + self._block_phase_every_rank()
+        return self.per_pack_row + self.step_cache + max(block, self.refiner_text * share)
 
     def rows_that_fit(self, free_bytes: int, sp_degree: int) -> int:
         """The most pack rows whose activations fit in ``free_bytes`` on one rank (0 if none)."""
@@ -178,8 +204,9 @@ def activation_row_cost(
     ``text_fraction`` (share of the pack's rows that are prompt rows) gives the exact mix, as the
     benchmark measures it; None takes each row at its dearer variant, which is what a budget needs.
     ``phase`` ("swiglu" or "attention") takes that phase's peak; None the larger of the two.
-    ``step_cache``: every row may belong to a step-caching request (its residuals live across steps); over
-    ``sp_degree`` > 1 every rank also gathers the full rows at the cache's transitions.
+    ``step_cache``: every row may belong to a step-caching request (its residuals live across steps, and a
+    forward holds its next ones and its working tensors beside them); over ``sp_degree`` > 1 every rank also
+    gathers the full rows at the cache's transitions.
     """
     s = dtype_bytes(dtype)
     d, f, r, e = config["hidden_size"], config["ffn_dim"], config["rope_freq_dim"], config["text_dim"]
@@ -196,14 +223,25 @@ def activation_row_cost(
     else:
         local = local_common + text_fraction * local_text + (1 - text_fraction) * local_media
         inputs = inputs_common + text_fraction * inputs_text + (1 - text_fraction) * inputs_media
+    held = working = gathers = 0.0
+    if step_cache:
+        rope_row = 4 * 2 * 6 * r  # a row's fp32 cos and sin
+        held = float(STEP_CACHE_HELD_ROWS * s * d)
+        working = float(STEP_CACHE_PENDING_ROWS * s * d + STEP_CACHE_INPUT_ROWS * s * d / sp_degree)
+        if sp_degree == 1:  # a sub-pack's block: the whole pack beside it; its row index, AdaLN index, cos, sin
+            working += STEP_CACHE_SUBPACK_ROWS * s * d + 8 + 8 + rope_row
+        else:  # its row index and padded copy, every row's AdaLN index; this rank's share's AdaLN index, cos, sin
+            working += 8 + 8 + 8 + (8 + rope_row) / sp_degree
+            gathers = float(STEP_CACHE_GATHERED_ROWS * s * d)
     return RowCost(
         local=float(local),
         kept_text=float(s * d),
         refiner_text=float(s * (4 * d + 4 * f)),
         per_pack_row=float(inputs),
         text_share=text_fraction,
-        step_cache=float(2 * s * d) if step_cache else 0.0,
-        step_cache_gathers=float(STEP_CACHE_GATHERED_ROWS * s * d) if step_cache and sp_degree > 1 else 0.0,
+        step_cache=held,
+        step_cache_working=working,
+        step_cache_gathers=gathers,
     )
 
 
@@ -380,7 +418,8 @@ def memory_plan(
 
     ``partitions``: the transformer partitions every rank holds; None reads them from the checkpoint.
     ``adapters``: each LoRA adapter's bytes on one rank (``lora.check_adapters``): every rank holds every one.
-    ``step_cache``: the deployment offers a step-cache tier, so every pack row may hold two residuals.
+    ``step_cache``: the deployment offers a step-cache tier, so every pack row may hold two residuals (and, during
+    a forward, its next ones and the cache's working tensors: ``ACTIVATION_FORMULA``).
     ``stages``: "local", rank 0 holds the text encoder and both VAEs; "remote", stage deployments hold them
     (the plan's ``stages``: the conditioner and the decoder, each with ``reserve_bytes``) and rank 0 does not.
     """
@@ -398,7 +437,8 @@ def memory_plan(
     )
     if step_cache:
         notes += (
-            f"a request paused under srpt or priority keeps its step cache: {2 * dtype_bytes(dtype)} x hidden_size "
+            f"a request paused under srpt or priority keeps its step cache: "
+            f"{STEP_CACHE_HELD_ROWS * dtype_bytes(dtype)} x hidden_size "
             "bytes per row each, beyond the pack's" + (" (on every rank)" if sp_degree > 1 else ""),
         )
     activations = row_cost.bytes_for(max_rows, sp_degree)

@@ -31,9 +31,16 @@ rank (``all_gather_rows``), and every rank measures, decides and keeps residuals
 the same bits, so the ranks agree without another collective. Blocks that every document runs still run on
 the rank's own T/W rows; a sub-pack of the computing documents is padded to a multiple of W and each rank
 runs its share under Ulysses. Ranks 1..W-1 keep their states in a ``RankCaches``, in step with rank 0's by the
-``CacheMirror`` each pack carries (``replicas/worker_group.py``). The cost: up to three [T, hidden] gathered
-tensors per rank during the forward (``memory.STEP_CACHE_GATHERED_ROWS``) and an all-gather of the rows out on
-the ranks at each transition; so over several ranks a deployment offers only the tiers it lists (``deploy.args``).
+``CacheMirror`` each pack carries (``replicas/worker_group.py``). The cost: two [T, hidden] gathered tensors
+per rank beside a block (``memory.STEP_CACHE_GATHERED_ROWS``) and an all-gather of the rows out on the ranks at
+each transition; so over several ranks a deployment offers only the tiers it lists (``deploy.args``).
+
+Memory (``memory.ACTIVATION_FORMULA`` counts it; tests/test_step_cache_memory.py measures it): beside the held
+residuals, a computing document holds its next ones until ``commit`` (its new first-blocks residual, and a copy of
+its h_Fn rows until its middle ends, then its new middle residual). The forward lets go of what it no longer
+needs as it goes: h_0 once every document decided, each h_Fn copy when its middle ends, a skipping document's
+h_Fn at once, a sub-pack when the running documents change, and (under Ulysses) the gathered rows while the
+rank's own rows run.
 """
 
 from __future__ import annotations
@@ -243,9 +250,9 @@ def cached_blocks(
     if sharded is not None and sharded.sp.sp_degree > 1:
         return _sharded_cached_blocks(blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache, sharded)
     n_docs, num_blocks, starts, heads, tails, computes = _plan(blocks, pack, cache)
-    inputs = hidden  # [1, T, hidden] h_0 (blocks never write their input in place)
-    head_outputs: dict[int, torch.Tensor] = {}  # document -> [S_i, hidden] h_Fn
-    sub_packs: dict[tuple[int, ...], _SubPack] = {}
+    inputs: torch.Tensor | None = hidden  # [1, T, hidden] h_0 (blocks never write their input in place)
+    head_outputs: dict[int, torch.Tensor] = {}  # computing document -> [S_i, hidden] h_Fn copy, to its middle's end
+    sub_packs: dict[tuple[int, ...], _SubPack] = {}  # at most one: the running documents' (its per-row tensors)
 
     def rows(i: int, of: torch.Tensor) -> torch.Tensor:
         return of[0, starts[i] : starts[i + 1]]  # [S_i, hidden], a view
@@ -254,7 +261,7 @@ def cached_blocks(
         """Skipped documents whose middle ends here: h_Fn + the middle residual of their last computed step."""
         if not ending:
             return hidden
-        hidden = hidden.clone()  # [1, T, hidden]; earlier tensors stay as they were (head_outputs are views)
+        hidden = hidden.clone()  # [1, T, hidden]; the tensor we were given stays as it was
         for i in ending:
             entry = cache.documents[i]
             assert entry is not None and entry.middle_residual is not None
@@ -264,7 +271,10 @@ def cached_blocks(
     for b, block in enumerate(blocks):
         deciding = [i for i in range(n_docs) if heads[i] == b]
         if deciding:
+            assert inputs is not None
             _decide(deciding, cache, hidden, inputs, rows, computes, head_outputs)
+            if all(c is not None for c in computes):
+                inputs = None  # no decision left: h_0 is not needed any more (the caller may still hold it)
         hidden = add_cached_middle([i for i in range(n_docs) if b == tails[i] and computes[i] is False], hidden)
         active = tuple(i for i in range(n_docs) if b < heads[i] or b >= tails[i] or computes[i])
         if len(active) == n_docs:  # every document: the whole pack, padding included, as without a cache
@@ -272,6 +282,7 @@ def cached_blocks(
             cache.block_rows += pack.total_rows
         elif active:
             if active not in sub_packs:
+                sub_packs.clear()  # one sub-pack at a time: its indices and rotary angles are per row
                 sub_packs[active] = _SubPack.of(pack, starts, active, adaln_indices, rotary_emb)
             hidden = sub_packs[active].run(block, hidden, temb)
             cache.block_rows += sub_packs[active].rows
@@ -280,7 +291,7 @@ def cached_blocks(
             cache._pending[i].skipped_block_rows += pack.lengths[i]
         for i in range(n_docs):  # a computed document's middle ended with this block: keep its residual
             if b + 1 == tails[i] and computes[i] and i in cache._pending:
-                cache._pending[i].middle_residual = rows(i, hidden) - head_outputs[i]
+                cache._pending[i].middle_residual = rows(i, hidden) - head_outputs.pop(i)
     # skipped documents whose middle reaches the last block (bn_blocks 0)
     return add_cached_middle([i for i in range(n_docs) if tails[i] == num_blocks and computes[i] is False], hidden)
 
@@ -292,7 +303,6 @@ def _decide(deciding, cache: PackCache, hidden, inputs, rows, computes, head_out
         entry = cache.documents[i]
         assert entry is not None  # a document without a policy never reaches a decision (its head is every block)
         residual = rows(i, hidden) - rows(i, inputs)  # [S_i, hidden] h_Fn - h_0
-        head_outputs[i] = rows(i, hidden)
         if not entry.must_compute():
             measures[i] = _relative_l1(residual, entry.first_residual)
         cache._pending[i] = _Pending(skip=False, first_residual=residual)
@@ -304,6 +314,8 @@ def _decide(deciding, cache: PackCache, hidden, inputs, rows, computes, head_out
             cache._pending[i] = _Pending(skip=True)  # r_prev stays the last computed step's (as diffusers)
     for i in deciding:
         computes[i] = not cache._pending[i].skip
+        if computes[i]:  # its middle residual is taken against h_Fn: a copy of its rows, not a view holding the pack's
+            head_outputs[i] = rows(i, hidden).clone()  # [S_i, hidden]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +361,8 @@ def _sharded_cached_blocks(
     def rows(i: int, of: torch.Tensor) -> torch.Tensor:
         return of[0, starts[i] : starts[i + 1]]  # [S_i, hidden], a view
 
-    full: torch.Tensor = sp.all_gather_rows(local[0])[None]  # [1, T, hidden]: every row as of the last transition
+    # [1, T, hidden]: every row as of the last transition; None while this rank's own rows run (nothing reads it)
+    full: torch.Tensor | None = sp.all_gather_rows(local[0])[None]
     inputs: torch.Tensor | None = full  # h_0, on every rank, until the last document decided
     out: torch.Tensor | None = local  # the rows out on the ranks: [1, T/W, hidden] or a sub-pack's share
     running: _ShardedSubPack | None = None  # whose share `out` is (None: this rank's [lo, hi) rows)
@@ -359,13 +372,16 @@ def _sharded_cached_blocks(
     def gather() -> torch.Tensor:
         """``full`` with the rows out on the ranks written back (every rank gets the same bits)."""
         if out is None:
+            assert full is not None
             return full
         if running is None:
             return sp.all_gather_rows(out[0])[None]  # [1, T, hidden]
+        assert full is not None and full is not inputs  # a sub-pack's share: the others' rows are in ``full``
         return running.gathered_into(full, out)
 
     def middles_end(b: int) -> None:
         """Documents whose middle blocks end before block ``b``: keep a computed residual, add a cached one."""
+        assert full is not None  # called right after a gather
         for i in range(n_docs):
             if tails[i] == b and computes[i] and i in cache._pending:
                 cache._pending[i].middle_residual = rows(i, full) - head_outputs.pop(i)
@@ -384,10 +400,6 @@ def _sharded_cached_blocks(
             if deciding:
                 assert inputs is not None
                 _decide(deciding, cache, full, inputs, rows, computes, head_outputs)
-                for i in deciding:  # keep the computing documents' h_Fn rows, not the whole gathered tensor
-                    kept = head_outputs.pop(i)
-                    if computes[i]:
-                        head_outputs[i] = kept.clone()  # [S_i, hidden]
                 if all(c is not None for c in computes):
                     inputs = None  # no decision left: h_0 is not needed any more
         active = tuple(i for i in range(n_docs) if b < heads[i] or b >= tails[i] or computes[i])
@@ -396,9 +408,11 @@ def _sharded_cached_blocks(
                 full, running = gather(), None
                 out = full[:, lo : lo + local_rows]  # [1, T/W, hidden], a view
             out = block(out, temb, adaln_indices, rotary_emb)
+            full = None  # the next transition gathers every row afresh from ``out``: let the old ones go
             cache.block_rows += local_rows
         elif active:
             if active not in sub_packs:
+                sub_packs.clear()  # one sub-pack at a time: its indices and rotary angles are per row
                 sub_packs[active] = _ShardedSubPack.of(pack, starts, active, sharded)
             sub = sub_packs[active]
             if running is not sub or out is None:
@@ -469,9 +483,10 @@ class _ShardedSubPack:
             return block(hidden, temb, self.adaln_indices, self.rotary_emb)
 
     def gathered_into(self, full: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
-        """``full`` [1, T, hidden] with every rank's share of this sub-pack written back (the padding dropped)."""
+        """``full`` [1, T, hidden] with every rank's share of this sub-pack written back, in place (the padding
+        dropped): nothing else views ``full``, and a copy would hold a third [T, hidden] at the transition."""
         rows = self.sp.all_gather_rows(share[0])  # [T_sub', hidden] in rank order: the padded sub-pack's order
-        return full.index_copy(1, self.index, rows[None, : self.index.shape[0]])  # [1, T, hidden]
+        return full.index_copy_(1, self.index, rows[None, : self.index.shape[0]])  # [1, T, hidden]
 
 
 @dataclasses.dataclass
