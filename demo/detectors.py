@@ -26,7 +26,7 @@ import numpy as np
 from .world import COLOURS, TONE_HZ
 
 FOREGROUND_DIFF = 48  # uint8 levels from the background colour, in any channel
-MIN_OBJECT_SHARE, MAX_OBJECT_SHARE = 0.003, 0.35  # of a frame's pixels: the world's shapes cover 3-13%
+MIN_OBJECT_SHARE, MAX_OBJECT_SHARE = 0.003, 0.35  # of a frame's pixels: the shapes cover 7-13% at 128x64, to 27% square
 MIN_SATURATION, MIN_VALUE = 0.35, 0.25
 MIN_VOTE = 0.6  # the winning class's share of the votes (pixels or frames)
 STILL_BELOW, MOVING_ABOVE = 0.06, 0.12  # centroid displacement, fractions of the canvas (the world moves 0.3)

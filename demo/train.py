@@ -8,7 +8,9 @@ Three stages, each a library class trained in place and saved in the released la
    autoencoders learn pixels, not prompts: the held-out split does not apply to them), through the
    library's own ``decode`` (temporal chunking included), in the pipeline's ImageNet-normalised pixel
    space. A random convolutional encoder keeps the colours apart; training it jointly with the decoder
-   for the steps a CPU affords collapsed them (docs/BENCHMARKS.md section 8).
+   for the steps a CPU affords collapsed them (docs/BENCHMARKS.md section 8). With ``video_frame_steps``
+   the encoder then trains with the decoder on single frames (cheap: a frame encodes alone), so the
+   latents keep the shapes' outlines, and the decoder alone again on the new latents (``video_refine_*``).
 2. **The audio VAE** (``AutoencoderKLMiniMaxH3Audio``) the same way: its encoder keeps its seeded
    weights and its decoder learns to invert them on crops of each sound's whole-clip latents (mono, as
    the pipeline decodes the stereo channels as two batch items). Then both VAEs'
@@ -70,6 +72,15 @@ class Recipe:
     video_decoder_heads: int = 4
     video_decoder_head_dim: int = 32
     video_decoder_ffn_mult: int = 4
+    # then the encoder with the decoder on single frames (0: the encoder keeps its seeded weights): a frame
+    # encodes alone through the causal convolutions at ~1/20 of a window's cost, and a seeded encoder loses the
+    # outline; then the decoder alone again on the trained encoder's latents of whole windows
+    video_frame_steps: int = 0
+    video_frame_batch: int = 8
+    video_frame_encoder_lr: float = 1e-3
+    video_frame_decoder_lr: float = 5e-4
+    video_refine_steps: int = 0
+    video_refine_lr: float = 1e-3
     # audio VAE: the decoder alone on crops of one-second (40 latents) of each sound's whole-clip latents
     audio_decoder_steps: int = 1000
     audio_decoder_batch: int = 4
@@ -230,7 +241,14 @@ def demo_video_vae(recipe: Recipe):
 
 
 def train_video_decoder(
-    vae, clips: WorldClips, latents: dict, recipe: Recipe, pixel_mean, pixel_std, windows: DecodeWindows
+    vae,
+    clips: WorldClips,
+    latents: dict,
+    recipe: Recipe,
+    pixel_mean,
+    pixel_std,
+    windows: DecodeWindows,
+    stage: str = "video decoder",
 ):
     """The decoder alone on the (fixed) encoder's latents of every combination: ~0.1 s a step on 2 cores, where a
     step through the encoder's backward costs seconds."""
@@ -239,7 +257,7 @@ def train_video_decoder(
     parameters = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=recipe.video_decoder_lr, weight_decay=0.0)
     schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.video_decoder_steps)
-    progress = _Progress("video decoder", recipe.video_decoder_steps)
+    progress = _Progress(stage, recipe.video_decoder_steps)
     vae.decoder.train()
     for step in range(recipe.video_decoder_steps):
         pixels, zs = [], []
@@ -253,6 +271,49 @@ def train_video_decoder(
         loss = _reconstruction_loss(recon, _normalise_pixels(batch, mean, std), batch)
         progress(step, _descend(loss, optimizer, schedule))
     vae.decoder.eval()
+    return progress.summary()
+
+
+def train_video_on_frames(vae, clips: WorldClips, recipe: Recipe, pixel_mean, pixel_std) -> dict[str, Any]:
+    """The encoder jointly with the (already trained) decoder on single frames of every combination.
+
+    A frame encodes alone (the causal convolutions see zeros before it) into one latent frame, which the
+    decoder expands to ``temporal_compression_ratio`` frames: the last is the frame (the decode drops the rest
+    at a clip's start). A step costs ~1/20 of a decode window's through the encoder's backward, so the encoder
+    can learn the shapes' outlines that its seeded weights blur; the decoder must already invert the seeded
+    encoder (``train_video_decoder`` first), or the joint steps collapse the colours (docs/BENCHMARKS.md).
+    """
+    ratio = vae.temporal_compression_ratio
+    if vae.frame_pre_padding != ratio - 1:  # the library's geometry: a clip's first frame is latent 0's last
+        raise ValueError(f"a first frame decodes at {vae.frame_pre_padding} of {ratio}: not the last, as assumed")
+    rng = random.Random(recipe.seed + 7)
+    mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
+    channels = vae.config.latent_channels
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [*vae.encoder.parameters(), *vae.quant_conv.parameters()], "lr": recipe.video_frame_encoder_lr},
+            {
+                "params": [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()],
+                "lr": recipe.video_frame_decoder_lr,
+            },
+        ],
+        weight_decay=0.0,
+    )
+    schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.video_frame_steps)
+    progress = _Progress("video frames", recipe.video_frame_steps)
+    vae.train()
+    for step in range(recipe.video_frame_steps):
+        frames = [
+            clips.pixels(rng.choice(world.COMBINATIONS), rng.randrange(clips.fmt.num_frames), 1)
+            for _ in range(recipe.video_frame_batch)
+        ]
+        batch = torch.stack(frames)  # [B, 3, 1, H, W]
+        x = _normalise_pixels(batch, mean, std)
+        z = vae.quant_conv(vae.encoder(x))[:, :channels]  # [B, C, 1, h, w]: the posterior's mode
+        recon = vae.decoder(vae.post_quant_conv(z))[:, :, -1:]  # [B, 3, 1, H, W] of [B, 3, ratio, H, W]
+        loss = _reconstruction_loss(recon, x, batch)
+        progress(step, _descend(loss, optimizer, schedule))
+    vae.eval()
     return progress.summary()
 
 
@@ -305,19 +366,25 @@ def train_audio_decoder(audio_vae, fmt: world.ClipFormat, recipe: Recipe) -> dic
 
 
 @torch.no_grad()
-def encode_world(vae, audio_vae, clips: WorldClips, pixel_mean, pixel_std):
-    """Raw (unnormalised) latents: video [C, f, h, w] per combination, audio [2, C, n] per sound."""
+def encode_video(vae, clips: WorldClips, pixel_mean, pixel_std) -> dict[tuple[str, str, str], torch.Tensor]:
+    """Raw (unnormalised) video latents [C, f, h, w] of every combination's clip."""
     mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
     video: dict[tuple[str, str, str], torch.Tensor] = {}
     for i in range(0, len(world.COMBINATIONS), 2):  # in pairs: torch's CPU conv3d is oneDNN's for a batch of 2,
         pair = world.COMBINATIONS[i : i + 2]  # a slow reference kernel for some single clips
         pixels = torch.stack([clips.pixels(c) for c in pair])
         video.update(zip(pair, vae.encode(_normalise_pixels(pixels, mean, std)).latent_dist.mode(), strict=True))
+    return video
+
+
+@torch.no_grad()
+def encode_audio(audio_vae, fmt: world.ClipFormat) -> dict[str, torch.Tensor]:
+    """Raw (unnormalised) audio latents [2, C, n] of each sound's whole clip."""
     audio = {}
     for sound in world.SOUNDS:
-        stereo = torch.from_numpy(world.render_audio(world.Scene("red", "circle", "still", sound), clips.fmt))
+        stereo = torch.from_numpy(world.render_audio(world.Scene("red", "circle", "still", sound), fmt))
         audio[sound] = audio_vae.encode(stereo[:, None]).latent_dist.mode()  # [2, C, n]
-    return video, audio
+    return audio
 
 
 def latent_statistics(latents: list[torch.Tensor], channel_dim: int) -> tuple[list[float], list[float]]:
@@ -495,7 +562,7 @@ def _trained_vaes(checkpoint: Path, components: dict[str, Any], report: dict[str
     report["vaes_from"] = {
         "checkpoint": str(checkpoint),
         "recipe": record["recipe"],
-        **{stage: record[stage] for stage in ("audio_decoder", "video_decoder")},
+        **{s: record[s] for s in ("audio_decoder", "video_decoder", "video_frames", "video_refine") if s in record},
     }
 
 
@@ -531,9 +598,18 @@ def train(
         vae, audio_vae = components["vae"], components["audio_vae"]
         if vaes_from is None:
             report["audio_decoder"] = train_audio_decoder(audio_vae, fmt, recipe)
-        video, audio = encode_world(vae, audio_vae, clips, pixel_mean, pixel_std)
+        video, audio = encode_video(vae, clips, pixel_mean, pixel_std), encode_audio(audio_vae, fmt)
         if vaes_from is None:
             report["video_decoder"] = train_video_decoder(vae, clips, video, recipe, pixel_mean, pixel_std, windows)
+            if recipe.video_frame_steps:
+                report["video_frames"] = train_video_on_frames(vae, clips, recipe, pixel_mean, pixel_std)
+                video = encode_video(vae, clips, pixel_mean, pixel_std)  # the trained encoder's latents
+                refine = dataclasses.replace(
+                    recipe, video_decoder_steps=recipe.video_refine_steps, video_decoder_lr=recipe.video_refine_lr
+                )
+                report["video_refine"] = train_video_decoder(
+                    vae, clips, video, refine, pixel_mean, pixel_std, windows, stage="video refine"
+                )
             v_mean, v_std = latent_statistics(list(video.values()), 0)
             a_mean, a_std = latent_statistics(list(audio.values()), 1)
             vae.register_to_config(latents_mean=tuple(v_mean), latents_std=tuple(v_std))

@@ -51,8 +51,10 @@ SOUNDS = ("low hum", "high beep", "silence")
 TONE_HZ = {"low hum": 160.0, "high beep": 1000.0}
 TONE_AMPLITUDE = 0.3
 # Size and travel as fractions of the canvas: the shape's half-extent is SIZE * the short edge; a moving
-# shape's centre crosses TRAVEL of the canvas's width (left/right) or height (up/down) over the clip.
-SIZE = 0.18
+# shape's centre crosses TRAVEL of the canvas's width (left/right) or height (up/down) over the clip. At 0.25 a
+# shape spans two of the video VAE's 16-pixel latent blocks on the 64-pixel edge: at 0.18 (1.5 blocks) its round
+# trip kept the colour but lost circle from square (docs/BENCHMARKS.md section 8).
+SIZE = 0.25
 TRAVEL = 0.4
 
 # {colour} {shape} {motion} {sound}: the motion is "moving left" or "still"; the sound "a low hum" or "silence"

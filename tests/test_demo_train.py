@@ -2,13 +2,24 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Scheduler
 
 from demo import world
-from demo.train import DecodeWindows, Recipe, TrainingDocuments, crop_to_window, latent_statistics, train
+from demo.train import (
+    DecodeWindows,
+    Recipe,
+    TrainingDocuments,
+    WorldClips,
+    crop_to_window,
+    demo_video_vae,
+    latent_statistics,
+    train,
+    train_video_on_frames,
+)
 from pipelines.h3 import GenerationRequest, H3Pipeline, preset
 
 
@@ -33,6 +44,32 @@ def test_a_decode_window_is_exactly_the_encoding_of_its_frames(pipeline):
         alone = vae.encode(clip[:, :, frames]).latent_dist.mode()  # [2, C, 7, h, w]
     assert alone.shape[2] == latents.stop - latents.start == 7
     torch.testing.assert_close(alone, whole[:, :, latents], rtol=1e-5, atol=1e-5)
+
+
+def test_a_frame_trains_the_encoder_as_the_first_frame_of_a_clip_encodes(pipeline):
+    """The frame stage encodes frames alone: what a clip's first frame encodes to (causal in time), through the
+    library's own ``encode``; a few steps move the encoder, which the decoder stage alone never does."""
+    torch.manual_seed(0)
+    vae = demo_video_vae(Recipe()).eval()
+    fmt = world.ClipFormat.of(pipeline.rules)
+    clip = torch.rand(2, 3, 22, fmt.height, fmt.width)  # [B, 3, F, H, W]
+    channels = vae.config.latent_channels
+    with torch.no_grad():
+        alone = vae.quant_conv(vae.encoder(clip[:, :, :1]))[:, :channels]  # the stage's path: [2, C, 1, h, w]
+        first = vae.encode(clip).latent_dist.mode()[:, :, :1]
+    torch.testing.assert_close(alone, first, rtol=1e-5, atol=1e-5)
+
+    small = world.ClipFormat(fmt.width, fmt.height, 5, fmt.fps, fmt.sample_rate)  # 5 frames: renders in moments
+    seeded = {k: v.clone() for k, v in vae.encoder.state_dict().items()}
+    report = train_video_on_frames(
+        vae,
+        WorldClips(small),
+        Recipe(video_frame_steps=3, video_frame_batch=2),
+        (0.485, 0.456, 0.406),
+        (0.229, 0.224, 0.225),
+    )
+    assert report["steps"] == 3 and math.isfinite(report["final_loss"])
+    assert any(not torch.equal(seeded[k], v) for k, v in vae.encoder.state_dict().items())
 
 
 def test_the_training_target_is_the_velocity_the_scheduler_steps_with(pipeline):
@@ -156,21 +193,27 @@ def test_recipe_scaling_keeps_every_stage():
 @pytest.mark.timeout(1800)  # encoding every clip of the world is ~3 min on 2 free cores, far more on a loaded machine
 def test_a_short_run_writes_a_servable_checkpoint_with_its_record(tmp_path):
     out = tmp_path / "demo"
-    recipe = Recipe(video_decoder_steps=2, audio_decoder_steps=2, transformer_steps=3, transformer_batch=2)
+    recipe = Recipe(
+        video_decoder_steps=2,
+        video_frame_steps=2,
+        video_refine_steps=2,
+        audio_decoder_steps=2,
+        transformer_steps=3,
+        transformer_batch=2,
+    )
     report = train(out, recipe)
     record = json.loads((out / "training.json").read_text())
     assert record["recipe"]["transformer_steps"] == 3 and record == json.loads(json.dumps(report))
-    assert {s: record[s]["steps"] for s in ("video_decoder", "audio_decoder", "transformer")} == {
-        "video_decoder": 2,
-        "audio_decoder": 2,
-        "transformer": 3,
-    }
+    stages = ("video_decoder", "video_frames", "video_refine", "audio_decoder", "transformer")
+    assert {s: record[s]["steps"] for s in stages} == dict(zip(stages, (2, 2, 2, 2, 3), strict=True))
     trained = H3Pipeline.load(out, "torch_sdpa")
     vae = trained.stages.after.vae.config
     assert list(vae.latents_std) != [1.0] * 8  # the latents' own statistics, not the preset's identity
-    # the checkpoint carries its own, wider decoder; the encoder is the tiny preset's
+    # the checkpoint carries its own, wider decoder; the encoder is the tiny preset's, trained on frames
     assert (vae.decoder_num_attention_heads, vae.decoder_attention_head_dim) == (4, 32)
     assert tuple(vae.block_out_channels) == tuple(preset("tiny").components["vae"]["block_out_channels"])
+    seeded = demo_video_vae(recipe).encoder.state_dict()
+    assert any(not torch.equal(seeded[k], v) for k, v in trained.stages.after.vae.encoder.state_dict().items())
     media = trained.generate(GenerationRequest(prompt="a red circle moving left", num_inference_steps=2, seed=1))
     assert media.frames.shape[1:] == (64, 128, 3) and media.audio.shape[0] == 2
 
@@ -178,7 +221,7 @@ def test_a_short_run_writes_a_servable_checkpoint_with_its_record(tmp_path):
     again = tmp_path / "transformer-only"
     report = train(again, dataclasses.replace(recipe, transformer_steps=2), vaes_from=out)
     assert report["vaes_from"]["checkpoint"] == str(out) and "video_decoder" not in report
-    assert report["vaes_from"]["video_decoder"] == record["video_decoder"] and report["transformer"]["steps"] == 2
+    assert all(report["vaes_from"][s] == record[s] for s in stages[:-1]) and report["transformer"]["steps"] == 2
     assert {"final_video_loss", "final_audio_loss"} <= set(report["transformer"])
     for folder in ("vae", "audio_vae"):
         assert (again / folder / "diffusion_pytorch_model.safetensors").read_bytes() == (
