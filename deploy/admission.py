@@ -17,7 +17,7 @@ from pipelines.h3.lora import AdapterFootprint, LoraError, check_adapters
 from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, checkpoint_partitions, gib, memory_plan
 
 from .args import DeployArgs
-from .metrics import admission_recorder
+from .metrics import RECORD_TIMEOUT_S, admission_recorder
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ ADMISSION_ERRORS = (AttentionSelectionError, DeploymentConfigError, PlatformProb
 
 def record_in_ray(tags: dict[str, str]) -> None:
     """Count an admission decision in the detached recorder (scraped from Ray's metrics port)."""
-    ray.get(admission_recorder().record_admission.remote(tags), timeout=30)
+    ray.get(admission_recorder().record_admission.remote(tags), timeout=RECORD_TIMEOUT_S)
 
 
 def admit(

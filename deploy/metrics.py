@@ -218,6 +218,12 @@ class AdmissionRecorder:
         return list(self.log)
 
 
+# How long a driver or replica waits for the recorder to count a decision. The first count starts the detached
+# actor's process: seconds on an idle node, past 30 s on a 2-core one saturated by other work (a fresh `h3serve
+# serve` failed its preflight so); a recorder that does not answer in this long still fails the caller.
+RECORD_TIMEOUT_S = 120
+
+
 def admission_recorder():
     return AdmissionRecorder.options(  # type: ignore[attr-defined]  # a Ray actor class
         name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached", get_if_exists=True

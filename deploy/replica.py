@@ -57,7 +57,7 @@ from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, 
 
 from .args import DeployArgs
 from .errors import StageUnavailable
-from .metrics import EngineMetrics, admission_recorder
+from .metrics import RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is being stopped
@@ -283,7 +283,7 @@ class H3Replica:
     @staticmethod
     def _record_build_failure(backend: str, error: Exception, during: str = "build") -> None:
         reason = getattr(error, "reason", type(error).__name__)
-        ray.get(admission_recorder().record_build_failure.remote(backend, reason), timeout=30)
+        ray.get(admission_recorder().record_build_failure.remote(backend, reason), timeout=RECORD_TIMEOUT_S)
         logger.error("H3 replica failed in %s with %s: %s", during, backend, error)
 
     def rules(self) -> ModelRules:
