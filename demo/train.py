@@ -107,13 +107,14 @@ class Recipe:
             )
 
     def scaled(self, factor: float) -> Recipe:
-        """The same recipe with every stage's steps times ``factor`` (a quick run for tests)."""
+        """The same recipe with every stage's steps times ``factor`` (a quick run for tests); a stage that is off
+        (0 steps) stays off."""
         return dataclasses.replace(
             self,
             **{
                 f.name: max(2, round(getattr(self, f.name) * factor))
                 for f in dataclasses.fields(self)
-                if f.name.endswith("_steps")
+                if f.name.endswith("_steps") and getattr(self, f.name)
             },
         )
 

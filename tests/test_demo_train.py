@@ -187,6 +187,8 @@ def test_recipe_scaling_keeps_every_stage():
         quick.transformer_steps == quick.video_decoder_steps == 2
         and quick.transformer_batch == Recipe().transformer_batch
     )
+    assert quick.video_frame_steps == quick.video_refine_steps == 0  # off stays off
+    assert Recipe(video_frame_steps=3000).scaled(0.0001).video_frame_steps == 2
 
 
 @pytest.mark.slow
