@@ -241,6 +241,11 @@ def demo_video_vae(recipe: Recipe):
     )
 
 
+def _video_decoder_parameters(vae) -> list[torch.nn.Parameter]:
+    """What the decoder stages train: the decoder and the projection into it."""
+    return [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
+
+
 def train_video_decoder(
     vae,
     clips: WorldClips,
@@ -255,8 +260,7 @@ def train_video_decoder(
     step through the encoder's backward costs seconds."""
     rng = random.Random(recipe.seed + 6)
     mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
-    parameters = [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=recipe.video_decoder_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(_video_decoder_parameters(vae), lr=recipe.video_decoder_lr, weight_decay=0.0)
     schedule = _warmup_cosine(optimizer, recipe.warmup_steps // 2, recipe.video_decoder_steps)
     progress = _Progress(stage, recipe.video_decoder_steps)
     vae.decoder.train()
@@ -293,10 +297,7 @@ def train_video_on_frames(vae, clips: WorldClips, recipe: Recipe, pixel_mean, pi
     optimizer = torch.optim.AdamW(
         [
             {"params": [*vae.encoder.parameters(), *vae.quant_conv.parameters()], "lr": recipe.video_frame_encoder_lr},
-            {
-                "params": [*vae.decoder.parameters(), *vae.post_quant_conv.parameters()],
-                "lr": recipe.video_frame_decoder_lr,
-            },
+            {"params": _video_decoder_parameters(vae), "lr": recipe.video_frame_decoder_lr},
         ],
         weight_decay=0.0,
     )
