@@ -6,11 +6,11 @@ TORCH   ?= -r .ci/torch-cpu.txt
 CONFIG  ?= deploy/serve_config.yaml
 PYTEST_ARGS ?=
 EVAL_ARGS ?=
-DEMO_CHECKPOINT ?= checkpoints/minimax-h3-tiny-demo
+DEMO_CHECKPOINT ?= pipelines/h3/checkpoints/minimax-h3-tiny-demo
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test test-fast lint setup weights eval demo-checkpoint bench k8s k8s-check clean
+.PHONY: serve test test-fast lint setup weights eval demo-checkpoint readme-images bench k8s k8s-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,9 +46,15 @@ eval: setup
 	$(BIN)/h3serve eval $(EVAL_ARGS)
 
 # Train the tiny MiniMax-H3 on the demo world (both VAEs, then the transformer on the training split), on
-# CPU with fixed seeds; its recipe, seeds and losses land in $(DEMO_CHECKPOINT)/training.json. ~60 min on 2 cores.
+# CPU with fixed seeds, into the built-in checkpoint the default config serves (replaced); its recipe, seeds and
+# losses land in $(DEMO_CHECKPOINT)/training.json. ~45 min on 2 quiet cores.
 demo-checkpoint: setup
 	$(BIN)/python -m demo.train $(DEMO_CHECKPOINT)
+
+# The README's example prompts as the default server answers them (its checkpoint, default steps, seed 0):
+# docs/images/readme-clip.png (a frame strip of the clip) and readme-still.png (the images endpoint's still).
+readme-images: setup
+	$(BIN)/python -m demo.readme_images --config $(CONFIG) --out docs/images
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

@@ -1,11 +1,12 @@
 """``h3serve eval``: generate held-out scenes through the serving path and judge every clip analytically.
 
-The path is the server's: a ``replicas.WorkerGroup`` (sp=1, no Ray) builds rank 0's pipeline from the
-checkpoint with the attention backend admission resolves for this node, and a ``replicas.Engine``
-packs up to ``pack`` requests into each forward, as a replica does. The clips are ``n`` held-out scenes
-of ``demo.world`` (combinations the transformer never trains on) in the checkpoint's own format
-(default canvas, shortest clip, frame rate, sample rate), request ``i`` seeded ``seed + i``. Each clip
-is judged by ``demo.detectors``; a verdict of None (unknown) counts as wrong.
+The path is the server's: a ``replicas.WorkerGroup`` builds rank 0's pipeline from the checkpoint with the
+attention backend admission resolves for this node, and a ``replicas.Engine`` packs up to ``pack`` requests
+into each forward, as a replica does. At ``sp`` 1 no Ray is needed; over more Ulysses ranks the group's
+workers are Ray actors on a local cluster started for the eval (or the one already connected). The clips are
+``n`` held-out scenes of ``demo.world`` (combinations the transformer never trains on) in the checkpoint's own
+format (default canvas, shortest clip, frame rate, sample rate), request ``i`` seeded ``seed + i``. Each clip is
+judged by ``demo.detectors``; a verdict of None (unknown) counts as wrong.
 
 ``oracle=True`` judges the world's own rendering of the same scenes in the same format instead of
 generated clips: 100% by construction of the detectors, the ceiling any checkpoint is measured against.
@@ -18,8 +19,10 @@ report their (low) accuracy like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -50,9 +53,15 @@ class EvalSettings:
     dtype: str | None = None  # None: pipelines.h3.default_dtype(device)
     backend: str = "auto"
     cache: str = OFF  # every clip's step-cache tier: "off" or a built-in tier (StepCacheTiers' defaults)
+    sp: int = 1  # Ulysses ranks of the worker group (more than 1: Ray actors on this node, a CPU each)
 
     def __post_init__(self):
-        for field, value, least in (("n", self.n, 1), ("pack", self.pack, 1), ("steps", self.steps, 2)):
+        for field, value, least in (
+            ("n", self.n, 1),
+            ("pack", self.pack, 1),
+            ("steps", self.steps, 2),
+            ("sp", self.sp, 1),
+        ):
             if value < least:
                 raise RequestError(field, f"{field} must be at least {least}, got {value}")
         StepCacheTiers().policy(self.cache)  # RequestError("cache") naming the tiers
@@ -125,7 +134,8 @@ def requests_for(scenes: list[Scene], fmt: ClipFormat, settings: EvalSettings) -
 
 
 def build_group(settings: EvalSettings) -> WorkerGroup:
-    """An sp=1 worker group on this node with the backend admission resolves for the checkpoint."""
+    """A worker group of ``settings.sp`` ranks on this node with the backend admission resolves for the checkpoint
+    (over several ranks, Ray must be initialised: ``local_ray``)."""
     from attention import probe_platform, resolve
     from pipelines.h3 import REQUIREMENTS, TransformerGeometry, default_dtype
     from pipelines.h3.checkpoint import resolve_checkpoint
@@ -133,6 +143,7 @@ def build_group(settings: EvalSettings) -> WorkerGroup:
 
     directory = resolve_checkpoint(settings.checkpoint)
     geometry = TransformerGeometry.from_checkpoint(directory)
+    geometry.check_sp_degree(settings.sp)
     dtype = settings.dtype or default_dtype(settings.device)
     resolution = resolve(
         REQUIREMENTS,
@@ -150,12 +161,31 @@ def build_group(settings: EvalSettings) -> WorkerGroup:
         head_dim=geometry.head_dim,
         device=settings.device,
         dtype=dtype,
-        sp_degree=1,
+        sp_degree=settings.sp,
+        rank_resources={"CPU": 1.0} if settings.device == "cpu" else {"CPU": 1.0, "GPU": 1.0},
     )
     return WorkerGroup.create(spec)
 
 
-async def _generate_all(group: WorkerGroup, requests: list[GenerationRequest], pack: int) -> list[GeneratedMedia]:
+@contextlib.contextmanager
+def local_ray(sp: int) -> Iterator[None]:
+    """Over several ranks the workers are Ray actors: a local cluster for the eval unless one is connected."""
+    if sp == 1:
+        yield
+        return
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=sp, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+async def generate_all(group: WorkerGroup, requests: list[GenerationRequest], pack: int) -> list[GeneratedMedia]:
     from replicas import Engine, EngineLimits
 
     # the whole set is submitted at once: the engine holds `pack` in the forward and the rest in its queue
@@ -168,6 +198,11 @@ async def _generate_all(group: WorkerGroup, requests: list[GenerationRequest], p
 
 def evaluate(settings: EvalSettings) -> dict[str, Any]:
     """Generate (or, for the oracle, render) and judge; returns the JSON document ``--json`` writes."""
+    with local_ray(settings.sp):
+        return _evaluate(settings)
+
+
+def _evaluate(settings: EvalSettings) -> dict[str, Any]:
     group = build_group(settings)
     try:
         rules = group.pipeline.rules
@@ -179,7 +214,7 @@ def evaluate(settings: EvalSettings) -> dict[str, Any]:
         if settings.oracle:
             clips = [render(scene, fmt) + (fmt.sample_rate,) for scene in scenes]
         else:
-            media = asyncio.run(_generate_all(group, requests, settings.pack))
+            media = asyncio.run(generate_all(group, requests, settings.pack))
             clips = [(m.frames, m.audio, m.sample_rate) for m in media]
         checkpoint = str(group.pipeline.denoiser.directory)
     finally:

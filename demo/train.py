@@ -8,9 +8,9 @@ Three stages, each a library class trained in place and saved in the released la
    autoencoders learn pixels, not prompts: the held-out split does not apply to them), through the
    library's own ``decode`` (temporal chunking included), in the pipeline's ImageNet-normalised pixel
    space. A random convolutional encoder keeps the colours apart; training it jointly with the decoder
-   for the steps a CPU affords collapsed them (docs/BENCHMARKS.md section 8). With ``video_frame_steps``
-   the encoder then trains with the decoder on single frames (cheap: a frame encodes alone), so the
-   latents keep the shapes' outlines, and the decoder alone again on the new latents (``video_refine_*``).
+   for the steps a CPU affords collapsed them (docs/BENCHMARKS.md section 8). Then the encoder trains with
+   the decoder on single frames (``video_frame_*``; cheap: a frame encodes alone), so the latents keep the
+   shapes' outlines, and the decoder alone again on the new latents (``video_refine_*``).
 2. **The audio VAE** (``AutoencoderKLMiniMaxH3Audio``) the same way: its encoder keeps its seeded
    weights and its decoder learns to invert them on crops of each sound's whole-clip latents (mono, as
    the pipeline decodes the stereo channels as two batch items). Then both VAEs'
@@ -27,7 +27,10 @@ Three stages, each a library class trained in place and saved in the released la
    prompt is a larger share of what each row attends to, which the model learns to read sooner.
 
 ``--vaes-from CHECKPOINT`` keeps the VAEs of a checkpoint this recipe wrote and trains the transformer alone
-(stage 3), for iterating on it without the VAE stages' ~12 minutes.
+(stage 3), for iterating on it without the VAE stages' ~22 minutes.
+
+The defaults are the recipe of the built-in tiny checkpoint (``pipelines/h3/checkpoints/minimax-h3-tiny-demo``,
+``make demo-checkpoint``): ~43 minutes on 2 quiet cores; ``h3serve eval`` of it in docs/BENCHMARKS.md section 8.
 
 The text encoder keeps its seeded weights (``checkpoint.keep_tokens_apart`` keeps the prompt's tokens
 apart at layer 50); the tokenizer, processor and schedulers are the tiny preset's. Everything is
@@ -64,7 +67,7 @@ class Recipe:
     seed: int = 0
     threads: int = 2
     # video VAE: the decoder alone on the seeded encoder's latents, windows of 17 + 5 frames (7 latent frames)
-    video_decoder_steps: int = 4000
+    video_decoder_steps: int = 3000
     video_decoder_batch: int = 4
     video_decoder_lr: float = 2e-3
     # its width: a latent token becomes a 4 x 16 x 16 pixel block through one linear layer of this many features
@@ -75,11 +78,11 @@ class Recipe:
     # then the encoder with the decoder on single frames (0: the encoder keeps its seeded weights): a frame
     # encodes alone through the causal convolutions at ~1/20 of a window's cost, and a seeded encoder loses the
     # outline; then the decoder alone again on the trained encoder's latents of whole windows
-    video_frame_steps: int = 0
+    video_frame_steps: int = 6000
     video_frame_batch: int = 8
     video_frame_encoder_lr: float = 1e-3
     video_frame_decoder_lr: float = 5e-4
-    video_refine_steps: int = 0
+    video_refine_steps: int = 2000
     video_refine_lr: float = 1e-3
     # audio VAE: the decoder alone on crops of one-second (40 latents) of each sound's whole-clip latents
     audio_decoder_steps: int = 1000
@@ -87,14 +90,14 @@ class Recipe:
     audio_decoder_latents: int = 40
     audio_decoder_lr: float = 2e-3
     # transformer: rectified flow on the training split
-    transformer_steps: int = 2500
+    transformer_steps: int = 6000
     transformer_batch: int = 8
-    transformer_lr: float = 1e-3
+    transformer_lr: float = 3e-3
     # the share of documents cut to a window of the clip (``crop_to_window``): a window of a fraction drawn
     # uniformly from [min, max] of the clip's time, text rows kept; the rest are whole clips
-    transformer_window_share: float = 0.0
-    transformer_window_min: float = 1.0
-    transformer_window_max: float = 1.0
+    transformer_window_share: float = 0.8
+    transformer_window_min: float = 0.1
+    transformer_window_max: float = 0.4
     warmup_steps: int = 100
 
     def __post_init__(self):

@@ -318,6 +318,7 @@ def cmd_eval(ns: argparse.Namespace) -> None:
             num_frames=ns.frames,
             oracle=ns.oracle,
             cache=ns.cache,
+            sp=ns.sp,
             device=ns.device,
             dtype=ns.dtype,
             backend=ns.backend,
@@ -325,7 +326,9 @@ def cmd_eval(ns: argparse.Namespace) -> None:
         result = evaluate(settings)
     except (AttentionSelectionError, CheckpointError, ValueError, ValidationError, OSError) as e:
         fail(EXIT_REFUSED, str(e))  # RequestError is a ValueError: it names the field
-    what = "the world's own rendering (oracle)" if ns.oracle else f"{ns.steps} steps, up to {ns.pack} per pack"
+    what = "the world's own rendering (oracle)"
+    if not ns.oracle:
+        what = f"{ns.steps} steps, up to {ns.pack} per pack, sp={ns.sp}"
     fmt = result["format"]
     print(
         f"h3serve eval: {result['checkpoint']}: {ns.n} held-out clips, {fmt['width']}x{fmt['height']}, "
@@ -411,6 +414,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--frames", type=int, help="frames per clip, 17n+5 (default: the shortest clip)")
     p.add_argument("--oracle", action="store_true", help="judge the world's own rendering instead (the 100%% ceiling)")
     p.add_argument("--cache", default="off", help="every clip's step-cache tier: 'off' or high, medium, low")
+    p.add_argument(
+        "--sp", type=int, default=1, help="Ulysses ranks (default 1; more: Ray actors on a local cluster, a CPU each)"
+    )
     p.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1, as generate); 0: torch's choice"
     )

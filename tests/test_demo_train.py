@@ -184,11 +184,11 @@ def test_a_recipe_refuses_windows_it_cannot_draw(fields, named):
 def test_recipe_scaling_keeps_every_stage():
     quick = Recipe().scaled(0.0001)
     assert (
-        quick.transformer_steps == quick.video_decoder_steps == 2
+        quick.transformer_steps == quick.video_decoder_steps == quick.video_frame_steps == 2
         and quick.transformer_batch == Recipe().transformer_batch
     )
-    assert quick.video_frame_steps == quick.video_refine_steps == 0  # off stays off
-    assert Recipe(video_frame_steps=3000).scaled(0.0001).video_frame_steps == 2
+    off = Recipe(video_frame_steps=0, video_refine_steps=0).scaled(0.0001)
+    assert off.video_frame_steps == off.video_refine_steps == 0  # off stays off
 
 
 @pytest.mark.slow

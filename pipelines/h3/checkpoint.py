@@ -413,8 +413,24 @@ def random_tiny_checkpoint(seed: int = 0) -> Path:
     return target
 
 
+# The built-in tiny checkpoint: the tiny MiniMax-H3 trained on the demo world (``python -m demo.train``; its
+# recipe, seeds and losses in its training.json), shipped in the released layout as package data.
+BUILT_IN_TINY = Path(__file__).parent / "checkpoints" / "minimax-h3-tiny-demo"
+
+
+def built_in_tiny_checkpoint() -> Path:
+    """The shipped trained tiny checkpoint; refused by name where an install left it out (never replaced by
+    random weights: a server making noise from a missing file would look like a broken model)."""
+    if not (BUILT_IN_TINY / INDEX_FILE).is_file():
+        raise CheckpointError(
+            f"the built-in tiny checkpoint is not in this install ({BUILT_IN_TINY / INDEX_FILE} is missing): set "
+            "checkpoint to a checkpoint directory, or write the tiny preset with random weights (`h3serve weights`)"
+        )
+    return BUILT_IN_TINY
+
+
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
-    """The directory to serve: the given one, or for none the built-in tiny checkpoint."""
+    """The directory to serve: the given one, or for none the built-in (trained) tiny checkpoint."""
     if checkpoint is not None:
         return Path(checkpoint)
-    return random_tiny_checkpoint()
+    return built_in_tiny_checkpoint()
