@@ -12,8 +12,9 @@ Then one mixed pack, every request on a different tier, against the same pack al
 sum of its parts (each request alone on its tier): its wall ratios, and whether each request's output in
 the mixed pack equals its output alone on its tier.
 
-Without ``--checkpoint`` the tiny checkpoint has random weights (``random_tiny_checkpoint``): its fidelity
-numbers say how the policy behaves on that signal, not what a trained model looks like. SSIM is
+Without ``--checkpoint`` it is the built-in tiny checkpoint, trained on the demo world, and the prompts are
+scenes of that world (held-out combinations), so the fidelity numbers are a trained model's; a checkpoint
+with random weights (``h3serve weights``) says how the policy behaves on that signal only. SSIM is
 Wang et al.'s (11x11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03) on the luma of each frame, written
 here in torch: no image-quality library is a dependency of h3serve.
 """
@@ -28,8 +29,9 @@ import sys
 import numpy as np
 import torch
 
+from demo.world import held_out_scenes
 from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.checkpoint import random_tiny_checkpoint
+from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.step_cache import BUILTIN_TIERS, OFF, StepCachePolicy
 
 from .common import machine, median, now, say, table, write_json
@@ -49,7 +51,7 @@ SMOKE = Sizes(requests=2, steps=10, reps=1)  # run_all --smoke: every table, a f
 
 
 def requests(sizes: Sizes) -> list[GenerationRequest]:
-    prompts = ["a red kite over the dunes", "rain on a tin roof", "a ferry horn in fog", "a lighthouse at dusk"]
+    prompts = [scene.prompt for scene in held_out_scenes(4)]
     canvases = [(128, 64), (64, 64), (64, 128), (96, 64)]
     return [
         GenerationRequest(prompt=p, width=w, height=h, seed=i, num_inference_steps=sizes.steps)
@@ -110,7 +112,7 @@ def snr_db(signal: np.ndarray, test: np.ndarray) -> float:
 
 def run(sizes: Sizes, checkpoint: str | None = None) -> dict:
     torch.manual_seed(0)
-    pipeline = H3Pipeline.load(checkpoint or random_tiny_checkpoint(), "torch_sdpa")
+    pipeline = H3Pipeline.load(resolve_checkpoint(checkpoint), "torch_sdpa")
     reqs = requests(sizes)
     reps = sizes.reps
     say(f"{len(reqs)} requests x {reqs[0].num_inference_steps} steps, {reps} interleaved reps per tier")
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     size.add_argument("--smoke", action="store_true", help="2 requests x 10 steps, 1 rep (run_all --smoke)")
     ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
-    ap.add_argument("--checkpoint", metavar="DIR", help="a tiny checkpoint directory (default: random tiny weights)")
+    ap.add_argument("--checkpoint", metavar="DIR", help="a tiny checkpoint directory (default: the built-in, trained)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = run(SMOKE if args.smoke else QUICK if args.quick else FULL, args.checkpoint)

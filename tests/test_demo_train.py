@@ -181,6 +181,19 @@ def test_a_recipe_refuses_windows_it_cannot_draw(fields, named):
         Recipe(**fields)
 
 
+def test_the_built_in_checkpoint_is_what_the_recipe_defaults_make():
+    from pipelines.h3.checkpoint import resolve_checkpoint
+
+    record = json.loads((resolve_checkpoint(None) / "training.json").read_text())
+    assert record["recipe"] == dataclasses.asdict(Recipe())  # `python -m demo.train OUT` remakes it
+    assert record["seconds"] < 3600  # the budget: an hour on 2 cores, every stage included
+    steps = {"audio_decoder": "audio_decoder", "video_decoder": "video_decoder", "video_frames": "video_frame"}
+    steps |= {"video_refine": "video_refine", "transformer": "transformer"}  # every stage ran, all its steps
+    assert {stage: record[stage]["steps"] for stage in steps} == {
+        stage: record["recipe"][f"{field}_steps"] for stage, field in steps.items()
+    }
+
+
 def test_recipe_scaling_keeps_every_stage():
     quick = Recipe().scaled(0.0001)
     assert (

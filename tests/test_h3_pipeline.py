@@ -287,6 +287,16 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_checkpoint, tmp_path, ed
     assert "transformer" in str(error.value)  # names the folder
 
 
+def test_a_missing_built_in_checkpoint_is_refused_by_name_not_replaced(monkeypatch, tmp_path):
+    import pipelines.h3.checkpoint as checkpoint
+
+    CheckpointIndex(checkpoint.resolve_checkpoint(None))  # shipped, in the released layout
+    monkeypatch.setattr(checkpoint, "BUILT_IN_TINY", tmp_path / "left-out")
+    with pytest.raises(CheckpointError, match="built-in tiny checkpoint is not in this install") as error:
+        H3Pipeline.load(None, "torch_sdpa")
+    assert str(tmp_path / "left-out" / "modular_model_index.json") in str(error.value)
+
+
 def test_missing_components_and_index_are_named(tiny_checkpoint, tmp_path):
     copy_ = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, copy_)
