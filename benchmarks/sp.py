@@ -8,6 +8,12 @@ packed forward of each runs; the video and audio velocities must be allclose (1e
 one torch thread (a Ray actor with 1 CPU gets OMP_NUM_THREADS=1), so sp=2 uses 2 cores for what
 sp=1 does on one; sp=1 with both cores (2 threads) is shown too.
 
+Step caching's own cost under Ulysses (issue 24): the same requests denoised with a policy that never skips
+(threshold 0: every document computes every block, the outputs equal no caching bit for bit) against no
+caching, at sp=1 and sp=2, interleaved. At sp=2 a caching pack all-gathers [T, hidden] at its transitions (the
+blocks' input, the decision block, the middle's end), so the difference is what the gathers and the kept
+residuals cost when caching buys nothing.
+
 Bytes rank 0 gathers per packed forward, from the shapes: before issue 22 every rank sent its rows of the
 final hidden state ([T/W, hidden] fp32); now each rank applies norm_out and the output heads to its own
 rows and sends [T/W, max(C_video, C_audio)] fp32. Shown for each tiny pack and for the released size
@@ -24,10 +30,11 @@ import ray
 import torch
 
 from pipelines.h3 import GenerationRequest
+from pipelines.h3.step_cache import StepCachePolicy
 from replicas import WorkerGroup
 
 from . import packing
-from .common import machine, main_for, median, say, table, time_ms, tiny_spec
+from .common import machine, main_for, median, now, say, table, time_ms, tiny_spec
 from .h3_shapes import Clip, clip_rows, human_bytes, transformer_config
 from .packing_report import one_pack
 
@@ -66,6 +73,39 @@ def batches(smoke: bool) -> dict[str, list[GenerationRequest]]:
 def allclose(got, want) -> tuple[bool, float]:
     diffs = [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)]  # video, audio
     return all(torch.allclose(g, w, rtol=1e-5, atol=1e-5) for g, w in zip(got, want, strict=True)), max(diffs)
+
+
+NEVER_SKIPS = StepCachePolicy(threshold=0.0, warmup_steps=1, max_consecutive_skips=10**6)
+
+
+def denoise_ms(group: WorkerGroup, requests: list[GenerationRequest], policy: StepCachePolicy | None) -> float:
+    """Milliseconds per packed step to denoise ``requests`` together, every one under ``policy``."""
+    states = [group.pipeline.prepare(r, policy) for r in requests]
+    steps, start = 0, now()
+    while not all(s.done for s in states):
+        group.pipeline.step([s for s in states if not s.done])
+        steps += 1
+    return 1000 * (now() - start) / steps
+
+
+def caching_overhead(solo: WorkerGroup, duo: WorkerGroup, requests: list[GenerationRequest], reps: int) -> dict:
+    """Per-step ms without caching and with a policy that never skips, sp=1 and sp=2 (one thread a rank)."""
+    runs = {
+        (sp, name): (group, policy)
+        for sp, group in ((1, solo), (2, duo))
+        for name, policy in (("off", None), ("never skips", NEVER_SKIPS))
+    }
+    times: dict[tuple[int, str], list[float]] = {k: [] for k in runs}
+    torch.set_num_threads(1)
+    for _ in range(reps + 1):  # interleaved; the first round warms up
+        for k, (group, policy) in runs.items():
+            times[k].append(denoise_ms(group, requests, policy))
+    ms = {k: median(v[1:]) for k, v in times.items()}
+    return {
+        f"sp={sp}": {"off ms": ms[sp, "off"], "never skips ms": ms[sp, "never skips"]}
+        | {"overhead": ms[sp, "never skips"] / ms[sp, "off"]}
+        for sp in (1, 2)
+    }
 
 
 def run(smoke: bool = False) -> dict:
@@ -111,6 +151,9 @@ def run(smoke: bool = False) -> dict:
                     "allclose_1e-5": close,
                 }
             )
+        cached_requests = batches(smoke)["1 request 64x64x124"] * (1 if smoke else 2)
+        cached_requests = [r.model_copy(update={"num_inference_steps": 4 if smoke else 8}) for r in cached_requests]
+        overhead = caching_overhead(solo, duo, cached_requests, reps)
     finally:
         torch.set_num_threads(threads)
         duo.shutdown()
@@ -181,6 +224,18 @@ def run(smoke: bool = False) -> dict:
         ],
         title="bytes rank 0 gathers per packed forward (fp32): the hidden state (before) vs the heads' outputs (after)",
     )
+    say()
+    table(
+        ["ranks", "off ms/step", "never skips ms/step", "never skips / off"],
+        [[sp, o["off ms"], o["never skips ms"], f"{o['overhead']:.2f}x"] for sp, o in overhead.items()],
+        title=f"step caching that skips nothing (threshold 0) vs off: {len(cached_requests)} x "
+        f"{cached_requests[0].width}x{cached_requests[0].height}, {cached_requests[0].num_inference_steps} steps, "
+        f"median of {reps}, one thread a rank",
+    )
+    say(
+        "  at sp=2 a caching pack all-gathers [T, hidden] at its transitions (block input, decision, middle's end)\n"
+        "  and keeps every caching row's residuals on every rank; at sp=1 it keeps them and copies h_Fn."
+    )
     say(f"\noutputs allclose (1e-5) sp=2 vs sp=1: {'YES' if ok else 'NO'}")
     return {
         "benchmark": "sp",
@@ -189,6 +244,7 @@ def run(smoke: bool = False) -> dict:
         "reps": reps,
         "rows": rows,
         "released_gather": released,
+        "caching_overhead": overhead,
         "ok": bool(ok),
     }
 

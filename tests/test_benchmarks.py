@@ -334,6 +334,10 @@ def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, capsys
     released = result["released_gather"]
     assert (released["columns_before"], released["columns_after"], released["reduction"]) == (5376, 96, 56)
     assert released["bytes_before"] == released["rows"] * 5376 * 4 and released["rows"] > 80_000
+    # step caching that skips nothing, timed against off at both degrees (a ratio, not a target)
+    assert set(result["caching_overhead"]) == {"sp=1", "sp=2"}
+    assert all(o["off ms"] > 0 and o["never skips ms"] > 0 for o in result["caching_overhead"].values())
+    assert "step caching that skips nothing" in out
     assert "bytes rank 0 gathers per packed forward" in out
 
 

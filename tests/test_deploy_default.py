@@ -93,7 +93,7 @@ def test_plain_http_like_curl(server):
 
 
 def test_an_image_is_the_middle_frame_of_the_shortest_clip(server):
-    same = {"prompt": "a clock tower", "seed": 5, "num_inference_steps": 4}
+    same = {"prompt": "a red square moving right", "seed": 5, "num_inference_steps": 8}
     with client(server.url) as http:
         png = base64.b64decode(http.post("/v1/images/generations", json=same).json()["data"][0]["b64_json"])
         video = http.post("/v1/videos", json=same).json()  # no seconds: the shortest clip
@@ -103,7 +103,10 @@ def test_an_image_is_the_middle_frame_of_the_shortest_clip(server):
     image = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float32)
     errors = [np.abs(frame.astype(np.float32) - image).mean() for frame in frames]
     assert len(frames) == SHORTEST
-    assert int(np.argmin(errors)) == SHORTEST // 2, errors  # H.264 is lossy: the closest frame, not an equal one
+    # H.264 is lossy, and neighbouring frames of the trained model's slow motion differ by less than its error: the
+    # still is the closest frame to within that error, and far from the clip's ends (the square crosses the canvas)
+    middle = errors[SHORTEST // 2]
+    assert middle <= min(errors) + 0.1 and min(errors[0], errors[-1]) > middle + 5, errors
 
 
 def test_video_job_lifecycle_down_to_a_playable_mp4_with_stereo_audio(server):

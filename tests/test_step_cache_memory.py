@@ -84,6 +84,7 @@ def measure(model, config, clips: list[Clip], policies: list[StepCachePolicy], s
     held = sum(state.residual_bytes for state in states)
     # nothing else of the warm-up is left (under Ulysses gloo may hold a collective's buffers a moment longer)
     assert tracked.live == held or (sp is not None and tracked.live > held), (tracked.live, held)
+    stale = tracked.live - held  # the warm-up's, not the measured forward's: the uncached tracker starts without them
     tracked.peak = tracked.live
     with tracked:
         packed_forward(model, pack, sp, PackCache(states))
@@ -91,7 +92,7 @@ def measure(model, config, clips: list[Clip], policies: list[StepCachePolicy], s
     with uncached:
         packed_forward(model, pack, sp)
     skipped = [state.skipped[-1] for state in states]
-    return Measured(pack.total_rows, pack.text_indices.numel(), uncached.peak, tracked.peak, held, skipped)
+    return Measured(pack.total_rows, pack.text_indices.numel(), uncached.peak, tracked.peak - stale, held, skipped)
 
 
 def planned_extra(config, m: Measured, sp_degree: int = 1) -> int:
