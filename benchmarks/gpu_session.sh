@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~7 minutes, at most ~12 (each
-# step has a hard timeout: 90 + 60 + 150 + 300 + 120 s). The first step is a smoke of the serving path on the device
+# The whole GPU benchmark session (issue 15) as ONE command on one lent H200: ~7 minutes, at most ~13 (each
+# step has a hard timeout: 90 + 60 + 150 + 300 + 120 + 60 s). The first step is a smoke of the serving path on the device
 # (benchmarks/gpu_smoke.py, issue 22); when it fails, the session stops there, loudly, with exit 1. A fifth step,
 # the arrival trace (issue 23, up to 600 s more), runs only on a node with Ray and the released checkpoint (step 5).
 #
@@ -47,7 +47,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 H3SERVE_CACHE=${H3SERVE_CACHE:-/tmp/h3serve-cache}
 
-$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline, benchmarks.gpu_smoke, benchmarks.lora_step" \
+$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline, benchmarks.gpu_smoke, benchmarks.lora_step, benchmarks.step_cache_step" \
     || { echo "gpu_session: the benchmarks do not import here (see above); nothing measured"; exit 2; }
 if [ -n "$DRY" ]; then
     DEST="${OUT:-$(mktemp -d)}/cpu-dry-run"
@@ -97,6 +97,15 @@ LORA_JSON=()
 [ -z "${OUT:-}" ] && LORA_JSON=(--json "$DEST/lora_step.json")
 if [ -n "$DRY" ]; then LORA_MODE=--quick; else LORA_MODE=--gpu; fi
 timeout 120 $PY -m benchmarks.lora_step $LORA_MODE ${LORA_JSON[@]+"${LORA_JSON[@]}"} 2>&1 | tee -a "$DEST/gpu_pipeline.log"
+
+# 4c. step caching (issue 24: benchmarks/step_cache_step.py --gpu): one packed forward at the released width (4 blocks,
+# bf16) of 4 documents, no cache against F1B0 caching with 0, 2 and 4 documents skipping their middle blocks, projected
+# to 50 blocks. Its log joins gpu_pipeline.log, as 4b's.
+CACHE_JSON=()
+[ -z "${OUT:-}" ] && CACHE_JSON=(--json "$DEST/step_cache_step.json")
+if [ -n "$DRY" ]; then CACHE_MODE=--smoke; else CACHE_MODE=--gpu; fi
+timeout 60 $PY -m benchmarks.step_cache_step $CACHE_MODE ${CACHE_JSON[@]+"${CACHE_JSON[@]}"} 2>&1 \
+    | tee -a "$DEST/gpu_pipeline.log"
 
 # 5. the arrival trace (issue 23) through request-level FCFS and the engine's policies on the released model. It
 # needs what the lent machine lacks (Ray, which replicas imports, and the released checkpoint), so it runs only

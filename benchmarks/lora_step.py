@@ -88,7 +88,7 @@ def run(quick: bool, gpu: bool = False) -> dict:
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     config = gpu_config() if gpu else bench_config(quick)
     model = build_transformer(config, device, dtype)
-    install(model, _sdpa())
+    install(model, sdpa_impl())
     if gpu:  # a 768x1344 canvas, 22 frames (7 latent frames): ~7k rows a document
         clip = Clip(width=1344, height=768, num_frames=22, text_tokens=256)
     elif quick:
@@ -173,7 +173,7 @@ def run(quick: bool, gpu: bool = False) -> dict:
     }
 
 
-def _sdpa():
+def sdpa_impl():
     from attention import get_backend
 
     return get_backend("torch_sdpa").make_impl()

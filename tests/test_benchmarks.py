@@ -30,6 +30,7 @@ from benchmarks import (
     sp,
     stages,
     step_cache,
+    step_cache_step,
     trace,
 )
 from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
@@ -318,6 +319,16 @@ def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(capsys):
     assert [r["way"] for r in result["rows"]] == ["CLI: h3serve generate", "in-process phases (1 thread)"]
     assert all(r["frames"] == 124 and r["size"] == "128x64" and r["audio_channels"] == 2 for r in result["rows"])
     assert "target: a default video request in under 60 s" in out
+
+
+def test_step_cache_step_smoke_forces_each_decision_and_projects_the_released_depth(capsys):
+    result = step_cache_step.run(quick=True, smoke=True)
+    out = capsys.readouterr().out
+    assert result["ok"] and "decisions as forced: YES" in out  # each document skipped or computed as forced
+    cases = {c["case"]: c for c in result["cases"]}
+    assert [c["skipping"] for c in cases.values()] == [0.0, 0.0, 0.5, 1.0]
+    assert cases["off"]["ratio"] == cases["off"]["projected_ratio"] == 1.0
+    assert all(len(c["times_ms"]) == 2 and min(c["times_ms"]) > 0 for c in cases.values())
 
 
 @pytest.mark.ray

@@ -1,0 +1,153 @@
+"""Per-step cost of a caching pack whose documents skip or compute, against the same pack without a cache.
+
+    python -m benchmarks.step_cache_step --quick [--json PATH]   # CPU
+    python -m benchmarks.step_cache_step --gpu [--json PATH]     # CUDA, the released width (benchmarks/gpu_session.sh)
+
+One pack of four T2VA documents on a MiniMax-H3 of random weights in the released block layout (at a CPU-sized
+width with ``--quick``; with ``--gpu`` at the released width, 4 blocks, bf16 with diffusers' fp32 modules). The
+same pack runs ``packed_forward`` without a cache, and with every document on F1B0 (the built-in tiers' shape:
+the first block decides, the other blocks are the middle): all four computing, two skipping and two computing,
+all four skipping. Each caching case first takes one warm-up forward (computed: residuals kept), then the cases
+are interleaved rep by rep, so load drift hits them alike. Skipping or computing is forced (a policy that always
+skips, one that never leaves its warm-up), so the table is the cost of what the decisions do, not of a tier.
+
+From the four blocks measured here, the fixed cost (embeddings, text refiner, output heads) and one block's cost
+follow (off = fixed + 4 blocks; all skipping = fixed + 1 block + the cached middles' adds); the table projects them
+to the released depth of 50 blocks. Only pipelines/ and torch are imported (no Ray): it runs on the lent GPU
+machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from pipelines.h3.attention_processor import install
+from pipelines.h3.forward import packed_forward
+from pipelines.h3.packing import pack_documents
+from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
+
+from .common import machine, median, now, parser, say, table, write_json
+from .h3_shapes import Clip, build_transformer, clip_document
+from .lora_step import bench_config, gpu_config, sdpa_impl
+
+BLOCKS, RELEASED_BLOCKS = 4, 50
+SKIPS = StepCachePolicy(threshold=1e9, warmup_steps=1, max_consecutive_skips=10**6)  # after its warm-up: always
+COMPUTES = StepCachePolicy(threshold=0.0, warmup_steps=10**6)  # never leaves its warm-up: always computes
+CASES: dict[str, tuple[StepCachePolicy, ...] | None] = {
+    "off": None,
+    "cached, 4 compute": (COMPUTES,) * 4,
+    "cached, 2 skip + 2 compute": (SKIPS, SKIPS, COMPUTES, COMPUTES),
+    "cached, 4 skip": (SKIPS,) * 4,
+}
+
+
+def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
+    torch.manual_seed(0)
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    config = {**(gpu_config() if gpu else bench_config(quick)), "num_layers": BLOCKS}
+    model = build_transformer(config, device, dtype)
+    install(model, sdpa_impl())
+    if gpu:  # a 768x1344 canvas, 22 frames (7 latent frames): ~7k rows a document
+        clip = Clip(width=1344, height=768, num_frames=22, text_tokens=256)
+    elif smoke:  # CI: seconds
+        clip = Clip(width=128, height=64, num_frames=22, text_tokens=16)
+    elif quick:
+        clip = Clip(width=256, height=128, num_frames=22, text_tokens=64)
+    else:
+        clip = Clip(512, 256, 22, 128)
+    docs = [clip_document(config, clip, progress=p, seed=s, device=device) for s, p in enumerate((0.1, 0.4, 0.6, 0.9))]
+    pack = pack_documents(docs)
+    caches = {
+        name: [DocumentCache(policy) for policy in policies] if policies else None for name, policies in CASES.items()
+    }
+
+    def step(name: str) -> list[bool]:
+        """One forward of the pack in case ``name``; each document's decision (skipped) for the caching cases."""
+        states = caches[name]
+        with torch.no_grad():
+            packed_forward(model, pack, cache=PackCache(states) if states else None)
+        if gpu:
+            torch.cuda.synchronize()  # the step's kernels are done before the clock stops
+        return [state.skipped[-1] for state in states] if states else []
+
+    decisions = {name: step(name) for name in CASES}  # warm-up: every caching document computes and keeps residuals
+    reps = 2 if smoke else 9
+    times: dict[str, list[float]] = {name: [] for name in CASES}
+    for _ in range(reps):
+        for name in CASES:  # interleaved: the same load on every case
+            t0 = now()
+            decisions[name] = step(name)
+            times[name].append((now() - t0) * 1e3)
+
+    ms = {name: median(v) for name, v in times.items()}
+    block = (ms["off"] - ms["cached, 4 skip"]) / (BLOCKS - 1)  # a whole pack's block: what skipping every middle saves
+    fixed = ms["off"] - BLOCKS * block
+    skipping = {name: sum(d) / len(d) if d else 0.0 for name, d in decisions.items()}
+    projected = {
+        name: fixed + block + (RELEASED_BLOCKS - 1) * (ms[name] - fixed - block) / (BLOCKS - 1) for name in CASES
+    }
+    rows = [
+        [name, skipping[name], ms[name], ms[name] / ms["off"], projected[name], projected[name] / projected["off"]]
+        for name in CASES
+    ]
+    say(
+        f"pack: {len(docs)} documents, {pack.total_rows} rows, hidden {config['hidden_size']}, {BLOCKS} blocks, "
+        f"{torch.get_num_threads()} torch threads, {reps} interleaved reps, {device} {str(dtype).split('.')[-1]}"
+    )
+    table(
+        ["pack", "documents skipping", "ms/step", "x off", f"ms/step at {RELEASED_BLOCKS} blocks", "x off"],
+        rows,
+        title=f"step caching, F1B0, forced decisions ({'CUDA, released width' if gpu else 'CPU'}); "
+        f"{RELEASED_BLOCKS} blocks projected from fixed {fixed:.1f} ms + {block:.1f} ms a block",
+    )
+    expected = {name: [policy is SKIPS for policy in policies] if policies else [] for name, policies in CASES.items()}
+    ok = decisions == expected  # every document decided as its forced policy says
+    say(f"decisions as forced: {'YES' if ok else 'NO'}")
+    return {
+        "ok": ok,
+        "machine": machine(),
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "rows": pack.total_rows,
+        "config": config,
+        "fixed_ms": fixed,
+        "block_ms": block,
+        "cases": [
+            {
+                "case": name,
+                "skipping": skipping[name],
+                "median_ms": ms[name],
+                "times_ms": times[name],
+                "ratio": ms[name] / ms["off"],
+                "projected_ms": projected[name],
+                "projected_ratio": projected[name] / projected["off"],
+            }
+            for name in CASES
+        ],
+    }
+
+
+WHAT_GPU_MEASURES = (
+    "ms per packed forward of 4 T2VA documents (768x1344, 22 frames) at the released width (4 blocks, bf16): no "
+    "cache, and F1B0 caching with 0, 2 and 4 documents skipping their middle blocks; projected to 50 blocks"
+)
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="CPU: hidden 512 and 1.4k rows (else hidden 1024, 4k rows)")
+    ap.add_argument("--gpu", action="store_true", help="CUDA, the released width: " + WHAT_GPU_MEASURES)
+    args = ap.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        say(f"step_cache_step --gpu: no CUDA device here; nothing measured. It measures: {WHAT_GPU_MEASURES}")
+        return 2
+    if args.gpu:
+        say(f"step_cache_step --gpu measures: {WHAT_GPU_MEASURES}")
+    result = run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
+    write_json(args.json, result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
