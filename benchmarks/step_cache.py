@@ -1,6 +1,6 @@
 """Step-cache tiers against no caching on the same requests (CPU, tiny checkpoint).
 
-    python -m benchmarks.step_cache [--quick | --smoke] [--json PATH] [--checkpoint DIR]
+    python -m benchmarks.step_cache [--quick | --smoke | --gpu] [--json PATH] [--checkpoint DIR]
 
 Each request of a fixed set runs alone under every tier of the deployment default (``off``, ``high``,
 ``medium``, ``low``: ``pipelines.h3.step_cache.BUILTIN_TIERS``), the tiers interleaved rep by rep so
@@ -247,10 +247,15 @@ def main(argv=None) -> int:
         "--quick", action="store_true", help="3 requests x 16 steps, 2 reps: a few minutes on a loaded CPU"
     )
     size.add_argument("--smoke", action="store_true", help="2 requests x 10 steps, 1 rep (run_all --smoke)")
+    size.add_argument("--gpu", action="store_true", help="CUDA, the released width: benchmarks.step_cache_step --gpu")
     ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--checkpoint", metavar="DIR", help="a tiny checkpoint directory (default: the built-in, trained)")
     args = ap.parse_args(argv)
+    if args.gpu:  # no released checkpoint on the lent machine: the per-step cost at the released width, random weights
+        from . import step_cache_step
+
+        return step_cache_step.main(["--gpu", *(["--json", args.json] if args.json else [])])
     torch.set_num_threads(args.threads)
     result = run(SMOKE if args.smoke else QUICK if args.quick else FULL, args.checkpoint)
     write_json(args.json, result)
