@@ -4,7 +4,7 @@
 
 The co-batching trace (issue 25, item 5):
 
-    python -m benchmarks.lora --trace [--requests N] [--policy srpt] [--json PATH]
+    python -m benchmarks.lora --trace [--requests N] [--policy srpt] [--aging-s S] [--json PATH]
     python -m benchmarks.lora --smoke [--json PATH]      # the trace at its smallest size (CI, run_all)
 
 The tiny checkpoint served with three adapters written by peft's and diffusers' own save functions
@@ -535,7 +535,7 @@ def print_trace_tables(rows: list[dict], load: float) -> None:
     )
 
 
-def run_trace(sizes: TraceSizes, policy: str, seed: int = 0) -> dict:
+def run_trace(sizes: TraceSizes, policy: str, seed: int = 0, aging_s: float | None = None) -> dict:
     from pipelines.h3.checkpoint import random_tiny_checkpoint
 
     checkpoint = random_tiny_checkpoint()
@@ -544,18 +544,23 @@ def run_trace(sizes: TraceSizes, policy: str, seed: int = 0) -> dict:
         spec = tiny_spec(sp=1, checkpoint=str(checkpoint)).model_copy(update={"loras": loras})
         group = WorkerGroup.create(spec)
         try:
-            return _run_trace(group, loras, sizes, policy, seed)
+            return _run_trace(group, loras, sizes, policy, seed, aging_s)
         finally:
             group.shutdown()
 
 
-def _run_trace(group: WorkerGroup, loras: LoraSpecs, sizes: TraceSizes, policy: str, seed: int) -> dict:
+def _run_trace(
+    group: WorkerGroup, loras: LoraSpecs, sizes: TraceSizes, policy: str, seed: int, aging_s: float | None
+) -> dict:
     pipe = group.pipeline
     limits = EngineLimits(
         max_active=8, max_queue=max(64, sizes.requests), max_rows_per_step=sizes.rows_per_step, policy=policy
     )
+    if aging_s is not None:  # the engine's default (60 s) is longer than this whole trace: nothing would age
+        limits = limits.model_copy(update={"aging_s": aging_s})
     adapters = pipe.denoiser.adapters["transformer"]
-    say(f"machine: {machine()}\nbackend: {group.spec.resolution.backend}; policy {policy} in every mode")
+    backend = group.spec.resolution.backend
+    say(f"machine: {machine()}\nbackend: {backend}; policy {policy}, aging_s {limits.aging_s:g} in every mode")
     say(
         "adapters (peft/diffusers save functions, tiny transformer): "
         + "; ".join(
@@ -672,6 +677,7 @@ def _run_trace(group: WorkerGroup, loras: LoraSpecs, sizes: TraceSizes, policy: 
         "machine": machine(),
         "backend": group.spec.resolution.backend,
         "policy": policy,
+        "aging_s": limits.aging_s,
         "sizes": dataclasses.asdict(sizes),
         "limits": limits.model_dump(),
         "adapters": {
@@ -716,6 +722,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, help="trace: requests in the trace")
     ap.add_argument("--policy", choices=POLICIES, default="srpt", help="trace: the engine policy of every mode")
     ap.add_argument("--seed", type=int, default=0, help="trace: the trace's seed")
+    ap.add_argument("--aging-s", type=float, help="trace: the engine's aging_s in every mode (default: the engine's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = ap.parse_args(argv)
     trace_mode = args.trace or args.smoke
@@ -728,7 +735,7 @@ def main(argv=None) -> int:
             sizes = TRACE_SMOKE if args.smoke else TRACE_FULL
             if args.requests:
                 sizes = dataclasses.replace(sizes, requests=args.requests)
-            result = run_trace(sizes, args.policy, args.seed)
+            result = run_trace(sizes, args.policy, args.seed, args.aging_s)
         else:
             result = step_cost(args.quick)
     finally:
