@@ -39,6 +39,30 @@ def main_for(doc: str | None, run: Callable[[bool], dict]) -> Callable[..., int]
     return main
 
 
+def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable[..., dict]) -> Callable[..., int]:
+    """The `python -m benchmarks.NAME [--quick | --smoke | --gpu] [--json PATH]` entry point of a per-step cost
+    measured on CPU at a smaller width or, with ``--gpu``, on CUDA at the released width: ``run(quick, gpu, smoke)``.
+    """
+
+    def main(argv=None) -> int:
+        ap = parser(doc)
+        ap.add_argument(
+            "--quick", action="store_true", help="CPU: hidden 512 and 1.4k rows (else hidden 1024, 4k rows)"
+        )
+        ap.add_argument("--gpu", action="store_true", help="CUDA, the released width: " + what_gpu_measures)
+        args = ap.parse_args(argv)
+        if args.gpu and not torch.cuda.is_available():
+            say(f"{name} --gpu: no CUDA device here; nothing measured. It measures: {what_gpu_measures}")
+            return 2
+        if args.gpu:
+            say(f"{name} --gpu measures: {what_gpu_measures}")
+        result = run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
+        write_json(args.json, result)
+        return 0 if result["ok"] else 1
+
+    return main
+
+
 def now() -> float:
     return time.perf_counter()
 

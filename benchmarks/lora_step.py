@@ -30,7 +30,7 @@ from pipelines.h3.forward import packed_forward
 from pipelines.h3.lora import BASE_SLOT, LoraAdapter, LoraLayer, LoraSpec, adapting, pack_slots, stream_of
 from pipelines.h3.packing import pack_documents
 
-from .common import machine, median, now, parser, say, table, write_json
+from .common import machine, median, now, say, table, width_main
 from .h3_shapes import Clip, build_transformer, clip_document, transformer_config
 
 RANKS = (16, 64)
@@ -83,20 +83,32 @@ def delta_flop_ratio(config: dict, rank: int, adapted_fraction: float) -> float:
     return (base + delta) / base
 
 
-def run(quick: bool, gpu: bool = False) -> dict:
+def model_and_pack(quick: bool, gpu: bool, smoke: bool = False, num_layers: int | None = None):
+    """What a per-step benchmark times: (config, model, documents, pack, device, dtype). Random weights in the
+    released block layout (``gpu``: the released width on CUDA, bf16; else ``bench_config``, fp32), and one pack
+    of four T2VA documents at denoising progress 0.1 to 0.9."""
     torch.manual_seed(0)
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     config = gpu_config() if gpu else bench_config(quick)
+    if num_layers is not None:
+        config = {**config, "num_layers": num_layers}
     model = build_transformer(config, device, dtype)
     install(model, sdpa_impl())
     if gpu:  # a 768x1344 canvas, 22 frames (7 latent frames): ~7k rows a document
         clip = Clip(width=1344, height=768, num_frames=22, text_tokens=256)
+    elif smoke:  # CI: seconds
+        clip = Clip(width=128, height=64, num_frames=22, text_tokens=16)
     elif quick:
         clip = Clip(width=256, height=128, num_frames=22, text_tokens=64)
     else:
         clip = Clip(512, 256, 22, 128)
     docs = [clip_document(config, clip, progress=p, seed=s, device=device) for s, p in enumerate((0.1, 0.4, 0.6, 0.9))]
-    pack = pack_documents(docs)
+    return config, model, docs, pack_documents(docs), device, dtype
+
+
+def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
+    # its quick size is a CI smoke already (benchmarks.lora --quick runs it)
+    config, model, docs, pack, device, dtype = model_and_pack(quick or smoke, gpu)
     slots = pack_slots(pack, [BASE_SLOT, *range(1, ADAPTERS + 1)])
     adapted_fraction = 1 - pack.lengths[0] / pack.total_rows
     by_rank = {r: {s: random_adapter(model, r, seed=s + 10 * r) for s in range(1, ADAPTERS + 1)} for r in RANKS}
@@ -186,19 +198,7 @@ WHAT_GPU_MEASURES = (
 )
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
-    ap.add_argument("--quick", action="store_true", help="CPU: hidden 512 and 1.4k rows (else hidden 1024, 4k rows)")
-    ap.add_argument("--gpu", action="store_true", help="CUDA, the released width: " + WHAT_GPU_MEASURES)
-    args = ap.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        say(f"lora_step --gpu: no CUDA device here; nothing measured. It measures: {WHAT_GPU_MEASURES}")
-        return 2
-    if args.gpu:
-        say(f"lora_step --gpu measures: {WHAT_GPU_MEASURES}")
-    result = run(args.quick or args.smoke, gpu=args.gpu)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+main = width_main(__doc__, "lora_step", WHAT_GPU_MEASURES, run)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,11 @@ import sys
 
 import torch
 
-from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import pack_documents
 from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
-from .common import machine, median, now, parser, say, table, write_json
-from .h3_shapes import Clip, build_transformer, clip_document
-from .lora_step import bench_config, gpu_config, sdpa_impl
+from .common import machine, median, now, say, table, width_main
+from .lora_step import model_and_pack
 
 BLOCKS, RELEASED_BLOCKS = 4, 50
 SKIPS = StepCachePolicy(threshold=1e9, warmup_steps=1, max_consecutive_skips=10**6)  # after its warm-up: always
@@ -44,21 +41,7 @@ CASES: dict[str, tuple[StepCachePolicy, ...] | None] = {
 
 
 def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
-    torch.manual_seed(0)
-    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    config = {**(gpu_config() if gpu else bench_config(quick)), "num_layers": BLOCKS}
-    model = build_transformer(config, device, dtype)
-    install(model, sdpa_impl())
-    if gpu:  # a 768x1344 canvas, 22 frames (7 latent frames): ~7k rows a document
-        clip = Clip(width=1344, height=768, num_frames=22, text_tokens=256)
-    elif smoke:  # CI: seconds
-        clip = Clip(width=128, height=64, num_frames=22, text_tokens=16)
-    elif quick:
-        clip = Clip(width=256, height=128, num_frames=22, text_tokens=64)
-    else:
-        clip = Clip(512, 256, 22, 128)
-    docs = [clip_document(config, clip, progress=p, seed=s, device=device) for s, p in enumerate((0.1, 0.4, 0.6, 0.9))]
-    pack = pack_documents(docs)
+    config, model, docs, pack, device, dtype = model_and_pack(quick, gpu, smoke, num_layers=BLOCKS)
     caches = {
         name: [DocumentCache(policy) for policy in policies] if policies else None for name, policies in CASES.items()
     }
@@ -134,19 +117,7 @@ WHAT_GPU_MEASURES = (
 )
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
-    ap.add_argument("--quick", action="store_true", help="CPU: hidden 512 and 1.4k rows (else hidden 1024, 4k rows)")
-    ap.add_argument("--gpu", action="store_true", help="CUDA, the released width: " + WHAT_GPU_MEASURES)
-    args = ap.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        say(f"step_cache_step --gpu: no CUDA device here; nothing measured. It measures: {WHAT_GPU_MEASURES}")
-        return 2
-    if args.gpu:
-        say(f"step_cache_step --gpu measures: {WHAT_GPU_MEASURES}")
-    result = run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+main = width_main(__doc__, "step_cache_step", WHAT_GPU_MEASURES, run)
 
 
 if __name__ == "__main__":
