@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import yaml
@@ -36,10 +37,12 @@ GAP = 4  # background pixels between a strip's frames
 
 @dataclasses.dataclass(frozen=True)
 class DefaultServer:
-    """What the default serve config's application generates with: its checkpoint and its default steps."""
+    """What a serve config's application generates with: its checkpoint, default steps, device and dtype."""
 
     checkpoint: str | None
     steps: int
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str | None = None
 
     @classmethod
     def of(cls, config: str | Path) -> DefaultServer:
@@ -47,7 +50,7 @@ class DefaultServer:
 
         (application,) = yaml.safe_load(Path(config).read_text())["applications"]
         args = DeployArgs(**application["args"])
-        return cls(args.checkpoint, args.limits.default_steps)
+        return cls(args.checkpoint, args.limits.default_steps, args.device, args.dtype)
 
 
 def frame_strip(frames: np.ndarray, count: int = STRIP_FRAMES) -> np.ndarray:
@@ -66,7 +69,8 @@ def write_images(config: str | Path, out: str | Path, threads: int | None = None
 
         torch.set_num_threads(threads)
     server = DefaultServer.of(config)
-    group = build_group(EvalSettings(checkpoint=server.checkpoint, steps=server.steps))
+    settings = EvalSettings(checkpoint=server.checkpoint, steps=server.steps, device=server.device, dtype=server.dtype)
+    group = build_group(settings)
     try:
         requests = [GenerationRequest(prompt=prompt, num_inference_steps=server.steps) for _, prompt, _ in EXAMPLES]
         for request in requests:

@@ -13,6 +13,9 @@ def test_the_default_server_is_read_from_the_serve_config():
     server = DefaultServer.of("deploy/serve_config.yaml")
     assert server.checkpoint is None  # the built-in tiny checkpoint
     assert server.steps == 16  # the config's limits.default_steps, not RequestLimits' own default
+    assert (server.device, server.dtype) == ("cpu", "float32")
+    gpu = DefaultServer.of("deploy/serve_config.gpu.yaml")
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16") and gpu.checkpoint  # the released model's directory
 
 
 def test_a_strip_holds_evenly_spaced_frames_first_to_last():
