@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import yaml
 
 from pipelines.h3 import GenerationRequest
 
@@ -46,10 +45,12 @@ class DefaultServer:
 
     @classmethod
     def of(cls, config: str | Path) -> DefaultServer:
+        """From the config's one H3 application, read as `h3serve serve` reads it."""
         from deploy.args import DeployArgs
+        from deploy.cli import h3_apps, load_config
 
-        (application,) = yaml.safe_load(Path(config).read_text())["applications"]
-        args = DeployArgs(**application["args"])
+        ((_, raw),) = h3_apps(load_config(str(config)))
+        args = DeployArgs.model_validate(raw)
         return cls(args.checkpoint, args.limits.default_steps, args.device, args.dtype)
 
 
