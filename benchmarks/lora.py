@@ -4,15 +4,16 @@
 
 The co-batching trace (issue 25, item 5):
 
-    python -m benchmarks.lora --trace [--requests N] [--policy srpt] [--aging-s S] [--json PATH]
+    python -m benchmarks.lora --trace [--requests N] [--steps N] [--policy srpt] [--aging-s S] [--json PATH]
     python -m benchmarks.lora --smoke [--json PATH]      # the trace at its smallest size (CI, run_all)
 
 The tiny checkpoint served with three adapters written by peft's and diffusers' own save functions
 (``turbo-4``: every linear layer, the timestep path included, rank 16, distilled for 4 steps at shift 5 as
 a Turbo adapter is; ``style-a``: the blocks' attention and FFN, rank 16, scale 0.8; ``style-b``: the blocks'
 attention, rank 8). One seeded trace of ``N`` requests (the size classes of ``benchmarks.trace``: half
-stills, a third clips, the rest long; a quarter each on the base model and on each adapter, the turbo ones
-asking no steps, so they run the adapter's) arrives Poisson at 0.8 of the baseline's capacity: the same
+stills, a third clips, the rest long; a quarter each on the base model and on each adapter; the base and
+style requests at ``--steps``, default 50 as the GPU serve configs' ``default_steps``, the turbo ones asking
+no steps, so they run the adapter's 4) arrives Poisson at 0.8 of the baseline's capacity: the same
 requests all at once through one adapter per batch, requests / makespan (the request-level capacity, each
 class on each model alone, is printed beside it), and is replayed, one mode after the other, through the same
 engine and pipeline (``max_active`` 8, ``max_rows_per_step`` 2048, one policy for all: ``--policy``, default
@@ -124,7 +125,7 @@ class TraceSizes:
 
 
 TRACE_FULL = TraceSizes(
-    TINY_CLASSES, requests=40, steps=8, turbo_steps=4, rows_per_step=2048, load=0.8, capacity_rounds=2, swap_reps=10
+    TINY_CLASSES, requests=40, steps=50, turbo_steps=4, rows_per_step=2048, load=0.8, capacity_rounds=2, swap_reps=10
 )
 TRACE_SMOKE = TraceSizes(
     (RequestClass("still", 64, 64, 124, 1.0),),
@@ -723,6 +724,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=POLICIES, default="srpt", help="trace: the engine policy of every mode")
     ap.add_argument("--seed", type=int, default=0, help="trace: the trace's seed")
     ap.add_argument("--aging-s", type=float, help="trace: the engine's aging_s in every mode (default: the engine's)")
+    ap.add_argument(
+        "--steps", type=int, help="trace: base and style requests' num_inference_steps (default 50; turbo: its own)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = ap.parse_args(argv)
     trace_mode = args.trace or args.smoke
@@ -735,6 +739,8 @@ def main(argv=None) -> int:
             sizes = TRACE_SMOKE if args.smoke else TRACE_FULL
             if args.requests:
                 sizes = dataclasses.replace(sizes, requests=args.requests)
+            if args.steps:
+                sizes = dataclasses.replace(sizes, steps=args.steps)
             result = run_trace(sizes, args.policy, args.seed, args.aging_s)
         else:
             result = step_cost(args.quick)

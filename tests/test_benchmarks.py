@@ -246,10 +246,11 @@ def test_step_cache_smoke_reports_every_tier_and_a_mixed_pack_equal_to_its_parts
 
 
 def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outputs(capsys, tmp_path):
-    assert lora.main(["--smoke", "--json", str(tmp_path / "lora.json")]) == 0
+    assert lora.main(["--smoke", "--steps", "4", "--json", str(tmp_path / "lora.json")]) == 0
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "lora.json").read_text())
     sizes, n = result["sizes"], result["sizes"]["requests"]
+    assert sizes["steps"] == 4 and sizes["turbo_steps"] == lora.TRACE_SMOKE.turbo_steps  # --steps: base and style
     models = ["base", lora.TURBO, lora.STYLE_A, lora.STYLE_B]
     assert sorted(r["model"] for r in result["trace"]) == sorted(models * (n // 4))  # a quarter on each model
     # a turbo request asks no steps and runs its adapter's; the others run the trace's
