@@ -739,7 +739,7 @@ def main(argv=None) -> int:
             sizes = TRACE_SMOKE if args.smoke else TRACE_FULL
             if args.requests:
                 sizes = dataclasses.replace(sizes, requests=args.requests)
-            if args.steps:
+            if args.steps is not None:  # GenerationRequest refuses fewer than 2
                 sizes = dataclasses.replace(sizes, steps=args.steps)
             result = run_trace(sizes, args.policy, args.seed, args.aging_s)
         else:
