@@ -34,9 +34,10 @@ from pipelines.h3.step_cache import StepCachePolicy
 from replicas import WorkerGroup
 
 from . import packing
-from .common import machine, main_for, median, now, say, table, time_ms, tiny_spec
+from .common import machine, main_for, median, say, table, time_ms, tiny_spec
 from .h3_shapes import Clip, clip_rows, human_bytes, transformer_config
 from .packing_report import one_pack
+from .step_cache import denoise
 
 RELEASED_PACK = (Clip(1344, 768, 124), Clip(1344, 768, 141))  # two T2VA requests at the released canvas
 
@@ -80,12 +81,8 @@ NEVER_SKIPS = StepCachePolicy(threshold=0.0, warmup_steps=1, max_consecutive_ski
 
 def denoise_ms(group: WorkerGroup, requests: list[GenerationRequest], policy: StepCachePolicy | None) -> float:
     """Milliseconds per packed step to denoise ``requests`` together, every one under ``policy``."""
-    states = [group.pipeline.prepare(r, policy) for r in requests]
-    steps, start = 0, now()
-    while not all(s.done for s in states):
-        group.pipeline.step([s for s in states if not s.done])
-        steps += 1
-    return 1000 * (now() - start) / steps
+    states, seconds, _, _ = denoise(group.pipeline, requests, [policy] * len(requests))
+    return 1000 * seconds / max(s.steps for s in states)  # one packed step per step of the longest
 
 
 def caching_overhead(solo: WorkerGroup, duo: WorkerGroup, requests: list[GenerationRequest], reps: int) -> dict:

@@ -63,9 +63,11 @@ def policy(tier: str) -> StepCachePolicy | None:
     return None if tier == OFF else BUILTIN_TIERS[tier]
 
 
-def denoise(pipeline: H3Pipeline, reqs: list[GenerationRequest], tiers: list[str]) -> tuple[list, float, int, int]:
+def denoise(
+    pipeline: H3Pipeline, reqs: list[GenerationRequest], policies: list[StepCachePolicy | None]
+) -> tuple[list, float, int, int]:
     """Every request in one pack per step until all are done: the states, seconds, block-rows run and skipped."""
-    states = [pipeline.prepare(r, policy(t)) for r, t in zip(reqs, tiers, strict=True)]
+    states = [pipeline.prepare(r, p) for r, p in zip(reqs, policies, strict=True)]
     blocks = len(pipeline.denoiser.transformers["transformer"].transformer_blocks)
     total, skipped = 0, 0
     started = now()
@@ -122,12 +124,12 @@ def run(sizes: Sizes, checkpoint: str | None = None) -> dict:
     request_s: dict[tuple[str, int], list[float]] = {(t, i): [] for t in TIERS for i in range(len(reqs))}
     final: dict[str, list] = {}
     rows: dict[str, tuple[int, int]] = {}
-    denoise(pipeline, reqs[:1], [OFF])  # warm-up
+    denoise(pipeline, reqs[:1], [None])  # warm-up
     for _ in range(reps):
         for tier in TIERS:
             took, total, skipped, states = 0.0, 0, 0, []
             for i, r in enumerate(reqs):
-                (state,), s, t, k = denoise(pipeline, [r], [tier])
+                (state,), s, t, k = denoise(pipeline, [r], [policy(tier)])
                 took, total, skipped = took + s, total + t, skipped + k
                 request_s[tier, i].append(s)
                 states.append(state)
@@ -187,9 +189,9 @@ def run(sizes: Sizes, checkpoint: str | None = None) -> dict:
     mixed_tiers = [TIERS[i % len(TIERS)] for i in range(len(reqs))]
     mixed_s, off_pack_s = [], []
     for _ in range(reps):
-        mixed, s, total, skipped = denoise(pipeline, reqs, mixed_tiers)
+        mixed, s, total, skipped = denoise(pipeline, reqs, [policy(t) for t in mixed_tiers])
         mixed_s.append(s)
-        off_pack_s.append(denoise(pipeline, reqs, [OFF] * len(reqs))[1])
+        off_pack_s.append(denoise(pipeline, reqs, [None] * len(reqs))[1])
     alone = {r.prompt: final[t][i] for i, (r, t) in enumerate(zip(reqs, mixed_tiers, strict=True))}
     parts_s = sum(median(request_s[t, i]) for i, t in enumerate(mixed_tiers))  # each alone on its tier
     same = [
