@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -180,11 +181,12 @@ class _Progress:
 
 
 class WorldClips:
-    """Every colour x shape x motion clip in the checkpoint's format, rendered once (uint8, ~3 MB each)."""
+    """Every colour x shape x motion clip (or those of ``combinations``) in the checkpoint's format, rendered once
+    (uint8, ~3 MB each)."""
 
-    def __init__(self, fmt: world.ClipFormat):
-        self.fmt = fmt
-        self.frames = {c: world.render_video(world.Scene(*c, sound="silence"), fmt) for c in world.COMBINATIONS}
+    def __init__(self, fmt: world.ClipFormat, combinations: Sequence[tuple[str, str, str]] = world.COMBINATIONS):
+        self.fmt, self.combinations = fmt, tuple(combinations)
+        self.frames = {c: world.render_video(world.Scene(*c, sound="silence"), fmt) for c in self.combinations}
 
     def pixels(self, combination: tuple[str, str, str], start: int = 0, count: int | None = None) -> torch.Tensor:
         """float32 [3, F, H, W] in [0, 1]: frames ``start .. start + count`` of one clip."""
@@ -270,7 +272,7 @@ def train_video_decoder(
     for step in range(recipe.video_decoder_steps):
         pixels, zs = [], []
         for _ in range(recipe.video_decoder_batch):
-            combination = rng.choice(world.COMBINATIONS)
+            combination = rng.choice(clips.combinations)
             frames, latent_frames = windows(rng.randrange(windows.count))
             pixels.append(clips.pixels(combination)[:, frames])
             zs.append(latents[combination][:, latent_frames])
@@ -309,7 +311,7 @@ def train_video_on_frames(vae, clips: WorldClips, recipe: Recipe, pixel_mean, pi
     vae.train()
     for step in range(recipe.video_frame_steps):
         frames = [
-            clips.pixels(rng.choice(world.COMBINATIONS), rng.randrange(clips.fmt.num_frames), 1)
+            clips.pixels(rng.choice(clips.combinations), rng.randrange(clips.fmt.num_frames), 1)
             for _ in range(recipe.video_frame_batch)
         ]
         batch = torch.stack(frames)  # [B, 3, 1, H, W]
@@ -372,11 +374,11 @@ def train_audio_decoder(audio_vae, fmt: world.ClipFormat, recipe: Recipe) -> dic
 
 @torch.no_grad()
 def encode_video(vae, clips: WorldClips, pixel_mean, pixel_std) -> dict[tuple[str, str, str], torch.Tensor]:
-    """Raw (unnormalised) video latents [C, f, h, w] of every combination's clip."""
+    """Raw (unnormalised) video latents [C, f, h, w] of every clip of ``clips``."""
     mean, std = torch.tensor(pixel_mean), torch.tensor(pixel_std)
     video: dict[tuple[str, str, str], torch.Tensor] = {}
-    for i in range(0, len(world.COMBINATIONS), 2):  # in pairs: torch's CPU conv3d is oneDNN's for a batch of 2,
-        pair = world.COMBINATIONS[i : i + 2]  # a slow reference kernel for some single clips
+    for i in range(0, len(clips.combinations), 2):  # in pairs: torch's CPU conv3d is oneDNN's for a batch of 2,
+        pair = clips.combinations[i : i + 2]  # a slow reference kernel for some single clips
         pixels = torch.stack([clips.pixels(c) for c in pair])
         video.update(zip(pair, vae.encode(_normalise_pixels(pixels, mean, std)).latent_dist.mode(), strict=True))
     return video
@@ -505,7 +507,7 @@ def train_transformer(pipeline, documents: TrainingDocuments, recipe: Recipe) ->
 
     forward = inspect.unwrap(packed_forward)  # the same computation, with gradients
     model = pipeline.denoiser.transformers["transformer"]
-    scenes = world.training_scenes(recipe.seed + 3)
+    scenes = world.training_scenes(recipe.seed + 3, documents.video_rows)  # the combinations encoded
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.transformer_lr, weight_decay=0.01)
     schedule = _warmup_cosine(optimizer, recipe.warmup_steps, recipe.transformer_steps)
     progress = _Progress("transformer", recipe.transformer_steps)
@@ -572,10 +574,16 @@ def _trained_vaes(checkpoint: Path, components: dict[str, Any], report: dict[str
 
 
 def train(
-    out: str | Path, recipe: Recipe, backend: str = "auto", vaes_from: str | Path | None = None
+    out: str | Path,
+    recipe: Recipe,
+    backend: str = "auto",
+    vaes_from: str | Path | None = None,
+    combinations: Sequence[tuple[str, str, str]] = world.COMBINATIONS,
 ) -> dict[str, Any]:
     """The whole recipe into ``out``; with ``vaes_from`` (a checkpoint this recipe wrote) its VAEs are kept as
-    they are and only the transformer trains (the recipe's VAE stages are skipped)."""
+    they are and only the transformer trains (the recipe's VAE stages are skipped). ``combinations``: the part
+    of the world it renders, encodes and trains on (the whole world unless a test asks for a few: every clip is
+    encoded once or twice, most of a short run's time)."""
     from pipelines.h3 import H3Pipeline, preset
     from pipelines.h3.checkpoint import save_checkpoint, tiny_components
 
@@ -585,6 +593,8 @@ def train(
     components = tiny_components(recipe.seed)
     pipeline_config = preset("tiny").pipeline_config
     report: dict[str, Any] = {"recipe": dataclasses.asdict(recipe), "torch": torch.__version__}
+    if tuple(combinations) != world.COMBINATIONS:
+        report["combinations"] = [list(c) for c in combinations]
     if vaes_from is not None:
         _trained_vaes(Path(vaes_from), components, report)
 
@@ -597,7 +607,7 @@ def train(
         pixel_mean, pixel_std = probe.stages.after.pixel_mean, probe.stages.after.pixel_std
         del probe
         torch.manual_seed(recipe.seed)
-        clips, windows = WorldClips(fmt), DecodeWindows.of(probe_rules, fmt.num_frames)
+        clips, windows = WorldClips(fmt, combinations), DecodeWindows.of(probe_rules, fmt.num_frames)
         if vaes_from is None:
             components["vae"] = demo_video_vae(recipe)
         vae, audio_vae = components["vae"], components["audio_vae"]

@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -129,10 +129,13 @@ def held_out_scenes(n: int, seed: int = 0) -> list[Scene]:
     ]
 
 
-def training_scenes(seed: int = 0) -> Iterator[Scene]:
-    """An endless seeded stream of scenes outside the held-out set (what the transformer trains on)."""
+def training_scenes(seed: int = 0, combinations: Iterable[tuple[str, str, str]] = COMBINATIONS) -> Iterator[Scene]:
+    """An endless seeded stream of scenes outside the held-out set (what the transformer trains on), of
+    ``combinations`` (default: the whole world)."""
     rng = random.Random(seed)
-    seen = [c for c in COMBINATIONS if c not in HELD_OUT]
+    seen = [c for c in combinations if c not in HELD_OUT]
+    if not seen:
+        raise ValueError("no combination outside the held-out set to train on")
     while True:
         yield Scene(*rng.choice(seen), sound=rng.choice(SOUNDS), template=rng.randrange(len(TEMPLATES)))
 

@@ -32,23 +32,70 @@ class Cluster:
     metrics_port: int  # Ray's metrics export port, scraped for h3serve's counters
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """The one local Ray cluster of a test module: 2 CPUs as on CI, a logical GPU so GPU-shaped actors
-    can be placed (and then fail closed on this CPU node), the dashboard for the state API, and a
-    metrics export port that reports every second."""
-    import ray
-    from ray import serve
+class SessionCluster:
+    """The one local Ray cluster of the test session, started on first use (~5-10 s a start, paid once).
 
-    from tests.harness import free_port, start_cluster
+    2 CPUs as on CI, a logical GPU so GPU-shaped actors can be placed (and then fail closed on this CPU node), the
+    dashboard for the state API, and a metrics export port that reports every second. Modules share it; each
+    leaves it as it found it (the Serve apps it ran shut down: ``_serve_apps_end_with_their_module``). A module
+    marked ``own_cluster`` starts and restarts clusters of its own: the session's is stopped before it and
+    started again by the next module that asks for it (``pytest_collection_modifyitems`` runs those last).
+    """
 
-    metrics_port = free_port()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_metrics_report_interval_ms", "1000")  # counters reach the export port sooner
-        address = start_cluster(metrics_port, logical_gpus=1)
-    yield Cluster(address, metrics_port)
-    serve.shutdown()
-    ray.shutdown()
+    def __init__(self):
+        self.cluster: Cluster | None = None
+
+    def get(self) -> Cluster:
+        if self.cluster is None:
+            from tests.harness import free_port, start_cluster
+
+            metrics_port = free_port()
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("RAY_metrics_report_interval_ms", "1000")  # counters reach the export port sooner
+                address = start_cluster(metrics_port, logical_gpus=1)
+            self.cluster = Cluster(address, metrics_port)
+        return self.cluster
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        self.cluster = None
+
+
+SESSION_CLUSTER = SessionCluster()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Cluster:
+    """The session's local Ray cluster (``SessionCluster``)."""
+    return SESSION_CLUSTER.get()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _serve_apps_end_with_their_module(request):
+    """A module's Serve apps (and its ``h3serve serve`` processes' leftovers) go with it; the cluster stays. A module
+    marked ``own_cluster`` finds no session cluster connected (it runs ``ray.init`` itself)."""
+    if request.node.get_closest_marker("own_cluster") is not None:
+        SESSION_CLUSTER.stop()
+    yield
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            from tests.harness import shutdown_serve
+
+            shutdown_serve()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules marked ``own_cluster`` run after every other, so the session cluster starts at most twice."""
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
 
 _exit_status = 0

@@ -1,6 +1,8 @@
 """Helpers for tests that run h3serve the way a user does: a local Ray cluster, subprocesses, HTTP."""
 
+import contextlib
 import copy
+import io
 import os
 import signal
 import subprocess
@@ -23,7 +25,8 @@ SCHEMATHESIS = [str(BIN / "schemathesis")]
 
 
 def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
-    """A local cluster for one test module. ``logical_gpus`` only lets GPU-shaped actors schedule."""
+    """A local cluster (the session's, ``conftest.SessionCluster``, or an ``own_cluster`` module's). ``logical_gpus``
+    only lets GPU-shaped actors schedule."""
     import ray
 
     # the dashboard serves the state API (list_actors) that tests use to prove what never ran
@@ -53,6 +56,33 @@ def write_config(tmp_path: Path, config: dict, port: int, name: str = "config.ya
 
 def h3serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*H3SERVE, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def h3serve_inline(*args: str) -> subprocess.CompletedProcess:
+    """The same command run by ``deploy.cli.main`` in this process: its exit status, stdout and stderr as the console
+    script's would be, without a new interpreter importing torch and diffusers again (~6 s a call). For commands
+    that start nothing (admit, generate's refusals); what a process boundary shows stays with ``h3serve``."""
+    import torch
+
+    from deploy.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    cwd, threads = os.getcwd(), torch.get_num_threads()  # generate and eval set torch's threads for the process
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(list(args))
+        code = 0
+    except SystemExit as e:  # as the interpreter ends: an int is the status, anything else is printed, status 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=err)
+            code = 1
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["h3serve", *args], code, out.getvalue(), err.getvalue())
 
 
 class ServeProcess:
@@ -171,6 +201,16 @@ def serve_status():
 
     context._check_cached_client_alive()  # drops a dead controller's handle, so serve reconnects by name
     return serve.status()
+
+
+def shutdown_serve() -> None:
+    """``serve.shutdown()`` of whatever Serve instance the cluster runs, even one whose controller a subprocess
+    (``h3serve serve`` on SIGTERM) already shut down."""
+    from ray import serve
+    from ray.serve import context
+
+    context._check_cached_client_alive()
+    serve.shutdown()
 
 
 def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", timeout: float = 180):

@@ -24,7 +24,7 @@ from tests.harness import (
     write_config,
 )
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.own_cluster]  # restarts its cluster
 LEASE_S = 6
 LONG = {"prompt": "a long one", "seconds": 14, "num_inference_steps": 100}  # ~20 s on the tiny model
 

@@ -6,9 +6,11 @@ import re
 import pytest
 
 from pipelines.h3.media import probe_media
-from tests.harness import h3serve
+from tests.harness import h3serve, h3serve_inline
 
-pytestmark = pytest.mark.slow  # every test starts the h3serve command, which imports torch and diffusers
+# the command in a process of its own (which imports torch and diffusers), as users run it; its refusals of bad
+# fields, which start nothing, run in this process (``h3serve_inline``)
+pytestmark = pytest.mark.slow
 
 
 def test_generate_writes_an_mp4_with_17n_plus_5_frames_and_stereo_aac(tmp_path, tiny_checkpoint):
@@ -66,7 +68,7 @@ def test_generate_with_a_step_cache_tier_skips_block_rows(tmp_path, tiny_checkpo
     ],
 )
 def test_generate_names_the_bad_field(tmp_path, tiny_checkpoint, args, message):
-    result = h3serve("generate", "x", "-o", str(tmp_path / "x.mp4"), "--checkpoint", str(tiny_checkpoint), *args)
+    result = h3serve_inline("generate", "x", "-o", str(tmp_path / "x.mp4"), "--checkpoint", str(tiny_checkpoint), *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 

@@ -16,6 +16,7 @@ from tests.harness import (
     default_config,
     free_port,
     h3serve,
+    h3serve_inline,
     scrape,
     serve_run_until_failed,
     wait_for,
@@ -26,17 +27,21 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 MESSAGE = "Attention backend 'sage_attn' does not implement packed varlen attention"
 
 
+SAGE_APP = "sage"  # an application name no other module's tests use on the session's cluster
+
+
 @pytest.fixture()
 def sage_config(tmp_path):
     config = copy.deepcopy(default_config())
+    config["applications"][0]["name"] = SAGE_APP
     config["applications"][0]["args"]["attention_backend"] = "sage_attn"
     return write_config(tmp_path, config, free_port(), "sage.yaml")
 
 
-def h3_replica_actors(address: str):
-    """Every H3 replica actor this cluster has ever had, dead ones included."""
+def h3_replica_actors(address: str, app: str):
+    """Every H3 replica actor application ``app`` ever had on this cluster, dead ones included."""
     actors = list_actors(address=address, detail=True, limit=10000)
-    return [a for a in actors if "H3Replica" in (a.class_name or "")]
+    return [a for a in actors if a.class_name == f"ServeReplica:{app}:H3Replica"]
 
 
 def test_admit_refuses_sage_attn_and_writes_the_counter(sage_config, tmp_path):
@@ -57,21 +62,23 @@ def test_admit_refuses_a_config_whose_replica_count_the_ingress_was_not_sized_fo
     config = copy.deepcopy(default_config())
     replica = next(d for d in config["applications"][0]["deployments"] if d["name"] == "H3Replica")
     replica["num_replicas"] = 3  # args.ingress.h3_replicas stays 1
-    result = h3serve("admit", str(write_config(tmp_path, config, free_port(), "three.yaml")))
+    result = h3serve_inline("admit", str(write_config(tmp_path, config, free_port(), "three.yaml")))
     assert result.returncode == 2, result
     assert "H3Replica runs up to 3 replicas (num_replicas under deployments:)" in result.stderr
     assert "args.ingress.h3_replicas is 1" in result.stderr
     config["applications"][0]["args"]["ingress"] = {"h3_replicas": 3}
-    assert h3serve("admit", str(write_config(tmp_path, config, free_port(), "three-sized.yaml"))).returncode == 0
+    assert h3serve_inline("admit", str(write_config(tmp_path, config, free_port(), "three-sized.yaml"))).returncode == 0
 
 
 def test_admit_passes_both_shipped_configs():
-    default = h3serve("admit", "deploy/serve_config.yaml")
+    default = h3serve_inline("admit", "deploy/serve_config.yaml")
     assert default.returncode == 0, default.stderr
     assert "stage conditioner" not in default.stdout  # the CPU default stays one deployment
-    gpu = h3serve("admit", "deploy/serve_config.gpu.yaml")
+    gpu = h3serve_inline("admit", "deploy/serve_config.gpu.yaml")
     assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
-    given = h3serve("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200-flash-attn.json")
+    given = h3serve_inline(
+        "admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200-flash-attn.json"
+    )
     assert given.returncode == 0, given.stderr
     assert "'flash_attn' explicitly selected" in given.stdout
     lines = given.stdout.splitlines()
@@ -116,7 +123,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     assert rank0.weights["transformer_ref"] == rank0.weights["transformer"]
     assert plan.max_rows_that_fit(h200_bytes) >= args["engine"]["max_rows_per_step"]  # what makes it admissible
 
-    staged = h3serve(
+    staged = h3serve_inline(
         "admit", str(write_config(tmp_path, config, free_port(), "h200-released.yaml")), "--platform", str(h200)
     )
     assert staged.returncode == 0, staged.stderr
@@ -124,7 +131,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     assert "weights: transformer 61.7 GiB, transformer_ref 61.7 GiB\n" in staged.stdout
     assert "is not readable here" not in staged.stdout
 
-    on_h100 = h3serve(
+    on_h100 = h3serve_inline(
         "admit", str(write_config(tmp_path, config, free_port(), "h100-released.yaml")), "--platform", str(h100)
     )
     assert on_h100.returncode == 2, on_h100.stdout
@@ -133,7 +140,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     del args["stages"]
     local = memory_plan(model="full", checkpoint=str(released), dtype="bfloat16", sp_degree=4, max_rows=80000)
     assert local.ranks[0].weight_bytes > h200_bytes  # no row budget can help
-    unstaged = h3serve(
+    unstaged = h3serve_inline(
         "admit", str(write_config(tmp_path, config, free_port(), "h200-unstaged.yaml")), "--platform", str(h200)
     )
     assert unstaged.returncode == 2, unstaged.stdout
@@ -145,7 +152,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
 
 def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_path):
     platform = "deploy/platforms/h100-flash-attn.json"
-    staged = h3serve("admit", "deploy/serve_config.h100.yaml", "--platform", platform)
+    staged = h3serve_inline("admit", "deploy/serve_config.h100.yaml", "--platform", platform)
     assert staged.returncode == 0, staged.stderr
     assert "application 'h3serve' admitted" in staged.stdout
     # the plan of every role: the denoiser's ranks hold the transformer alone, each stage its own models
@@ -158,7 +165,7 @@ def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_p
     assert "stage conditioner: 1 replica(s)" in staged.stdout and "stage decoder: 2 replica(s)" in staged.stdout
     config = yaml.safe_load((REPO / "deploy" / "serve_config.h100.yaml").read_text())
     del config["applications"][0]["args"]["stages"]
-    unstaged = h3serve(
+    unstaged = h3serve_inline(
         "admit", str(write_config(tmp_path, config, free_port(), "h100-unstaged.yaml")), "--platform", platform
     )
     assert unstaged.returncode == 2, unstaged.stdout
@@ -173,25 +180,26 @@ def test_serve_preflight_exits_before_starting_anything(ray_cluster, sage_config
     result = h3serve("serve", str(sage_config), "--address", address)
     assert result.returncode == 2
     assert MESSAGE in result.stderr
-    assert not h3_replica_actors(address)
+    assert not h3_replica_actors(address, SAGE_APP)
 
 
 def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(ray_cluster, sage_config):
     address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
-    # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
-    app = serve_run_until_failed(sage_config, address, timeout=120)
-    assert MESSAGE in app.message
-    assert not h3_replica_actors(address), "an H3 replica was created for a refused backend"
 
     def counted():
         samples = scrape(metrics_port).get("ray_h3serve_admission_failures_total", [])
         return [s for s in samples if s.labels.get("backend") == "sage_attn" and s.labels.get("stage") == "build"]
 
+    before = sum(s.value for s in counted())  # the session's cluster may have counted refusals before
+    # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
+    app = serve_run_until_failed(sage_config, address, app=SAGE_APP, timeout=120)
+    assert MESSAGE in app.message
+    assert not h3_replica_actors(address, SAGE_APP), "an H3 replica was created for a refused backend"
     # the build task has exited; the detached recorder keeps the series on the export port
-    samples = wait_for(counted, timeout=60, what="admission failure metric")
-    assert sum(s.value for s in samples) == 1  # refused once, not once per build retry
+    samples = wait_for(lambda: sum(s.value for s in counted()) > before and counted(), timeout=60, what="the metric")
+    assert sum(s.value for s in samples) == before + 1  # refused once, not once per build retry
     assert {s.labels["reason"] for s in samples} == {"incapable"}
-    serve.delete("h3serve")
+    serve.delete(SAGE_APP)
 
 
 def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster, tmp_path):
@@ -199,6 +207,7 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster
     neither. The replica must refuse to build, count it, and never fall back to another backend."""
     address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
     config = copy.deepcopy(default_config())
+    config["applications"][0]["name"] = app = "claims-gpu"
     platform = json.loads((REPO / "deploy" / "platforms" / "h100-flash-attn.json").read_text())
     config["applications"][0]["args"].update(
         attention_backend="flash_attn",
@@ -215,7 +224,7 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster
     assert result.returncode == 1, result.stderr[-3000:]
     assert "failed to deploy" in result.stderr
     assert "BackendUnavailable" in result.stderr and "flash_attn" in result.stderr
-    replicas = h3_replica_actors(address)
+    replicas = h3_replica_actors(address, app)
     assert replicas and all(a.state == "DEAD" for a in replicas)
     recorder = ray.get_actor("h3serve-admission-metrics", namespace="h3serve")
     flash = [e for e in ray.get(recorder.decisions_log.remote()) if e["backend"] == "flash_attn"]

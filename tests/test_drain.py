@@ -71,6 +71,10 @@ def test_scale_down_finishes_the_active_video_and_runs_the_queued_one_elsewhere(
     store, port = tmp_path / "videos", free_port()
     config = drain_config(store, port, h3_replicas=2)
     process = ServeProcess(write_config(tmp_path, config, port), ray_cluster.address, port)
+    # the session's cluster counts earlier modules' requests too: what this test adds is what it checks
+    metrics = ray_cluster.metrics_port
+    handed_back_before = counted(metrics, "ray_h3serve_failed_requests_total", reason="draining")
+    stages_before = {stage: counted(metrics, "ray_h3serve_stage_seconds_count", stage=stage) for stage in STAGES}
     try:
         process.wait_serving()
         handle = serve.get_deployment_handle("H3Replica", app_name="h3serve")
@@ -124,7 +128,7 @@ def test_scale_down_finishes_the_active_video_and_runs_the_queued_one_elsewhere(
             # the queued one is handed back at once, not after the drain: counted (under its own reason, not
             # an error a client saw) while the replica that had it still runs its video
             wait_for(
-                lambda: counted(ray_cluster.metrics_port, "ray_h3serve_failed_requests_total", reason="draining"),
+                lambda: counted(metrics, "ray_h3serve_failed_requests_total", reason="draining") > handed_back_before,
                 timeout=30,
                 interval=0.5,
                 what="the hand-back to be counted",
@@ -171,8 +175,10 @@ def test_scale_down_finishes_the_active_video_and_runs_the_queued_one_elsewhere(
 
         # every stage of a request is observed, MP4 encoding included
         def stages_observed():
-            samples = scrape(ray_cluster.metrics_port).get("ray_h3serve_stage_seconds_count", [])
-            return {s.labels["stage"] for s in samples if s.value > 0} >= set(STAGES)
+            return all(
+                counted(metrics, "ray_h3serve_stage_seconds_count", stage=stage) > stages_before[stage]
+                for stage in STAGES
+            )
 
         wait_for(stages_observed, timeout=30, interval=0.5, what=f"observations of every stage {STAGES}")
         assert set(replica_views(handle, want=1, tries=5)) == set(placed) - {removed}
