@@ -50,8 +50,8 @@ import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
