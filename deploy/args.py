@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from attention import Platform, Resolution
 from pipelines.h3 import TransformerGeometry, default_dtype, preset
 from pipelines.h3.lora import LoraSpec, LoraSpecs
+from pipelines.h3.stages import MAX_UPLOAD_PIXELS
 from pipelines.h3.step_cache import OFF, StepCacheTiers
 from replicas import EngineLimits, ReplicaSpec
 
@@ -19,6 +20,15 @@ class RequestLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_pixels: int = Field(default=1344 * 768, ge=1, description="largest width x height a request may ask for")
+    max_image_pixels: int = Field(
+        default=MAX_UPLOAD_PIXELS,
+        ge=1,
+        le=MAX_UPLOAD_PIXELS,
+        description="largest width x height of an uploaded image (input_reference, last_reference, image "
+        f"references), read from its header at submit: larger, or undecodable, is HTTP 400 before a job exists. At "
+        f"most {MAX_UPLOAD_PIXELS} ({int(MAX_UPLOAD_PIXELS**0.5)}x{int(MAX_UPLOAD_PIXELS**0.5)}), the bound every "
+        "replica checks again before decoding",
+    )
     max_seconds: float = Field(default=15.0, gt=0, description="longest clip a request may ask for, in seconds")
     max_n: int = Field(default=4, ge=1, description="images per /v1/images/generations request")
     max_steps: int = Field(default=50, ge=2, description="largest num_inference_steps a request may ask for")

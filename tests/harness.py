@@ -1,6 +1,8 @@
 """Helpers for tests that run h3serve the way a user does: a local Ray cluster, subprocesses, HTTP."""
 
 import copy
+import functools
+import io
 import os
 import signal
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from replicas.worker_group import free_port
@@ -37,6 +40,24 @@ def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
         _metrics_export_port=metrics_port,
     )
     return ray.get_runtime_context().gcs_address
+
+
+@functools.cache
+def bomb_png() -> bytes:
+    """A decompression bomb: a 32000x32000 PNG of ~125 kB (a blank 1-bit image compresses to almost nothing)."""
+    return _png(Image.new("1", (32000, 32000)))
+
+
+def truncated_png() -> bytes:
+    """A 64x64 PNG cut before its last chunks: its header reads, its pixels do not."""
+    data = _png(Image.new("RGB", (64, 64), (200, 30, 30)))
+    return data[: len(data) - 20]
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def default_config() -> dict:
