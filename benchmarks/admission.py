@@ -27,7 +27,7 @@ import attention
 from attention import Platform, probe_platform
 from deploy.admission import admit
 from deploy.args import DeployArgs
-from pipelines.h3 import REQUIREMENTS, GenerationRequest
+from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
 from replicas import Engine, WorkerGroup
 
 from .common import machine, main_for, median, percentile, say, table, time_ms, tiny_spec
@@ -76,10 +76,10 @@ def part1(reps: int) -> list[dict]:
                 platform,
                 model=args.served_model_name,
                 dtype=args.dtype,
-                head_dim=args.geometry.head_dim,
+                head_dim=preset(args.model).geometry().head_dim,
             )
 
-        resolution = decide()
+        resolution = decide().resolution
         for what, fn in (("admit (cold)", cold(decide)), ("resolve (cold)", cold(raw)), ("resolve (cached)", raw)):
             ms = time_ms(fn, reps=reps, warmup=3)
             rows.append(

@@ -159,6 +159,8 @@ def build_group(settings: EvalSettings) -> WorkerGroup:
         model_name=directory.name,
         num_heads=geometry.num_heads,
         head_dim=geometry.head_dim,
+        num_layers=geometry.num_layers,
+        hidden_size=geometry.hidden_size,
         device=settings.device,
         dtype=dtype,
         sp_degree=settings.sp,

@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.checkpoint import cache_dir
 from pipelines.h3.lora import asked_steps, check_request_steps
+from pipelines.h3.stages import image_problem
 from replicas import MAX_PRIORITY, MIN_PRIORITY
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
@@ -231,6 +232,26 @@ class VideosBody(Body):
         if seconds is not None and seconds > limit:
             raise ValueError(f"seconds={seconds:g} exceeds this server's limit of {limit:g}")
         return seconds
+
+    @field_validator("input_reference", "last_reference")
+    @classmethod
+    def _keyframe(cls, data: bytes | None, info: ValidationInfo) -> bytes | None:
+        """Opened header-only at submit: an image over the pixel bound or undecodable never becomes a job."""
+        problem = None if data is None else image_problem(data, limits_of(info).max_image_pixels)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
+
+    @model_validator(mode="after")
+    def _image_references(self, info: ValidationInfo) -> "VideosBody":
+        """Image references as keyframes (video and audio ones are decoded on the replica)."""
+        for i, reference in enumerate(self.references):
+            problem = (
+                image_problem(reference.data, limits_of(info).max_image_pixels) if reference.kind == "image" else None
+            )
+            if problem is not None:
+                raise FieldError(f"references[{i}]", problem)
+        return self
 
 
 def parse_json_object(raw: bytes) -> dict:

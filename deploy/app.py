@@ -27,7 +27,7 @@ def build_app(args: DeployArgs) -> Application:
     """Admit, then bind. A refusal raises here: the app goes DEPLOY_FAILED with no H3 replica."""
     try:
         args = DeployArgs.model_validate(args)  # Serve passes a dict when called without its type
-        resolution = admit(args, stage="build")
+        admission = admit(args, stage="build")
     except (*ADMISSION_ERRORS, ValidationError) as e:
         raise DeploymentRefused(f"h3serve refused the deployment: {type(e).__name__}: {e}") from e
     replica = serve.deployment(H3Replica, **H3Replica.deployment_options(args))
@@ -36,7 +36,7 @@ def build_app(args: DeployArgs) -> Application:
         if role in args.stage_deployments():
             deployment = serve.deployment(stage, **stage.deployment_options(args))
             stages.append(deployment.bind(args.checkpoint, args.device, args.dtype))
-    replica = replica.bind(args.replica_spec(resolution), args.engine, *stages)
+    replica = replica.bind(args.replica_spec(admission.resolution, admission.geometry), args.engine, *stages)
     # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations
     ingress = H3Ingress.options(**ingress_options(args))  # type: ignore[attr-defined]  # a Serve deployment
     return ingress.bind(replica, args)

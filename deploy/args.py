@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attention import Platform, Resolution
-from pipelines.h3 import TransformerGeometry, default_dtype, preset
+from pipelines.h3 import AUTO, TransformerGeometry, default_dtype, preset
 from pipelines.h3.lora import LoraSpec, LoraSpecs
+from pipelines.h3.stages import MAX_UPLOAD_PIXELS
 from pipelines.h3.step_cache import OFF, StepCacheTiers
 from replicas import EngineLimits, ReplicaSpec
+
+
+def default_served_name(model: str, checkpoint: str | None) -> str:
+    """The model id a deployment serves unless named: the preset's, or for ``auto`` the checkpoint's folder name."""
+    if model == AUTO:
+        return Path(checkpoint).name if checkpoint else AUTO  # auto without a checkpoint is refused below
+    return preset(model).name
 
 
 class RequestLimits(BaseModel):
@@ -19,6 +28,15 @@ class RequestLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_pixels: int = Field(default=1344 * 768, ge=1, description="largest width x height a request may ask for")
+    max_image_pixels: int = Field(
+        default=MAX_UPLOAD_PIXELS,
+        ge=1,
+        le=MAX_UPLOAD_PIXELS,
+        description="largest width x height of an uploaded image (input_reference, last_reference, image "
+        f"references), read from its header at submit: larger, or undecodable, is HTTP 400 before a job exists. At "
+        f"most {MAX_UPLOAD_PIXELS} ({int(MAX_UPLOAD_PIXELS**0.5)}x{int(MAX_UPLOAD_PIXELS**0.5)}), the bound every "
+        "replica checks again before decoding",
+    )
     max_seconds: float = Field(default=15.0, gt=0, description="longest clip a request may ask for, in seconds")
     max_n: int = Field(default=4, ge=1, description="images per /v1/images/generations request")
     max_steps: int = Field(default=50, ge=2, description="largest num_inference_steps a request may ask for")
@@ -157,8 +175,14 @@ class DeployArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Literal["tiny", "full"] = Field(
-        default="tiny", description="the architecture: 'full' is the released MiniMax-H3, 'tiny' the CPU default"
+    model: Literal["tiny", "full", "auto"] = Field(
+        default="tiny",
+        description="the architecture the checkpoint must have: 'full' is the released MiniMax-H3, 'tiny' the CPU "
+        "default; a checkpoint whose transformer/config.json (or transformer_ref/'s) has other heads, head size, "
+        "layers or hidden size is refused before any replica starts (read by the driver, or where only replica nodes "
+        "mount it by the platform probe there). 'auto': the checkpoint's own architecture, whatever its dims (needs "
+        "checkpoint): its partitions must agree and take its VAEs' latent channels and its text encoder's width; "
+        "sp_degree, the step-cache tiers and the memory plan follow its dims",
     )
     checkpoint: str | None = Field(
         default=None,
@@ -217,8 +241,8 @@ class DeployArgs(BaseModel):
     )
     jobs: JobStoreArgs = Field(default_factory=JobStoreArgs, description="where video jobs and their MP4s are kept")
     served_model_name: str = Field(
-        default_factory=lambda fields: preset(fields["model"]).name,
-        description="the id in /v1/models; default: the preset's",
+        default_factory=lambda fields: default_served_name(fields["model"], fields["checkpoint"]),
+        description="the id in /v1/models; default: the preset's, for model 'auto' the checkpoint directory's name",
     )
     loras: dict[str, LoraSpec] = Field(
         default_factory=dict,
@@ -289,13 +313,17 @@ class DeployArgs(BaseModel):
                 )
             if self.device == "cpu" and gpus:
                 raise ValueError(f"stages.{role}.ray_actor_options reserves num_gpus={gpus} on device cpu: remove it")
-        num_blocks = preset(self.model).transformer_config()["num_layers"]
-        for name, policy in step_cache.tiers.items():
+        if self.model != AUTO:  # auto: admission checks them against the checkpoint's blocks
+            self.check_step_cache(preset(self.model).geometry().num_layers)
+        return self
+
+    def check_step_cache(self, num_blocks: int) -> None:
+        """ValueError naming the tier whose first and last cached blocks leave none of ``num_blocks`` to skip."""
+        for name, policy in self.engine.step_cache.tiers.items():
             try:
                 policy.check_blocks(num_blocks)
             except ValueError as e:
                 raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
-        return self
 
     def stage_deployments(self) -> dict[str, StageDeploymentArgs]:
         """The configured stage deployments by role, each with its device's default ray_actor_options filled in;
@@ -346,22 +374,21 @@ class DeployArgs(BaseModel):
                 "concurrency and queue are sized from h3_replicas)"
             )
 
-    @property
-    def geometry(self) -> TransformerGeometry:
-        """The transformer's heads as the preset declares them; every replica checks its checkpoint against it."""
-        return preset(self.model).geometry()
-
     def placement_bundles(self) -> list[dict[str, float]]:
         return [dict(self.rank_resources) for _ in range(self.sp_degree)]
 
-    def replica_spec(self, resolution: Resolution) -> ReplicaSpec:
-        """What every replica builds: these args with the driver's admitted backend."""
+    def replica_spec(self, resolution: Resolution, geometry: TransformerGeometry | None = None) -> ReplicaSpec:
+        """What every replica builds: these args with the driver's admitted backend and checkpoint geometry (None:
+        the preset's, for callers that admitted nothing: tests and benchmarks; every rank checks it either way)."""
+        geometry = geometry or preset(self.model).geometry()
         return ReplicaSpec(
             resolution=resolution,
             checkpoint=self.checkpoint,
             model_name=self.served_model_name,
-            num_heads=self.geometry.num_heads,
-            head_dim=self.geometry.head_dim,
+            num_heads=geometry.num_heads,
+            head_dim=geometry.head_dim,
+            num_layers=geometry.num_layers,
+            hidden_size=geometry.hidden_size,
             device=self.device,
             dtype=self.dtype,
             sp_degree=self.sp_degree,

@@ -73,10 +73,17 @@ def parse_args(app_name: str, raw: dict, deployments: list[dict]):
 
 
 # -- admit --------------------------------------------------------------------------------
+def admitted_checkpoint(args, admission) -> str:
+    """Which checkpoint geometry was admitted, and where it was read."""
+    where = admission.checkpoint.where() if admission.checkpoint else f"{args.checkpoint} (not readable here)"
+    return f"checkpoint {where}: {admission.geometry.describe()}"
+
+
 def cmd_admit(ns: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry, Counter, push_to_gateway, write_to_textfile
 
     from attention import Platform, probe_platform
+    from pipelines.h3 import CheckpointMismatch
     from pipelines.h3.lora import LoraError
 
     from .admission import ADMISSION_ERRORS, admit, deployment_memory_plan
@@ -113,19 +120,21 @@ def cmd_admit(ns: argparse.Namespace) -> None:
                     f"application {name!r} targets {args.device}, and this machine has no "
                     f"{args.device}; pass --platform with the replicas' platform (h3serve probe there)",
                 )
+        plan = None
         try:
-            resolution = admit(args, "preflight", platform, record=count)
+            admission = admit(args, "preflight", platform, record=count)
         except ADMISSION_ERRORS as e:
             refused.append(f"application {name!r}: {e}")
+            # each rank role's device memory, admitted or not: what an operator sizes GPUs with (without the adapters
+            # when one was refused; none for a checkpoint that was refused, whose dims are not the served ones)
+            if not isinstance(e, CheckpointMismatch):
+                plan = deployment_memory_plan(args, adapters={} if isinstance(e, LoraError) else None)
         else:
-            print(f"h3serve: application {name!r} admitted: {resolution.describe()}")
-        # each rank role's device memory, admitted or not: what an operator sizes GPUs with (without the adapters
-        # when one was refused)
-        try:
-            plan = deployment_memory_plan(args)
-        except LoraError:
-            plan = deployment_memory_plan(args, adapters={})
-        print(f"h3serve: application {name!r} " + plan.table(platform.device_memory_bytes))
+            plan = admission.plan
+            print(f"h3serve: application {name!r} admitted: {admission.resolution.describe()}")
+            print(f"h3serve: application {name!r} {admitted_checkpoint(args, admission)}")
+        if plan is not None:
+            print(f"h3serve: application {name!r} " + plan.table(platform.device_memory_bytes))
         # with stages: where each stage's plan lands (every replica of it on a device of the platform checked)
         for role, stage in args.stage_deployments().items():
             print(
@@ -166,9 +175,10 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     ray.init(address=ns.address or "local", namespace="serve")
     for name, args in apps:  # fail before anything is started
         try:
-            admit(args, stage="preflight")
+            admission = admit(args, stage="preflight")
         except ADMISSION_ERRORS as e:
             fail(EXIT_REFUSED, f"admission refused application {name!r}: {e}")
+        print(f"h3serve: application {name!r} admitted: {admitted_checkpoint(args, admission)}", flush=True)
     client = serve_api.serve_start(
         http_options=schema.http_options.model_dump(),
         proxy_location=schema.proxy_location,

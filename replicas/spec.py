@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from attention import Resolution
+from pipelines.h3 import TransformerGeometry
 from pipelines.h3.lora import LoraSpecs
 from pipelines.h3.pipeline import StagePlacement
 
@@ -22,8 +23,11 @@ class ReplicaSpec(BaseModel):
         "rank's node; None: the built-in tiny checkpoint"
     )
     model_name: str = Field(description="the model id the API serves")
+    # the checkpoint's transformer geometry as the driver admitted it; every rank checks its checkpoint against it
     num_heads: int = Field(gt=0, description="attention heads the deployment was admitted for")
     head_dim: int = Field(gt=0, description="head size the deployment was admitted for")
+    num_layers: int = Field(gt=0, description="transformer blocks the deployment was admitted for")
+    hidden_size: int = Field(gt=0, description="transformer hidden size the deployment was admitted for")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "float32"
     sp_degree: int = Field(default=1, ge=1)
@@ -36,3 +40,9 @@ class ReplicaSpec(BaseModel):
     # where conditioning and decoding run: "local" on rank 0 (it loads the text encoder and both VAEs), "remote"
     # in stage deployments of their own (DeployArgs.stages; rank 0 holds only the transformer partitions)
     stages: StagePlacement = "local"
+
+    @property
+    def geometry(self) -> TransformerGeometry:
+        return TransformerGeometry(
+            num_heads=self.num_heads, head_dim=self.head_dim, num_layers=self.num_layers, hidden_size=self.hidden_size
+        )

@@ -39,7 +39,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pipelines.h3 import H3Denoiser, H3Pipeline, TransformerGeometry
+from pipelines.h3 import H3Denoiser, H3Pipeline
 from pipelines.h3.packing import Pack
 from pipelines.h3.step_cache import CachedPack, CacheMirrorWriter, RankCaches
 
@@ -107,7 +107,7 @@ def _load_kwargs(spec: ReplicaSpec) -> dict:
     return dict(
         device=spec.device,
         dtype=spec.dtype,
-        expected=TransformerGeometry(num_heads=spec.num_heads, head_dim=spec.head_dim),
+        expected=spec.geometry,
         loras=spec.loras,
     )
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import functools
 import io
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from replicas.worker_group import free_port
@@ -52,6 +54,29 @@ def write_config(tmp_path: Path, config: dict, port: int, name: str = "config.ya
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+# A transformer of other dims than the tiny preset's (4 heads of 32, 4 layers, hidden 96), as issue 43 tried it: the
+# tiny writer's other components, so the checkpoint is consistent in itself and only ``model: auto`` names it.
+FOREIGN_DIMS = dict(attention_head_dim=24, num_layers=3, hidden_size=64)
+
+
+@functools.cache
+def bomb_png() -> bytes:
+    """A decompression bomb: a 32000x32000 PNG of ~125 kB (a blank 1-bit image compresses to almost nothing)."""
+    return _png(Image.new("1", (32000, 32000)))
+
+
+def truncated_png() -> bytes:
+    """A 64x64 PNG cut before its last chunks: its header reads, its pixels do not."""
+    data = _png(Image.new("RGB", (64, 64), (200, 30, 30)))
+    return data[: len(data) - 20]
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def h3serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

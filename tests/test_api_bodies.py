@@ -103,3 +103,35 @@ def test_priority_is_an_integer_in_range_from_json_or_the_text_of_one_from_a_for
         with pytest.raises(ValidationError) as info:
             VideosBody.model_validate({"prompt": "x", "priority": text}, context={"limits": LIMITS, "form": True})
         assert invalid(info.value).param == "priority", text
+
+
+def test_keyframes_and_image_references_are_checked_on_their_header_and_named_by_the_api_field():
+    """A decompression bomb and a truncated PNG never reach a job: a 400 naming the field the client set."""
+    import base64
+
+    from tests.harness import bomb_png, truncated_png
+
+    bomb, truncated = bomb_png(), truncated_png()
+    assert len(bomb) < 200_000  # small on the wire: only its header says 32000x32000
+    assert refusal(VideosBody, {"prompt": "x", "input_reference": bomb}) == (
+        "input_reference",
+        "input_reference: is too large to decode: Image size (1024000000 pixels) exceeds limit of 178956970 pixels, "
+        "could be decompression bomb DOS attack.; images may have at most 16777216 pixels",
+    )
+    param, message = refusal(VideosBody, {"prompt": "x", "last_reference": truncated})
+    assert param == "last_reference" and message.startswith("last_reference: is not a decodable image")
+    ok = base64.b64decode(  # a 1x1 PNG: within every bound, decodable
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    )
+    references = [{"kind": "image", "data": ok}, {"kind": "audio", "data": b"not checked here"}]
+    assert validate(VideosBody, {"prompt": "x", "input_reference": ok, "references": references}).input_reference == ok
+    references.append({"kind": "image", "data": truncated})
+    param, message = refusal(VideosBody, {"prompt": "x", "references": references})
+    assert param == "references[2]" and "not a decodable image" in message
+    # the deployment's own bound, below the replicas'
+    small = RequestLimits(max_image_pixels=63 * 64)
+    with pytest.raises(ValidationError) as info:
+        VideosBody.model_validate({"prompt": "x", "input_reference": truncated}, context={"limits": small})
+    assert invalid(info.value).message == "input_reference: is 64x64 pixels; images may have at most 4032 pixels"
+    with pytest.raises(ValidationError, match="less than or equal to 16777216"):
+        RequestLimits(max_image_pixels=4097 * 4096)

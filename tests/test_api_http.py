@@ -1,22 +1,26 @@
 """The HTTP surface against a running `h3serve serve`: malformed input, body limits, auth on every route,
 request metrics, and a schema fuzz. Two apps: the default config at / (open) and a token-locked copy at /locked."""
 
+import io
 import json
 import subprocess
 import time
 
 import pytest
+from PIL import Image
 
 from deploy.api import PUBLIC_ROUTES
 from deploy.openapi import REQUEST_ID
 from tests.harness import (
     SCHEMATHESIS,
     ServeProcess,
+    bomb_png,
     client,
     default_config,
     error_of,
     free_port,
     requests_counted,
+    truncated_png,
     wait_for,
     wait_video,
     write_config,
@@ -426,6 +430,46 @@ def test_a_cache_tier_is_listed_validated_and_served(server):
         response = http.post("/v1/images/generations", json=still)
         assert response.status_code == 200, response.text
         assert response.json()["data"][0]["b64_json"]
+
+
+def test_a_bomb_or_a_truncated_keyframe_is_a_400_at_submit_and_never_a_job(server):
+    """A 32000x32000 PNG of ~125 kB and a truncated PNG in every image field of POST /v1/videos, as JSON (base64)
+    and as the openai client's multipart: a 400 naming the API's field, before anything is queued (the only route
+    that takes images; /v1/images/generations takes none)."""
+    import base64
+
+    bomb, truncated = bomb_png(), truncated_png()
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 10)).save(buf, format="PNG")
+    valid = buf.getvalue()
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    def jobs(http) -> list[str]:
+        return [v["id"] for v in http.get("/v1/videos", params={"limit": 100}).json()["data"]]
+
+    with client(server.url) as http:
+        before, records = jobs(http), sorted(server.store.glob("*.json"))
+        for field, data, words in (
+            ("input_reference", bomb, "is too large to decode"),
+            ("last_reference", truncated, "is not a decodable image"),
+        ):
+            for kwargs in (
+                {"json": {"prompt": "a fox", field: b64(data)}},
+                {"data": {"prompt": "a fox"}, "files": {field: ("keyframe.png", data, "image/png")}},
+            ):
+                error = error_of(http.post("/v1/videos", **kwargs), 400)
+                assert error["param"] == field and error["message"].startswith(f"{field}: {words}"), error
+        for data in (bomb, truncated):
+            as_json = {
+                "json": {"prompt": "a fox", "references": [{"kind": "image", "data": b64(x)} for x in (valid, data)]}
+            }
+            uploads = [("references", (f"ref{i}.png", x, "image/png")) for i, x in enumerate((valid, data))]
+            for kwargs in (as_json, {"data": {"prompt": "a fox"}, "files": uploads}):
+                error = error_of(http.post("/v1/videos", **kwargs), 400)
+                assert error["param"] == "references[1]", error
+        assert jobs(http) == before and sorted(server.store.glob("*.json")) == records  # no job was ever made
 
 
 def embedded_document(page: str) -> tuple[dict, str]:

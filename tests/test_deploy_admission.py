@@ -2,16 +2,18 @@
 
 import copy
 import json
-import shutil
+import os
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
+from diffusers import MiniMaxH3Transformer3DModel
 from ray import serve
 from ray.util.state import list_actors
 
 from tests.harness import (
+    FOREIGN_DIMS,
     REPO,
     default_config,
     free_port,
@@ -27,18 +29,58 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 MESSAGE = "Attention backend 'sage_attn' does not implement packed varlen attention"
 
 
-SAGE_APP = "sage"  # an application name no other module's tests use on the session's cluster
+REFUSED_APP = "refused"  # the refused configs' application: a name no other module uses on the session's cluster
 
 
 @pytest.fixture()
 def sage_config(tmp_path):
     config = copy.deepcopy(default_config())
-    config["applications"][0]["name"] = SAGE_APP
+    config["applications"][0]["name"] = REFUSED_APP
     config["applications"][0]["args"]["attention_backend"] = "sage_attn"
     return write_config(tmp_path, config, free_port(), "sage.yaml")
 
 
-def h3_replica_actors(address: str, app: str):
+@pytest.fixture(scope="module")
+def foreign_checkpoint(tmp_path_factory) -> Path:
+    """The tiny layout with a transformer of other dims (FOREIGN_DIMS), written by the libraries' save_pretrained."""
+    from pipelines.h3.checkpoint import write_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("foreign") / "MiniMax-H3-foreign"
+    return write_tiny_checkpoint(directory, seed=5, with_ref=True, transformer=FOREIGN_DIMS)
+
+
+@pytest.fixture()
+def foreign_config(tmp_path, foreign_checkpoint):
+    """The default config (model: tiny) pointed at the foreign checkpoint: a mismatch admission must refuse."""
+    config = copy.deepcopy(default_config())
+    config["applications"][0]["name"] = REFUSED_APP
+    config["applications"][0]["args"]["checkpoint"] = str(foreign_checkpoint)
+    return write_config(tmp_path, config, free_port(), "foreign.yaml")
+
+
+def foreign_message(checkpoint: Path, read_on: str = "the driver") -> str:
+    """The refusal of FOREIGN_DIMS under model: tiny: the field, the checkpoint's folder and both geometries."""
+    return (
+        "model='tiny' names the minimax-h3-tiny architecture (4 heads x 32, 4 layers, hidden 96), but checkpoint "
+        f"{checkpoint / 'transformer'} (read on {read_on}) has 4 heads x 24, 3 layers, hidden 64 (head_dim 32 vs 24; "
+        "num_layers 4 vs 3; hidden_size 96 vs 64)"
+    )
+
+
+# what each refusal says, and the labels of its counted series
+REFUSALS = {
+    "incapable backend": ("sage_config", lambda config: MESSAGE, {"backend": "sage_attn", "reason": "incapable"}),
+    "checkpoint of other dims": (
+        "foreign_config",
+        lambda config: foreign_message(
+            Path(yaml.safe_load(config.read_text())["applications"][0]["args"]["checkpoint"])
+        ),
+        {"backend": "auto", "reason": "checkpoint"},
+    ),
+}
+
+
+def h3_replica_actors(address: str, app: str = REFUSED_APP):
     """Every H3 replica actor application ``app`` ever had on this cluster, dead ones included."""
     actors = list_actors(address=address, detail=True, limit=10000)
     return [a for a in actors if a.class_name == f"ServeReplica:{app}:H3Replica"]
@@ -56,6 +98,41 @@ def test_admit_refuses_sage_attn_and_writes_the_counter(sage_config, tmp_path):
     assert [(s.labels["backend"], s.labels["reason"], s.value) for s in failures if s.name.endswith("_total")] == [
         ("sage_attn", "incapable", 1.0)
     ]
+
+
+def test_admit_refuses_a_checkpoint_of_other_dims_and_serves_its_own_with_model_auto(
+    foreign_config, foreign_checkpoint, tmp_path
+):
+    """model: tiny with a checkpoint of other dims is refused offline, naming the field, the folder and both
+    geometries, and counted (reason "checkpoint"); model: auto admits it, and plans memory at its real dims."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pipelines.h3 import preset
+    from pipelines.h3.memory import activation_row_cost, gib
+
+    textfile = tmp_path / "admission.prom"
+    result = h3serve_inline("admit", str(foreign_config), "--textfile", str(textfile))
+    assert result.returncode == 2, result
+    assert foreign_message(foreign_checkpoint) + ": set model to the checkpoint's architecture" in result.stderr
+    assert "memory plan" not in result.stdout  # not the dims that would be served
+    families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
+    failures = families["h3serve_admission_failures"].samples
+    assert [(s.labels["reason"], s.value) for s in failures if s.name.endswith("_total")] == [("checkpoint", 1.0)]
+
+    config = yaml.safe_load(foreign_config.read_text())
+    config["applications"][0]["args"]["model"] = "auto"
+    auto = h3serve_inline("admit", str(write_config(tmp_path, config, free_port(), "auto.yaml")))
+    assert auto.returncode == 0, auto.stderr
+    assert (
+        f"checkpoint {foreign_checkpoint / 'transformer'} (read on the driver): 4 heads x 24, 3 layers, hidden 64"
+    ) in auto.stdout
+    # the plan counts the checkpoint's transformers (both partitions) and its activations at hidden 64
+    transformer = MiniMaxH3Transformer3DModel.from_pretrained(foreign_checkpoint / "transformer")
+    weights = gib(sum(p.numel() * p.element_size() for p in transformer.parameters()))
+    assert f"weights: transformer {weights}, transformer_ref {weights}, text_encoder" in auto.stdout
+    per_row = activation_row_cost(transformer.config, "float32", step_cache=True).per_row(1)
+    assert per_row < activation_row_cost(preset("tiny").transformer_config(), "float32", step_cache=True).per_row(1)
+    assert f"{per_row / 1e3:.1f} kB per pack row on a rank" in auto.stdout
 
 
 def test_admit_refuses_a_config_whose_replica_count_the_ingress_was_not_sized_for(tmp_path):
@@ -76,9 +153,8 @@ def test_admit_passes_both_shipped_configs():
     assert "stage conditioner" not in default.stdout  # the CPU default stays one deployment
     gpu = h3serve_inline("admit", "deploy/serve_config.gpu.yaml")
     assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
-    given = h3serve_inline(
-        "admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200-flash-attn.json"
-    )
+    h200 = "deploy/platforms/h200-flash-attn.json"
+    given = h3serve_inline("admit", "deploy/serve_config.gpu.yaml", "--platform", h200)
     assert given.returncode == 0, given.stderr
     assert "'flash_attn' explicitly selected" in given.stdout
     lines = given.stdout.splitlines()
@@ -90,15 +166,28 @@ def test_admit_passes_both_shipped_configs():
 
 
 def released_layout(tmp_path: Path) -> Path:
-    """A directory holding only a checkpoint index that declares the released layout's components, transformer_ref
-    included. The memory plan reads from it the partitions every rank loads, and, finding no config.json, counts
-    each component from the released configs: the plan of the released checkpoint, where no copy is readable."""
-    from pipelines.h3.checkpoint import INDEX_FILE, CheckpointIndex, write_tiny_checkpoint
+    """The released checkpoint's layout and configs without its weights: a tiny checkpoint with transformer_ref/ whose
+    model components' config.json are replaced by the released ones, written by the libraries (``save_config`` of a
+    meta-device model, ``save_pretrained`` of Qwen3-VL's config). Admission reads them as it would the released
+    checkpoint's, and the memory plan counts the released model from them."""
+    import torch
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+    from transformers import Qwen3VLConfig
 
-    tiny = write_tiny_checkpoint(tmp_path / "tiny", with_ref=True)
-    released = tmp_path / "MiniMax-H3"
-    released.mkdir()
-    shutil.copy(tiny / INDEX_FILE, released / INDEX_FILE)
+    from pipelines.h3.checkpoint import CheckpointIndex, write_tiny_checkpoint
+    from pipelines.h3.memory import RELEASED_TEXT_ENCODER
+
+    released = write_tiny_checkpoint(tmp_path / "MiniMax-H3", with_ref=True)
+    with torch.device("meta"):
+        models = {"transformer": MiniMaxH3Transformer3DModel(), "vae": AutoencoderKLMiniMaxH3()}
+        models |= {"transformer_ref": models["transformer"], "audio_vae": AutoencoderKLMiniMaxH3Audio()}
+    for name, model in models.items():
+        for weights in (released / name).glob("*.safetensors"):
+            weights.unlink()
+        model.save_config(released / name)
+    for weights in (released / "text_encoder").glob("*.safetensors"):
+        weights.unlink()
+    Qwen3VLConfig(**RELEASED_TEXT_ENCODER).save_pretrained(released / "text_encoder")
     assert CheckpointIndex(released).partitions() == ("transformer", "transformer_ref")
     return released
 
@@ -175,31 +264,73 @@ def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_p
     assert "stage conditioner" not in unstaged.stdout
 
 
-def test_serve_preflight_exits_before_starting_anything(ray_cluster, sage_config):
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_serve_preflight_exits_before_starting_anything(ray_cluster, refusal, request):
+    fixture, message, _ = REFUSALS[refusal]
+    config = request.getfixturevalue(fixture)
     address = ray_cluster.address
-    result = h3serve("serve", str(sage_config), "--address", address)
+    result = h3serve("serve", str(config), "--address", address)
     assert result.returncode == 2
-    assert MESSAGE in result.stderr
-    assert not h3_replica_actors(address, SAGE_APP)
+    assert message(config) in result.stderr
+    assert not h3_replica_actors(address)
 
 
-def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(ray_cluster, sage_config):
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(ray_cluster, refusal, request):
+    fixture, message, labels = REFUSALS[refusal]
+    config = request.getfixturevalue(fixture)
     address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
 
     def counted():
         samples = scrape(metrics_port).get("ray_h3serve_admission_failures_total", [])
-        return [s for s in samples if s.labels.get("backend") == "sage_attn" and s.labels.get("stage") == "build"]
+        return [s for s in samples if s.labels.get("stage") == "build" and labels.items() <= s.labels.items()]
 
     before = sum(s.value for s in counted())  # the session's cluster may have counted refusals before
     # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
-    app = serve_run_until_failed(sage_config, address, app=SAGE_APP, timeout=120)
-    assert MESSAGE in app.message
-    assert not h3_replica_actors(address, SAGE_APP), "an H3 replica was created for a refused backend"
+    app = serve_run_until_failed(config, address, app=REFUSED_APP, timeout=120)
+    assert message(config) in app.message
+    assert not h3_replica_actors(address), f"an H3 replica was created for a refused deployment ({refusal})"
     # the build task has exited; the detached recorder keeps the series on the export port
     samples = wait_for(lambda: sum(s.value for s in counted()) > before and counted(), timeout=60, what="the metric")
     assert sum(s.value for s in samples) == before + 1  # refused once, not once per build retry
-    assert {s.labels["reason"] for s in samples} == {"incapable"}
-    serve.delete(SAGE_APP)
+    serve.delete(REFUSED_APP)
+
+
+def test_a_checkpoint_only_replica_nodes_hold_is_read_by_the_probe(
+    ray_cluster, foreign_checkpoint, tmp_path, monkeypatch
+):
+    """Where the driver cannot read the directory (a volume mounted on GPU nodes only), the platform probe reads it
+    on a replica node. Here a relative path names the checkpoint from the workers' working directory, and the
+    driver (this process) runs elsewhere, where that path leads nowhere."""
+    from deploy.admission import admit
+    from deploy.args import DeployArgs
+    from pipelines.h3 import CheckpointMismatch, TransformerGeometry
+
+    def cwd() -> str:
+        return os.getcwd()
+
+    workers_cwd = ray.get(ray.remote(num_cpus=0)(cwd).remote())
+    relative = os.path.relpath(foreign_checkpoint, workers_cwd)
+    monkeypatch.chdir(tmp_path)
+    assert not Path(relative).exists()
+    node = f"replica node {ray.util.get_node_ip_address()}"
+    recorded: list[dict[str, str]] = []
+    args = dict(checkpoint=relative, rank_resources={"CPU": 0.25}, api_key_env=None)
+    with pytest.raises(CheckpointMismatch) as refused:
+        admit(DeployArgs(**args), "preflight", record=recorded.append)
+    assert foreign_message(Path(relative), node) in str(refused.value)
+    admitted = admit(DeployArgs(model="auto", **args), "preflight", record=recorded.append)
+    assert admitted.geometry == TransformerGeometry(num_heads=4, head_dim=24, num_layers=3, hidden_size=64)
+    assert admitted.checkpoint is not None and admitted.checkpoint.read_on == node
+    assert admitted.checkpoint.partitions == ("transformer", "transformer_ref")
+    assert set(admitted.plan.ranks[0].weights) >= {"transformer", "transformer_ref"}  # read there, counted here
+    with pytest.raises(CheckpointMismatch, match=f"is not readable on the driver nor on {node}: .* has no modular"):
+        admit(DeployArgs(model="auto", **{**args, "checkpoint": str(tmp_path / "nowhere")}), record=recorded.append)
+    assert [(t["outcome"], t["reason"]) for t in recorded] == [
+        ("rejected", "checkpoint"),
+        ("admitted", "ok"),
+        ("rejected", "checkpoint"),
+    ]
 
 
 def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster, tmp_path):
@@ -251,6 +382,8 @@ def spec_for(backend: str, sp_degree: int = 1):
         model_name="minimax-h3-tiny",
         num_heads=4,
         head_dim=32,
+        num_layers=4,
+        hidden_size=96,
         sp_degree=sp_degree,
         rank_resources={"CPU": 0.25},
     )

@@ -22,7 +22,6 @@ from pipelines.h3 import (
     H3Pipeline,
     Reference,
     RequestError,
-    TransformerGeometry,
     preset,
     validate_deployment,
 )
@@ -310,7 +309,7 @@ def test_missing_components_and_index_are_named(tiny_checkpoint, tmp_path):
 
 def test_a_checkpoint_of_another_geometry_is_refused(tiny_checkpoint):
     with pytest.raises(CheckpointError, match="admitted for"):
-        H3Pipeline.load(tiny_checkpoint, "torch_sdpa", expected=TransformerGeometry(num_heads=56, head_dim=128))
+        H3Pipeline.load(tiny_checkpoint, "torch_sdpa", expected=preset("full").geometry())
 
 
 def test_the_index_declares_the_released_classes(tiny_checkpoint):

@@ -194,3 +194,42 @@ def test_a_keyframe_within_the_bound_decodes_to_rgb():
 
     image = decode_image(_png_of_size(640, 360), "last_frame")
     assert image.mode == "RGB" and image.size == (640, 360)
+
+
+def _encoded(fmt: str, size=(256, 128)) -> bytes:
+    """A noisy RGB image (its pixel data is most of the file) in ``fmt``."""
+    import numpy as np
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_the_header_check_catches_truncated_and_corrupted_pngs_and_jpegs_without_decoding():
+    """What the ingress can tell from a header and cheap reads (PNG chunk CRCs, a JPEG's 1/8-scale draft); a PNG
+    whose chunks are intact but whose deflate stream is broken passes it and is refused where it is decoded."""
+    import zlib
+
+    from pipelines.h3.request import RequestError
+    from pipelines.h3.stages import decode_image, image_problem
+
+    png, jpeg = _encoded("PNG"), _encoded("JPEG")
+    assert image_problem(png) is None and image_problem(jpeg) is None
+    assert "not a decodable image" in image_problem(png[: len(png) * 2 // 3])
+    assert "not a decodable image" in image_problem(png[:-12])  # only IEND missing
+    assert "not a decodable image" in image_problem(jpeg[: len(jpeg) * 2 // 3])
+    flipped = bytearray(png)
+    flipped[len(png) // 2] ^= 0xFF  # inside IDAT: its CRC no longer matches
+    assert "not a decodable image" in image_problem(bytes(flipped))
+    assert "not a decodable image" in image_problem(b"") and "not a decodable image" in image_problem(b"GIF89a")
+    assert image_problem(png, max_pixels=256 * 128 - 1) == "is 256x128 pixels; images may have at most 32767 pixels"
+    # intact chunks (CRCs recomputed) around a broken deflate stream: only decoding finds it
+    start = png.index(b"IDAT") - 4
+    length = int.from_bytes(png[start : start + 4], "big")
+    body = b"IDAT" + bytes(length)  # zeros are not a deflate stream
+    forged = png[:start] + png[start : start + 4] + body + zlib.crc32(body).to_bytes(4, "big")
+    forged += png[start + 12 + length :]
+    assert image_problem(forged) is None
+    with pytest.raises(RequestError, match="first_frame is not a decodable image"):
+        decode_image(forged, "first_frame")

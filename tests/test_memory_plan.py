@@ -159,7 +159,7 @@ def test_admit_counts_a_memory_refusal_like_an_attention_refusal():
     with pytest.raises(MemoryBudgetError):
         admit(args, "preflight", h100, record=recorded.append)
     h200 = Platform.model_validate_json((PLATFORMS / "h200-flash-attn.json").read_text())
-    assert admit(args, "preflight", h200, record=recorded.append).backend == "flash_attn"
+    assert admit(args, "preflight", h200, record=recorded.append).resolution.backend == "flash_attn"
     assert [(t["outcome"], t["reason"], t["backend"], t["stage"]) for t in recorded] == [
         ("rejected", "memory", "flash_attn", "preflight"),
         ("admitted", "ok", "flash_attn", "preflight"),
@@ -248,7 +248,10 @@ def test_admit_counts_a_staged_h100_admission_and_the_unstaged_refusal():
 
     recorded: list[dict[str, str]] = []
     h100 = platform("h100-flash-attn.json")
-    assert admit(gpu_args("serve_config.h100.yaml"), "preflight", h100, record=recorded.append).backend == "flash_attn"
+    assert (
+        admit(gpu_args("serve_config.h100.yaml"), "preflight", h100, record=recorded.append).resolution.backend
+        == "flash_attn"
+    )
     with pytest.raises(MemoryBudgetError):
         admit(gpu_args("serve_config.h100.yaml", stages=False), "preflight", h100, record=recorded.append)
     assert [(t["outcome"], t["reason"], t["stage"]) for t in recorded] == [

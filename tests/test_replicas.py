@@ -24,6 +24,8 @@ def spec(sp: int, checkpoint, timeout: float = 10.0, resolution: Resolution = RE
         model_name="minimax-h3-tiny",
         num_heads=4,
         head_dim=32,
+        num_layers=4,
+        hidden_size=96,
         sp_degree=sp,
         collective_timeout_s=timeout,
         rank_resources={"CPU": 0.25},

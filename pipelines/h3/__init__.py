@@ -1,8 +1,8 @@
 """MiniMax-H3 served by h3serve: diffusers' model under a packed multi-request varlen forward (no Ray here)."""
 
-from .admission import DeploymentConfigError, validate_deployment
-from .checkpoint import CheckpointError, VisionUnavailable
-from .config import PRESETS, H3Preset, TransformerGeometry, default_dtype, preset
+from .admission import CheckpointMismatch, DeploymentConfigError, checkpoint_geometry, validate_deployment
+from .checkpoint import CheckpointConfigs, CheckpointError, VisionUnavailable
+from .config import AUTO, PRESETS, H3Preset, TransformerGeometry, default_dtype, preset
 from .pipeline import (
     REQUIREMENTS,
     STAGE_ROLES,
@@ -19,7 +19,10 @@ from .pipeline import (
 from .request import GenerationRequest, ModelRules, Reference, RequestError
 
 __all__ = [
+    "AUTO",
+    "CheckpointConfigs",
     "CheckpointError",
+    "CheckpointMismatch",
     "DecodeHandoff",
     "DeploymentConfigError",
     "EncodedMedia",
@@ -40,6 +43,7 @@ __all__ = [
     "StepStats",
     "TransformerGeometry",
     "VisionUnavailable",
+    "checkpoint_geometry",
     "default_dtype",
     "preset",
     "validate_deployment",

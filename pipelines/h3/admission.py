@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 from attention import Platform, Resolution, parse_dtype, resolve
 
-from .config import TransformerGeometry
+from .checkpoint import CheckpointConfigs
+from .config import AUTO, TransformerGeometry, preset
 from .memory import MemoryPlan, gib
 from .pipeline import REQUIREMENTS
 
@@ -13,6 +17,71 @@ class DeploymentConfigError(ValueError):
     """Deployment args that can never work for this model, whatever the backend. Names the field."""
 
     reason = "invalid_config"
+
+
+class CheckpointMismatch(DeploymentConfigError):
+    """A checkpoint that is not what ``model`` names, is not consistent in itself, or cannot be read."""
+
+    reason = "checkpoint"
+
+
+def _with_defaults(cls: type, config: dict[str, Any]) -> dict[str, Any]:
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(cls).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {**defaults, **config}
+
+
+def check_consistent(checkpoint: CheckpointConfigs) -> None:
+    """Every partition shares the transformer's geometry (one Ulysses group, one memory plan serve them all), and
+    takes what the VAEs and the text encoder give it: their latent channels and the conditioning width."""
+    import diffusers
+    from transformers import Qwen3VLConfig
+
+    geometry = checkpoint.geometry()
+    for partition in checkpoint.partitions[1:]:
+        other = checkpoint.geometry(partition)
+        if other != geometry:
+            raise CheckpointMismatch(
+                f"checkpoint {checkpoint.where()} has {geometry.describe()}, but {checkpoint.where(partition)} has "
+                f"{other.describe()} ({'; '.join(geometry.differences(other))}): every transformer partition must "
+                "share heads, head size, layers and hidden size"
+            )
+    vae = _with_defaults(diffusers.AutoencoderKLMiniMaxH3, checkpoint.configs["vae"])
+    audio_vae = _with_defaults(diffusers.AutoencoderKLMiniMaxH3Audio, checkpoint.configs["audio_vae"])
+    text_width = Qwen3VLConfig.from_dict(checkpoint.configs["text_encoder"]).text_config.hidden_size
+    for partition in checkpoint.partitions:
+        config = checkpoint.transformer(partition)
+        for key, value, source in (
+            ("in_channels", vae["latent_channels"], "vae latent_channels"),
+            ("audio_in_channels", audio_vae["latent_channels"], "audio_vae latent_channels"),
+            ("text_dim", text_width, "text_encoder text_config.hidden_size"),
+        ):
+            if config[key] != value:
+                raise CheckpointMismatch(
+                    f"checkpoint {checkpoint.where(partition)} has {key}={config[key]}, but its {source} is {value}: "
+                    "the transformer must take what the checkpoint's other components give it"
+                )
+
+
+def checkpoint_geometry(model: str, checkpoint: CheckpointConfigs) -> TransformerGeometry:
+    """The geometry a deployment of ``model`` is admitted for: the checkpoint's own, consistent in itself
+    (``check_consistent``) and, unless ``model`` is ``auto``, the preset's. CheckpointMismatch (reason
+    "checkpoint") names the field, the checkpoint's folder and both geometries otherwise."""
+    check_consistent(checkpoint)
+    geometry = checkpoint.geometry()
+    if model == AUTO:
+        return geometry
+    expected = preset(model).geometry()
+    if geometry != expected:
+        raise CheckpointMismatch(
+            f"model={model!r} names the {preset(model).name} architecture ({expected.describe()}), but checkpoint "
+            f"{checkpoint.where()} has {geometry.describe()} ({'; '.join(expected.differences(geometry))}): set "
+            f"model to the checkpoint's architecture, or model: {AUTO} to serve the checkpoint's own"
+        )
+    return geometry
 
 
 def validate_deployment(

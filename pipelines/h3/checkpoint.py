@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
-from .config import TINY_VOCAB_SIZE, preset
+from .config import TINY_VOCAB_SIZE, TransformerGeometry, preset, transformer_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,63 @@ class CheckpointIndex:
 
     def partitions(self) -> tuple[str, ...]:
         return tuple(p for p in ("transformer", "transformer_ref") if self.declared(p))
+
+
+# Model components whose config.json admission reads besides the partitions: the memory plan counts their weights,
+# and their latent and text widths must be what the transformer takes.
+CONFIG_COMPONENTS = ("vae", "audio_vae", "text_encoder")
+
+
+def load_component_config(index: CheckpointIndex, name: str) -> dict[str, Any]:
+    """A model component's config.json through its library's config loader (no weights), or CheckpointError."""
+    import diffusers
+    import transformers
+
+    folder = index.folder(name)
+    library, class_name = LAYOUT[name]
+    try:
+        if library == "diffusers":
+            return dict(getattr(diffusers, class_name).load_config(folder, local_files_only=True))
+        return getattr(transformers, class_name).config_class.from_pretrained(folder, local_files_only=True).to_dict()
+    except (OSError, ValueError) as e:  # missing or unparsable config.json
+        raise CheckpointError(f"{folder} has no readable {class_name} config: {e}") from None
+
+
+class CheckpointConfigs(BaseModel):
+    """A checkpoint directory's component configs, read without weights: what admission checks and the memory plan
+    counts. The driver reads them where it holds the directory, else the probe on a replica node (``read_on``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    directory: str
+    read_on: str  # where they were read: "the driver", "replica node 10.0.0.3"
+    partitions: tuple[str, ...]  # "transformer", and "transformer_ref" where the checkpoint has Ref2VA
+    configs: dict[str, dict[str, Any]]  # component folder -> its config (every partition and CONFIG_COMPONENTS)
+
+    @classmethod
+    def read(cls, directory: str | Path, read_on: str) -> CheckpointConfigs:
+        """Every component the replicas load must be declared with its class and have its folder; the partitions'
+        and CONFIG_COMPONENTS' configs are read. CheckpointError names the folder otherwise."""
+        index = CheckpointIndex(directory)
+        partitions = index.partitions()
+        configs = {}
+        for name in LAYOUT:
+            if name in OPTIONAL and name not in partitions:
+                continue
+            index.folder(name)  # declared with the class h3serve serves, and present
+            if name in partitions or name in CONFIG_COMPONENTS:
+                configs[name] = load_component_config(index, name)
+        return cls(directory=str(index.directory), read_on=read_on, partitions=partitions, configs=configs)
+
+    def transformer(self, partition: str = "transformer") -> dict[str, Any]:
+        """A partition's whole config: the class's defaults under what its config.json sets."""
+        return {**transformer_defaults(), **self.configs[partition]}
+
+    def geometry(self, partition: str = "transformer") -> TransformerGeometry:
+        return TransformerGeometry.of(self.transformer(partition))
+
+    def where(self, partition: str = "transformer") -> str:
+        return f"{Path(self.directory) / partition} (read on {self.read_on})"
 
 
 @contextlib.contextmanager
@@ -297,11 +355,18 @@ def keep_tokens_apart(text_encoder) -> None:
             layer.mlp.down_proj.weight.mul_(branch_scale)
 
 
-def tiny_components(seed: int = 0, with_ref: bool = False, library_text_init: bool = False) -> dict[str, Any]:
+def tiny_components(
+    seed: int = 0,
+    with_ref: bool = False,
+    library_text_init: bool = False,
+    transformer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Every component of the tiny preset, built by its library class with seeded random weights.
 
     ``library_text_init``: leave the text encoder as transformers initialises it, without
     ``keep_tokens_apart`` (the writer before it; ``benchmarks.text_encoder`` measures both).
+    ``transformer``: transformer config values over the preset's (a checkpoint of other dims: heads, head size,
+    layers, hidden size; its widths facing the VAEs and the text encoder stay the preset's).
     """
     from diffusers import (
         AutoencoderKLMiniMaxH3,
@@ -312,6 +377,7 @@ def tiny_components(seed: int = 0, with_ref: bool = False, library_text_init: bo
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     spec = preset("tiny")
+    transformer_config = {**spec.transformer, **(transformer or {})}
     tokenizer = tiny_tokenizer()
     token_ids = {
         name: tokenizer.convert_tokens_to_ids(token)
@@ -332,7 +398,7 @@ def tiny_components(seed: int = 0, with_ref: bool = False, library_text_init: bo
     torch.manual_seed(seed)
     with _library_deprecations_silenced():
         components = dict(
-            transformer=MiniMaxH3Transformer3DModel(**spec.transformer),
+            transformer=MiniMaxH3Transformer3DModel(**transformer_config),
             vae=AutoencoderKLMiniMaxH3(**spec.components["vae"]),
             audio_vae=AutoencoderKLMiniMaxH3Audio(**spec.components["audio_vae"]),
             text_encoder=Qwen3VLForConditionalGeneration(text_config),
@@ -342,7 +408,7 @@ def tiny_components(seed: int = 0, with_ref: bool = False, library_text_init: bo
             audio_scheduler=MiniMaxH3Scheduler(**spec.components["audio_scheduler"]),
         )
         if with_ref:
-            components["transformer_ref"] = MiniMaxH3Transformer3DModel(**spec.transformer)
+            components["transformer_ref"] = MiniMaxH3Transformer3DModel(**transformer_config)
     if not library_text_init:
         keep_tokens_apart(components["text_encoder"])
     return components
@@ -375,9 +441,13 @@ def save_checkpoint(
     return directory
 
 
-def write_tiny_checkpoint(directory: str | Path, seed: int = 0, with_ref: bool = False) -> Path:
-    """The tiny preset with random weights, the same tensors for a given seed and torch."""
-    return save_checkpoint(tiny_components(seed, with_ref), directory, preset("tiny").pipeline_config)
+def write_tiny_checkpoint(
+    directory: str | Path, seed: int = 0, with_ref: bool = False, transformer: dict[str, Any] | None = None
+) -> Path:
+    """The tiny preset with random weights, the same tensors for a given seed and torch. ``transformer``: config
+    values over the preset's transformer (``tiny_components``)."""
+    components = tiny_components(seed, with_ref, transformer=transformer)
+    return save_checkpoint(components, directory, preset("tiny").pipeline_config)
 
 
 # Bump when the tiny writer makes other tensors for the same preset and seed, so no cache serves the old ones.

@@ -1,9 +1,10 @@
 """H3 presets: ``full`` is the released MiniMax-H3, ``tiny`` the same library classes at tiny dims.
 
-A preset names an architecture, so the driver can admit a deployment (heads, head size) before any
-weights are read. ``full`` is ``MiniMaxH3Transformer3DModel``'s own default config, which is the
-released one. ``tiny`` also carries the configs of every other component, which is what
-``h3serve weights`` builds a checkpoint in the released layout from.
+A preset names an architecture: admission refuses a checkpoint whose transformer/config.json has other
+dims (heads, head size, layers, hidden size) before any weights are read; ``auto`` names none, and the
+checkpoint's own architecture is served. ``full`` is ``MiniMaxH3Transformer3DModel``'s own default
+config, which is the released one. ``tiny`` also carries the configs of every other component, which is
+what ``h3serve weights`` builds a checkpoint in the released layout from.
 """
 
 from __future__ import annotations
@@ -32,14 +33,7 @@ class H3Preset:
 
     def transformer_config(self) -> dict[str, Any]:
         """The whole transformer config: the class's defaults (the released values), then this preset's."""
-        from diffusers import MiniMaxH3Transformer3DModel
-
-        defaults = {
-            name: p.default
-            for name, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty
-        }
-        return {**defaults, **self.transformer}
+        return {**transformer_defaults(), **self.transformer}
 
     def geometry(self) -> TransformerGeometry:
         return _geometry(self.name)
@@ -47,14 +41,21 @@ class H3Preset:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerGeometry:
-    """What admission and Ulysses need to know about a transformer, from a preset or a checkpoint."""
+    """What admission, Ulysses and the memory plan need to know about a transformer, from a preset or a checkpoint."""
 
     num_heads: int
     head_dim: int
+    num_layers: int
+    hidden_size: int
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> TransformerGeometry:
-        return cls(num_heads=int(config["num_attention_heads"]), head_dim=int(config["attention_head_dim"]))
+        return cls(
+            num_heads=int(config["num_attention_heads"]),
+            head_dim=int(config["attention_head_dim"]),
+            num_layers=int(config["num_layers"]),
+            hidden_size=int(config["hidden_size"]),
+        )
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> TransformerGeometry:
@@ -62,6 +63,17 @@ class TransformerGeometry:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: not a MiniMax-H3 checkpoint directory")
         return cls.of(json.loads(path.read_text()))
+
+    def describe(self) -> str:
+        return f"{self.num_heads} heads x {self.head_dim}, {self.num_layers} layers, hidden {self.hidden_size}"
+
+    def differences(self, other: TransformerGeometry) -> list[str]:
+        """The fields in which ``other`` differs, as ``name <self's> vs <other's>``."""
+        return [
+            f"{f.name} {getattr(self, f.name)} vs {getattr(other, f.name)}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
 
     def check_sp_degree(self, sp_degree: int) -> None:
         """Ulysses splits heads across ranks, so the degree must divide the head count."""
@@ -169,6 +181,22 @@ PRESETS: dict[str, H3Preset] = {
 
 
 @functools.cache
+def _transformer_defaults() -> dict[str, Any]:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return {
+        name: p.default
+        for name, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def transformer_defaults() -> dict[str, Any]:
+    """``MiniMaxH3Transformer3DModel``'s constructor defaults: the released config (a copy, to update freely)."""
+    return dict(_transformer_defaults())
+
+
+@functools.cache
 def _geometry(model_name: str) -> TransformerGeometry:
     """A preset's heads, read once (inspecting diffusers' signature is the slow part of admission)."""
     (spec,) = [p for p in PRESETS.values() if p.name == model_name]
@@ -180,7 +208,12 @@ def default_dtype(device: str) -> Literal["bfloat16", "float32"]:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+# ``model: auto``: no preset; the architecture is the checkpoint's own (its transformer/config.json).
+AUTO = "auto"
+
+
 def preset(name: str) -> H3Preset:
     if name not in PRESETS:
-        raise ValueError(f"model preset {name!r} is not one of {', '.join(PRESETS)}")
+        hint = f" ({AUTO!r} names no preset: the checkpoint's own architecture)" if name == AUTO else ""
+        raise ValueError(f"model preset {name!r} is not one of {', '.join(PRESETS)}{hint}")
     return PRESETS[name]

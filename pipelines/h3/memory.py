@@ -15,9 +15,10 @@ the **decoder** (both VAEs). They hold no pack rows: weights + the reserve, and 
   memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
   except diffusers' ``_keep_in_fp32_modules`` (fp32), Qwen3-VL at the served dtype with its decoder
   trimmed to ``text_encoder_layer + 1`` layers (as ``H3Pipeline.load`` does), the VAEs in fp32.
-  Configs come from the checkpoint directory when it is readable here, else from the released
-  configs below (the transformer's are diffusers' defaults; Qwen3-VL's is the released
-  ``text_encoder/config.json``: Qwen3-VL-32B).
+  Configs come from the checkpoint directory (as admission read them, on the driver or through the
+  probe on a replica node; else read here when readable), else from the released configs below (the
+  transformer's are diffusers' defaults; Qwen3-VL's is the released ``text_encoder/config.json``:
+  Qwen3-VL-32B). The activations are counted at the served transformer's dims, the checkpoint's.
 * **Activations** follow ``ACTIVATION_FORMULA`` (below): the live tensors of one packed forward at
   its peak (a block's SwiGLU), per pack row. ``benchmarks/activation_memory.py`` measures the peak
   live bytes on the tiny preset and ``tests/test_memory_plan.py`` checks the formula's slope
@@ -41,7 +42,8 @@ from typing import Any, Literal
 
 import torch
 
-from .config import preset
+from .checkpoint import CheckpointConfigs, CheckpointError, CheckpointIndex
+from .config import preset, transformer_defaults
 
 GiB = 2**30
 DEFAULT_RESERVE_BYTES = 4 * GiB
@@ -295,16 +297,36 @@ def _text_encoder_bytes(config: dict[str, Any], dtype: str, layers: int) -> int:
 
 
 @functools.cache
-def _component_bytes(model: str, checkpoint: str | None, dtype: str, partitions: tuple[str, ...]) -> dict[str, int]:
+def _component_bytes(configs_json: str, dtype: str) -> dict[str, int]:
+    """Bytes of each component of ``configs_json`` ({name: config, or null for the class defaults}) as served."""
+    configs = json.loads(configs_json)
+    out = {
+        name: _transformer_bytes(config, dtype)
+        for name, config in configs.items()
+        if name not in ("text_encoder", "vae", "audio_vae")
+    }
+    out["text_encoder"] = _text_encoder_bytes(configs["text_encoder"], dtype, TEXT_ENCODER_LAYER + 1)
+    out["vae"] = _vae_bytes("AutoencoderKLMiniMaxH3", configs["vae"])
+    out["audio_vae"] = _vae_bytes("AutoencoderKLMiniMaxH3Audio", configs["audio_vae"])
+    return out
+
+
+def _served_configs(
+    model: str, checkpoint: str | None, partitions: tuple[str, ...], configs: CheckpointConfigs | None = None
+) -> dict[str, dict[str, Any] | None]:
+    """Each component's config as the plan counts it: the checkpoint's (``configs``, as admission read them; else
+    its config.json where readable here), else the preset's, else the released one (None: the class's defaults)."""
+    if configs is not None:
+        return {name: configs.configs[name] for name in (*partitions, "text_encoder", "vae", "audio_vae")}
     spec = preset(model)
     directory = Path(checkpoint) if checkpoint else None
     released = spec.transformer_config()
-    out = {p: _transformer_bytes(_read_config(directory, p) or released, dtype) for p in partitions}
-    text = _read_config(directory, "text_encoder") or spec.components.get("text_encoder") or RELEASED_TEXT_ENCODER
-    out["text_encoder"] = _text_encoder_bytes(text, dtype, TEXT_ENCODER_LAYER + 1)
-    out["vae"] = _vae_bytes("AutoencoderKLMiniMaxH3", _read_config(directory, "vae") or spec.components.get("vae"))
-    audio = _read_config(directory, "audio_vae") or spec.components.get("audio_vae")
-    out["audio_vae"] = _vae_bytes("AutoencoderKLMiniMaxH3Audio", audio)
+    out: dict[str, dict[str, Any] | None] = {p: _read_config(directory, p) or released for p in partitions}
+    out["text_encoder"] = (
+        _read_config(directory, "text_encoder") or spec.components.get("text_encoder") or RELEASED_TEXT_ENCODER
+    )
+    out["vae"] = _read_config(directory, "vae") or spec.components.get("vae")
+    out["audio_vae"] = _read_config(directory, "audio_vae") or spec.components.get("audio_vae")
     return out
 
 
@@ -388,8 +410,6 @@ def gib(n: float) -> str:
 
 def checkpoint_partitions(checkpoint: str | None) -> tuple[tuple[str, ...], str | None]:
     """The transformer partitions each rank loads, and a note when they could not be read here."""
-    from .checkpoint import CheckpointError, CheckpointIndex
-
     if checkpoint is None:  # the built-in tiny checkpoint: T2VA/FL2VA's partition only
         return ("transformer",), None
     try:
@@ -413,10 +433,13 @@ def memory_plan(
     adapters: dict[str, int] | None = None,
     step_cache: bool = False,
     stages: Literal["local", "remote"] = "local",
+    configs: CheckpointConfigs | None = None,
 ) -> MemoryPlan:
     """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
 
-    ``partitions``: the transformer partitions every rank holds; None reads them from the checkpoint.
+    ``partitions``: the transformer partitions every rank holds; None reads them from the checkpoint (``configs``'s).
+    ``configs``: the checkpoint's component configs as admission read them (on the driver or a replica node); None
+    reads ``checkpoint`` here where it is readable, else counts the preset's (or the released) configs.
     ``adapters``: each LoRA adapter's bytes on one rank (``lora.check_adapters``): every rank holds every one.
     ``step_cache``: the deployment offers a step-cache tier, so every pack row may hold two residuals (and, during
     a forward, its next ones and the cache's working tensors: ``ACTIVATION_FORMULA``).
@@ -426,15 +449,18 @@ def memory_plan(
     if stages not in ("local", "remote"):
         raise ValueError(f"stages must be 'local' or 'remote', got {stages!r}")
     notes: tuple[str, ...] = ()
-    if partitions is None:
+    if partitions is None and configs is not None:
+        partitions = configs.partitions
+    elif partitions is None:
         partitions, note = checkpoint_partitions(checkpoint)
         notes = (note,) if note else ()
     # Prepare and decode run between forwards on rank 0, or in the stages; their transients are not counted here.
     notes += (NOT_COUNTED if stages == "local" else STAGES_NOT_COUNTED,)
-    weights = _component_bytes(model, checkpoint, dtype, tuple(partitions))
-    row_cost = activation_row_cost(
-        preset(model).transformer_config(), dtype, sp_degree=sp_degree, step_cache=step_cache
-    )
+    components = _served_configs(model, checkpoint, tuple(partitions), configs)
+    weights = _component_bytes(json.dumps(components, sort_keys=True), dtype)
+    # the activations of the transformer that is served: the checkpoint's dims, not a preset's
+    transformer = {**transformer_defaults(), **(components["transformer"] or {})}
+    row_cost = activation_row_cost(transformer, dtype, sp_degree=sp_degree, step_cache=step_cache)
     if step_cache:
         notes += (
             f"a request paused under srpt or priority keeps its step cache: "

@@ -37,7 +37,7 @@ from attention import (
 
 from . import checkpoint as ckpt
 from .attention_processor import SequenceParallel, install
-from .config import TransformerGeometry
+from .config import TransformerGeometry, transformer_defaults
 from .forward import packed_forward
 from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, asked_steps, load_partitions
 from .packing import Document, Pack, pack_documents
@@ -148,11 +148,19 @@ class H3Denoiser:
         _quiet_libraries()
         directory = ckpt.resolve_checkpoint(checkpoint)
         index = ckpt.CheckpointIndex(directory)
-        geometry = TransformerGeometry.from_checkpoint(directory)
-        if expected is not None and geometry != expected:
-            raise ckpt.CheckpointError(
-                f"{directory}/transformer has {geometry}, but the deployment was admitted for {expected}"
+        geometries = {
+            partition: TransformerGeometry.of(
+                {**transformer_defaults(), **ckpt.load_component_config(index, partition)}
             )
+            for partition in index.partitions()
+        }
+        for partition, found in geometries.items():  # the driver read them too, but this node's copy may differ
+            if expected is not None and found != expected:
+                raise ckpt.CheckpointError(
+                    f"{directory / partition} has {found.describe()}, but the deployment was admitted for "
+                    f"{expected.describe()} ({'; '.join(expected.differences(found))})"
+                )
+        geometry = geometries["transformer"]
         torch_dtype = parse_dtype(dtype)
         check_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
         models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}

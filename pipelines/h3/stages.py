@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from diffusers.modular_pipelines.minimax_h3.decoders import (
     MiniMaxH3AudioDecodeStep,
     MiniMaxH3VideoDecodeStep,
 )
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from .checkpoint import ImageOnlyQwen3VLProcessor
 from .request import GenerationRequest, ModelRules, Reference, RequestError
@@ -100,18 +101,43 @@ PREPARED_KEYS = (
 MAX_UPLOAD_PIXELS = 4096 * 4096
 
 
-def decode_image(data: bytes, field: str) -> Image.Image:
+def image_problem(data: bytes, max_pixels: int = MAX_UPLOAD_PIXELS, verify: bool = True) -> str | None:
+    """What makes an encoded image unacceptable, found without decoding its pixels, or None.
+
+    The header gives the size (PIL reads it lazily), refused over ``max_pixels``. With ``verify``, what is cheap
+    to check beyond it: a PNG's chunks are read up to IEND with their CRCs (``Image.verify``: a truncated or
+    corrupted file fails, a valid file whose deflate stream is broken does not), a JPEG's entropy-coded data is
+    decoded at 1/8 scale (libjpeg's DCT scaling: a truncated file fails). Other formats' pixels are read only where
+    the image is decoded (``decode_image``, on the replica)."""
     try:
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            width, height = image.size
-            if width * height > MAX_UPLOAD_PIXELS:
-                raise RequestError(
-                    field, f"{field} is {width}x{height} pixels; images may have at most {MAX_UPLOAD_PIXELS} pixels"
-                )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the bound below is the lower one
+            with Image.open(io.BytesIO(data)) as image:  # reads the header only
+                width, height = image.size
+                if width * height > max_pixels:
+                    return f"is {width}x{height} pixels; images may have at most {max_pixels} pixels"
+                if verify and image.format == "JPEG":
+                    image.draft("RGB", (max(1, width // 8), max(1, height // 8)))
+                    image.load()
+                elif verify:
+                    image.verify()
+    except Image.DecompressionBombError as e:  # PIL's own bound, met before ours when a header declares billions
+        return f"is too large to decode: {e}; images may have at most {max_pixels} pixels"
+    except Exception as e:  # any parser failure is the upload's fault (PIL raises OSError, SyntaxError, struct...)
+        return f"is not a decodable image: {e}"
+    return None
+
+
+def decode_image(data: bytes, field: str) -> Image.Image:
+    """An upload as RGB, or RequestError(field): over MAX_UPLOAD_PIXELS (checked on the header, before decoding)
+    or undecodable."""
+    problem = image_problem(data, verify=False)  # the decode below reads every pixel anyway
+    if problem is not None:
+        raise RequestError(field, f"{field} {problem}")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except Image.DecompressionBombError as e:  # PIL's own bound, for formats whose size is known only later
-        raise RequestError(field, f"{field} is too large to decode: {e}") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except Exception as e:  # as above: the upload's fault
         raise RequestError(field, f"{field} is not a decodable image: {e}") from None
 
 
