@@ -44,6 +44,7 @@ class SessionCluster:
 
     def __init__(self):
         self.cluster: Cluster | None = None
+        self.served = None  # the session's `h3serve serve` on it (``served``), a ServeProcess once started
 
     def get(self) -> Cluster:
         if self.cluster is None:
@@ -60,6 +61,9 @@ class SessionCluster:
         import ray
         from ray import serve
 
+        if self.served is not None:
+            self.served.stop()
+            self.served = None
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
@@ -75,16 +79,36 @@ def ray_cluster() -> Cluster:
     return SESSION_CLUSTER.get()
 
 
+@pytest.fixture(scope="session")
+def served(request, ray_cluster, tiny_checkpoint, tmp_path_factory):
+    """The session's one `h3serve serve` (``tests/served_apps.py``), with the applications of the collected modules
+    that use it; those modules run after every other module on the session's cluster."""
+    from tests import served_apps
+    from tests.harness import ServeProcess, free_port, write_config
+
+    modules = sorted(
+        {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items} & set(served_apps.APPS)
+    )
+    tmp = tmp_path_factory.mktemp("served")
+    config, owners = served_apps.serve_config(modules, served_apps.Inputs(tmp, tiny_checkpoint))
+    port = free_port()
+    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
+    SESSION_CLUSTER.served = process  # stopped before the cluster is
+    process.wait_serving(apps=len(config["applications"]), timeout=600)
+    return served_apps.ServedApps(process, config, owners, tmp / "videos", ray_cluster.metrics_port)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _serve_apps_end_with_their_module(request):
-    """A module's Serve apps (and its ``h3serve serve`` processes' leftovers) go with it; the cluster stays. A module
-    marked ``own_cluster`` finds no session cluster connected (it runs ``ray.init`` itself)."""
+    """A module's Serve apps (and its ``h3serve serve`` processes' leftovers) go with it; the cluster stays, and so
+    does the session's server (``served``), whose modules delete their own applications. A module marked
+    ``own_cluster`` finds no session cluster connected (it runs ``ray.init`` itself)."""
     if request.node.get_closest_marker("own_cluster") is not None:
         SESSION_CLUSTER.stop()
     yield
     import sys
 
-    if "ray" in sys.modules:
+    if "ray" in sys.modules and SESSION_CLUSTER.served is None:
         import ray
 
         if ray.is_initialized():
@@ -94,8 +118,9 @@ def _serve_apps_end_with_their_module(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules marked ``own_cluster`` run after every other, so the session cluster starts at most twice."""
-    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+    """The modules on the session's server (``served``) run after the others on its cluster, which stop the Serve
+    apps they start; modules marked ``own_cluster`` run last, so the session's cluster starts at most twice."""
+    items.sort(key=lambda item: (item.get_closest_marker("own_cluster") is not None, "served" in item.fixturenames))
 
 
 _exit_status = 0
@@ -124,6 +149,8 @@ def pytest_unconfigure(config):
             dist.destroy_process_group()
     except Exception as e:  # a broken group may refuse; the process is leaving anyway
         print(f"conftest: process group teardown failed: {e}", file=sys.stderr)
+    if SESSION_CLUSTER.served is not None:
+        SESSION_CLUSTER.served.stop()
     if "ray" in sys.modules:
         import ray
 

@@ -16,9 +16,10 @@ from deploy.args import DeployArgs
 from deploy.errors import QUEUE_FULL_MESSAGE, UNAVAILABLE_MESSAGE, http_error
 from deploy.replica import H3Replica
 from replicas import DeadlineExceeded, EngineDraining, EngineStalled, EngineStopped, QueueFull
-from tests.harness import ServeProcess, client, default_config, free_port, wait_video, write_config
+from tests.harness import client, wait_video
+from tests.served_apps import FLOOD_ENGINE
 
-ENGINE = {"max_queue": 4, "max_active": 2}  # 6 generations at once: more than Serve's default of 5 per replica
+ENGINE = FLOOD_ENGINE  # 6 generations at once: more than Serve's default of 5 per replica
 CAPACITY = ENGINE["max_queue"] + ENGINE["max_active"]
 FLOOD_IMAGES, FLOOD_VIDEOS = 14, 6  # 20 POSTs at once, 127.0.0.1 only
 IMAGE = {"prompt": "flood", "size": "64x64", "num_inference_steps": 24}
@@ -97,19 +98,10 @@ def test_a_passed_deadline_is_a_504_of_type_timeout():
 
 # -- a flood over real HTTP ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("flood")
-    config = default_config()
-    args = config["applications"][0]["args"]
-    args["engine"] = {**args["engine"], **ENGINE}
-    args["jobs"] = {"store": str(tmp / "videos")}
-    port = free_port()
-    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
-    try:
-        process.wait_serving()
-        yield process
-    finally:
-        process.stop()
+def server(served):
+    """The default config with ENGINE's bounds (``served_apps``: application "flood")."""
+    with served.module(__name__) as app:
+        yield app
 
 
 async def timed(http: httpx.AsyncClient, method: str, path: str, **kwargs) -> tuple[httpx.Response, float]:

@@ -13,57 +13,26 @@ from deploy.api import PUBLIC_ROUTES
 from deploy.openapi import REQUEST_ID
 from tests.harness import (
     SCHEMATHESIS,
-    ServeProcess,
     bomb_png,
     client,
-    default_config,
     error_of,
-    free_port,
     requests_counted,
     truncated_png,
     wait_for,
     wait_video,
-    write_config,
 )
+from tests.served_apps import KEY, LOCKED_BODY_LIMIT
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
-KEY = "h3-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LOCKED_BODY_LIMIT = 65536
 JSON = {"content-type": "application/json"}
 
 
-def two_apps(store) -> dict:
-    config = default_config()
-    default = config["applications"][0]
-    default["args"]["jobs"] = {"store": str(store)}
-    locked = {
-        **default,
-        "name": "locked",
-        "route_prefix": "/locked",
-        "runtime_env": {"env_vars": {"H3_TEST_KEY": KEY}},
-        "args": {
-            **default["args"],
-            "api_key_env": "H3_TEST_KEY",
-            "limits": {**default["args"]["limits"], "max_body_bytes": LOCKED_BODY_LIMIT},
-        },
-    }
-    config["applications"].append(locked)
-    return config
-
-
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("http")
-    port = free_port()
-    process = ServeProcess(write_config(tmp, two_apps(tmp / "videos"), port), ray_cluster.address, port)
-    try:
-        process.wait_serving(apps=2)
-        process.metrics_port = ray_cluster.metrics_port
-        process.store = tmp / "videos" / "h3serve"  # the default app's job records
-        yield process
-    finally:
-        process.stop()
+def server(served):
+    """The default config at / and "locked" at /locked: a bearer token and a small body limit (``served_apps``)."""
+    with served.module(__name__) as app:
+        yield app
 
 
 def multipart(boundary: str, body: bytes) -> dict:

@@ -1,40 +1,20 @@
 """A checkpoint h3serve did not write (diffusers' and transformers' own save_pretrained) serves unchanged, at dims of
 its own (FOREIGN_DIMS, no preset's) when the config says so: ``model: auto``."""
 
-import copy
-
 import pytest
-from diffusers.modular_pipelines import MiniMaxH3Blocks
 
-from pipelines.h3 import preset
-from pipelines.h3.checkpoint import tiny_components
 from pipelines.h3.media import probe_media
-from tests.harness import FOREIGN_DIMS, ServeProcess, client, default_config, free_port, wait_for, write_config
+from tests.harness import client, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
-def library_checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("library") / "MiniMax-H3-foreign"
-    pipe = MiniMaxH3Blocks().init_pipeline()
-    pipe.register_to_config(**preset("tiny").pipeline_config)
-    pipe.update_components(**tiny_components(seed=11, transformer=FOREIGN_DIMS))
-    pipe.save_pretrained(str(directory), overwrite_modular_index=True)  # diffusers' own index, absolute paths
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(ray_cluster, library_checkpoint, tmp_path_factory):
-    config = copy.deepcopy(default_config())
-    config["applications"][0]["args"].update(checkpoint=str(library_checkpoint), model="auto")
-    port = free_port()
-    process = ServeProcess(write_config(tmp_path_factory.mktemp("config"), config, port), ray_cluster.address, port)
-    try:
-        process.wait_serving()
-        yield process
-    finally:
-        process.stop()
+def server(served):
+    """The default config with ``checkpoint`` a library-saved checkpoint of FOREIGN_DIMS and ``model: auto``
+    (``served_apps``: application "foreign")."""
+    with served.module(__name__) as app:
+        yield app
 
 
 def test_a_library_saved_checkpoint_of_its_own_dims_serves_a_clip_through_h3serve_serve(server):

@@ -18,15 +18,11 @@ from ray import serve
 
 from pipelines.h3.media import probe_media
 from tests.harness import (
-    ServeProcess,
     client,
-    default_config,
     error_of,
     finished_video,
-    free_port,
     wait_for,
     wait_video,
-    write_config,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -35,18 +31,10 @@ SHORTEST = 124  # frames: 17 * 7 + 5, the first 17n+5 count of at least 5 s at 2
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tmp_path_factory):
-    port = free_port()
-    tmp = tmp_path_factory.mktemp("default")
-    config = default_config()  # the embedded default, but for a free port and a fresh job store
-    config["applications"][0]["args"]["jobs"] = {"store": str(tmp / "videos")}
-    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
-    process.store = tmp / "videos" / "h3serve"  # <store>/<application name>/
-    try:
-        process.wait_serving()
-        yield process
-    finally:
-        process.stop()
+def server(served):
+    """The embedded default, at /default with a job store of its own (``served_apps``: application "default")."""
+    with served.module(__name__) as app:
+        yield app
 
 
 @pytest.fixture()
@@ -142,7 +130,7 @@ def test_openai_client_creates_retrieves_and_downloads_a_video(api, server):
 
 
 def test_deleting_a_running_job_takes_it_out_of_the_engine(server):
-    replica = serve.get_deployment_handle("H3Replica", app_name="h3serve")
+    replica = serve.get_deployment_handle("H3Replica", app_name=server.name)
     with client(server.url) as http:
         job = http.post("/v1/videos", json={"prompt": "long", "seconds": 14, "num_inference_steps": 50}).json()
         wait_for(

@@ -80,9 +80,15 @@ def _verdicts(result) -> list[dict]:
     return [clip["detected"] for clip in result["clips"]]
 
 
+@pytest.fixture(scope="module")
+def built_in_packed():
+    """The built-in checkpoint's eval, two clips in one pack (both tests below compare against it)."""
+    return evaluate(EvalSettings(pack=2, **BUILT_IN))
+
+
 @pytest.mark.slow
-def test_the_built_in_checkpoint_makes_the_scenes_its_prompts_name():
-    packed = evaluate(EvalSettings(pack=2, **BUILT_IN))
+def test_the_built_in_checkpoint_makes_the_scenes_its_prompts_name(built_in_packed):
+    packed = built_in_packed
     assert packed["checkpoint"].endswith("minimax-h3-tiny-demo")
     assert [clip["all_correct"] for clip in packed["clips"]] == [True, True], packed["clips"]
     assert _verdicts(evaluate(EvalSettings(pack=1, **BUILT_IN))) == _verdicts(packed)  # alone: the same verdicts
@@ -90,7 +96,7 @@ def test_the_built_in_checkpoint_makes_the_scenes_its_prompts_name():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_the_built_in_checkpoint_judges_the_same_over_two_ulysses_ranks():
-    over_two = evaluate(EvalSettings(pack=2, sp=2, **BUILT_IN))
+def test_the_built_in_checkpoint_judges_the_same_over_two_ulysses_ranks(ray_cluster, built_in_packed):
+    over_two = evaluate(EvalSettings(pack=2, sp=2, **BUILT_IN))  # its ranks on the session's cluster
     assert [clip["all_correct"] for clip in over_two["clips"]] == [True, True], over_two["clips"]
-    assert _verdicts(over_two) == _verdicts(evaluate(EvalSettings(pack=2, **BUILT_IN)))
+    assert _verdicts(over_two) == _verdicts(built_in_packed)

@@ -4,46 +4,24 @@ their steps by default, refused ids and steps as 400s in the API's error shape, 
 import time
 
 import pytest
-from peft import LoraConfig
 
 from tests.harness import (
-    ServeProcess,
     client,
-    default_config,
     error_of,
-    free_port,
     requests_counted,
     scrape,
     wait_for,
-    write_config,
 )
-from tests.test_lora import ADAPTERS, lora_state_dict, save
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 BASE_ID = "minimax-h3-tiny"
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_checkpoint, tmp_path_factory):
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    tmp = tmp_path_factory.mktemp("lora-http")
-    base = MiniMaxH3Transformer3DModel.from_pretrained(tiny_checkpoint / "transformer").eval()
-    loras = {}
-    for seed, (name, (kwargs, scale)) in enumerate(ADAPTERS.items()):
-        config = LoraConfig(**kwargs)
-        directory = save(tmp / name, lora_state_dict(base, config, seed), config)
-        loras[name] = {"path": str(directory), "scale": scale, **({"steps": 3} if name == "turbo" else {})}
-    config = default_config()
-    config["applications"][0]["args"].update(loras=loras, jobs={"store": str(tmp / "videos")})
-    port = free_port()
-    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
-    try:
-        process.wait_serving()
-        process.metrics_port = ray_cluster.metrics_port
-        yield process
-    finally:
-        process.stop()
+def server(served):
+    """The default config with test_lora's two adapters (``served_apps``: application "lora")."""
+    with served.module(__name__) as app:
+        yield app
 
 
 def generations_counted(server, model: str) -> float:

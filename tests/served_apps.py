@@ -1,0 +1,164 @@
+"""The session's one `h3serve serve` (``conftest.served``): the applications of every test module that talks HTTP to a
+server it does not stop or reconfigure, in one serve config on the session's cluster.
+
+A start of `h3serve serve` costs 30-60 s on 2 cores (the command's interpreter, the pre-flight's probe task, each
+application's build task, replicas and ingresses importing torch and diffusers); one process serving every such
+module's applications pays the fixed part once. Each module owns its applications (``APPS``): its own name, route
+prefix, args and job store, so no module sees another's jobs, counters or queue; the module's ``server`` fixture
+deletes them when it ends, so their replicas stop before the next module runs. Only the applications of modules
+the session collected are deployed. A module whose tests stop, restart or scale the server keeps a process of its
+own (test_api_lifecycle, test_drain, test_stages, test_deploy_scaling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from tests.harness import FOREIGN_DIMS, ServeProcess, default_config
+
+KEY = "h3-test-key"  # test_api_http's locked application's bearer token
+LOCKED_BODY_LIMIT = 65536
+FLOOD_ENGINE = {"max_queue": 4, "max_active": 2}  # 6 generations at once: more than Serve's default of 5 per replica
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What the applications are made of beyond the default config: files written once for the session."""
+
+    tmp: Path  # the job stores and the files below live under it
+    tiny_checkpoint: Path  # the random tiny preset (conftest's ``tiny_checkpoint``): the adapters' base modules
+
+
+def library_checkpoint(inputs: Inputs) -> Path:
+    """test_deploy_checkpoint's: a checkpoint h3serve did not write (diffusers' and transformers' own
+    save_pretrained, diffusers' own index with absolute paths), at dims of its own (FOREIGN_DIMS, no preset's)."""
+    from diffusers.modular_pipelines import MiniMaxH3Blocks
+
+    from pipelines.h3 import preset
+    from pipelines.h3.checkpoint import tiny_components
+
+    directory = inputs.tmp / "library" / "MiniMax-H3-foreign"
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.register_to_config(**preset("tiny").pipeline_config)
+    pipe.update_components(**tiny_components(seed=11, transformer=FOREIGN_DIMS))
+    pipe.save_pretrained(str(directory), overwrite_modular_index=True)
+    return directory
+
+
+def lora_adapters(inputs: Inputs) -> dict[str, dict]:
+    """test_lora_http's deploy-args ``loras``: test_lora's adapters, saved by diffusers' save_lora_weights."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from peft import LoraConfig
+
+    from tests.test_lora import ADAPTERS, lora_state_dict, save
+
+    base = MiniMaxH3Transformer3DModel.from_pretrained(inputs.tiny_checkpoint / "transformer").eval()
+    loras = {}
+    for seed, (name, (kwargs, scale)) in enumerate(ADAPTERS.items()):
+        config = LoraConfig(**kwargs)
+        directory = save(inputs.tmp / "loras" / name, lora_state_dict(base, config, seed), config)
+        loras[name] = {"path": str(directory), "scale": scale, **({"steps": 3} if name == "turbo" else {})}
+    return loras
+
+
+def _app(inputs: Inputs, name: str, route: str, **args) -> dict:
+    app = copy.deepcopy(default_config()["applications"][0])
+    app.update(name=name, route_prefix=route)
+    # a quarter of a CPU each (the default's half would fit four replicas in the cluster's two): placement only,
+    # a replica's threads are not limited by it
+    app["args"].update(jobs={"store": str(inputs.tmp / "videos")}, rank_resources={"CPU": 0.25}, **args)
+    app["deployments"] = [
+        {"name": "H3Ingress", "ray_actor_options": {"num_cpus": 0.05}},
+        {"name": "H3Replica", "num_replicas": 1},
+    ]
+    return app
+
+
+def _http_apps(inputs: Inputs) -> list[dict]:
+    default = _app(inputs, "h3serve", "/")
+    locked = _app(inputs, "locked", "/locked", api_key_env="H3_TEST_KEY")
+    locked["runtime_env"] = {"env_vars": {"H3_TEST_KEY": KEY}}
+    locked["args"]["limits"] = {**locked["args"]["limits"], "max_body_bytes": LOCKED_BODY_LIMIT}
+    return [default, locked]
+
+
+def _flood_apps(inputs: Inputs) -> list[dict]:
+    flood = _app(inputs, "flood", "/flood")
+    flood["args"]["engine"] = {**flood["args"]["engine"], **FLOOD_ENGINE}
+    return [flood]
+
+
+# test module -> its applications (the first is the one its ``server`` fixture hands out)
+APPS: dict[str, Callable[[Inputs], list[dict]]] = {
+    "test_api_backpressure": _flood_apps,
+    "test_api_http": _http_apps,
+    "test_deploy_checkpoint": lambda inputs: [
+        _app(inputs, "foreign", "/foreign", checkpoint=str(library_checkpoint(inputs)), model="auto")
+    ],
+    "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
+    "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
+}
+
+
+def serve_config(modules: list[str], inputs: Inputs) -> tuple[dict, dict[str, list[str]]]:
+    """One serve config holding the applications of ``modules`` (of APPS), and each module's application names."""
+    config, owners = default_config(), {}
+    config["applications"] = []
+    for module in modules:
+        apps = APPS[module](inputs)
+        owners[module] = [app["name"] for app in apps]
+        config["applications"] += apps
+    return config, owners
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedApp:
+    """One application of the session's server, as a module's tests see it."""
+
+    process: ServeProcess
+    name: str
+    route: str
+    store: Path  # <jobs store>/<application name>/: its video job records
+    metrics_port: int  # the session cluster's metrics export port
+
+    @property
+    def root(self) -> str:
+        """The server's own URL, every application's routes under it."""
+        return self.process.url
+
+    @property
+    def url(self) -> str:
+        """This application's URL: its routes (/v1/..., /health) under it."""
+        return self.process.url + ("" if self.route == "/" else self.route)
+
+    def output(self) -> str:
+        """The server process's output so far (every application's)."""
+        return self.process.output()
+
+
+class ServedApps:
+    """The running server: each module's applications by name."""
+
+    def __init__(self, process: ServeProcess, config: dict, owners: dict[str, list[str]], store: Path, port: int):
+        self.process, self.owners, self.store, self.metrics_port = process, owners, store, port
+        self.routes = {app["name"]: app["route_prefix"] for app in config["applications"]}
+
+    def app(self, name: str) -> ServedApp:
+        return ServedApp(self.process, name, self.routes[name], self.store / name, self.metrics_port)
+
+    @contextlib.contextmanager
+    def module(self, module: str) -> Iterator[ServedApp]:
+        """A module's first application while the module runs; then all of its applications are deleted, so their
+        replicas (and whatever work the module left queued on them) stop before the next module runs."""
+        from ray import serve
+
+        module = module.rsplit(".", 1)[-1]
+        try:
+            yield self.app(self.owners[module][0])
+        finally:
+            for name in self.owners[module]:
+                serve.delete(name)
