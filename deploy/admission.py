@@ -55,7 +55,8 @@ def target_platform(args: DeployArgs) -> Platform:
 
 def deployment_memory_plan(args: DeployArgs, adapters: dict[str, AdapterFootprint] | None = None) -> MemoryPlan:
     """Each rank role's device memory for these args: weights (LoRA adapters included), a full pack's activations
-    (with step caches when a tier is offered), the reserve. ``adapters``: ``check_loras``'s, else checked here.
+    (with step caches when a tier is offered; prompt rows bounded by ``engine.max_text_rows_per_step``), the
+    prepared requests' own tensors on rank 0, the reserve. ``adapters``: ``check_loras``'s, else checked here.
     With ``args.stages``, rank 0 holds only the transformer partitions and the plan adds the conditioner's and the
     decoder's roles (checked against the replicas' platform: the args give the stages none of their own)."""
     adapters = check_loras(args) if adapters is None else adapters
@@ -70,6 +71,10 @@ def deployment_memory_plan(args: DeployArgs, adapters: dict[str, AdapterFootprin
         adapters={name: footprint.bytes for name, footprint in adapters.items()},
         step_cache=bool(args.engine.step_cache.tiers),
         stages="remote" if args.stages is not None else "local",
+        text_rows=args.engine.max_text_rows_per_step,
+        requests=args.engine.max_active + args.engine.max_prepared,  # prepared states held at once
+        steps=args.limits.max_steps,
+        late_decisions=len({policy.fn_blocks for policy in args.engine.step_cache.tiers.values()}) > 1,
     )
 
 
