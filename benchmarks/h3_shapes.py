@@ -315,14 +315,14 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
-def activation_bytes_per_row(config: dict, dtype: torch.dtype) -> int:
-    """An estimate of the live activations per pack row at a block's peak (the SwiGLU), for inference.
+def activation_bytes_per_row(config: dict, dtype: torch.dtype) -> float:
+    """The memory plan's live activations per media row of a pack on one rank (``pipelines.h3.memory``'s
+    ``ACTIVATION_FORMULA``: the block's SwiGLU peak, the row's inputs), which benchmarks/meta_step.py checks against
+    the released step's measured peak on the meta device."""
+    from pipelines.h3.memory import activation_row_cost
 
-    hidden, residual, the normed and modulated input (4 x d), the gate/up projection (2f) and its
-    product (f), at ``dtype``; plus the rotary cos/sin (fp32, 2 x 6*rope_freq_dim) held for the pass.
-    """
-    size = torch.finfo(dtype).bits // 8
-    return size * (4 * config["hidden_size"] + 3 * config["ffn_dim"]) + 4 * 2 * 6 * config["rope_freq_dim"]
+    cost = activation_row_cost(config, dtype)
+    return cost.local_media + cost.inputs_media
 
 
 def rows_that_fit(free_bytes: int, bytes_per_row: float) -> int:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.meta_step [--json PATH]      # every path, the plan check, the projection (~1 min)
     python -m benchmarks.meta_step --session           # the projection of gpu_pipeline's packs on one H200
+    python -m benchmarks.meta_step --session --smoke   # its single request only (gpu_session.sh --cpu-dry-run)
 
 The ``full`` transformer (diffusers' ``MiniMaxH3Transformer3DModel`` at the released config, 33.1B parameters, bf16
 with diffusers' fp32 modules kept fp32) is built on the meta device inside a real ``H3Pipeline`` (its denoiser, the
@@ -484,11 +485,11 @@ def _report_measured(results: dict[str, dict]) -> None:
         [
             [
                 name, f"{r['rows']} ({r['text_rows']})", r["flops"] / 1e12,
-                r["flops_ratio"] if r.get("flops_ratio") is not None else "-",
+                f"{r['flops_ratio']:.4f}" if r.get("flops_ratio") is not None else "-",
                 f"{len(r['syncs'])} ({r['mid_forward_syncs']})",
                 ", ".join(f"{n} {op.split('.')[0]}" for op, n in r["collectives"].items()) or "-",
-                r["activation_peak_bytes"] / GiB, r["plan"]["activation_ratio"], r["resident_bytes"] / 2**20,
-                r["plan"]["request_ratio"], r["seconds"],
+                r["activation_peak_bytes"] / GiB, f"{r['plan']['activation_ratio']:.3f}", r["resident_bytes"] / 2**20,
+                f"{r['plan']['request_ratio']:.3f}", r["seconds"],
             ]
             for name, r in results.items()
         ],
@@ -523,16 +524,16 @@ def _report_projection(rows: list[dict], efficiency: float = 0.6) -> None:
     )  # fmt: skip
 
 
-def run(json_path: str | None, session: bool = False) -> dict:
+def run(json_path: str | None, session: bool = False, smoke: bool = False) -> dict:
     say(__doc__.split("\n\n")[0])
-    replica = MetaReplica(adapters=ADAPTERS)
+    replica = MetaReplica(adapters=() if session else ADAPTERS)
     say(f"built the released transformer on meta: {replica.weight_bytes / GiB:.1f} GiB of weights (adapters included)")
     if session:  # the packs benchmarks.gpu_pipeline measures on one H200, projected for it
         from .gpu_pipeline import LENGTHS
 
         packs = {
             f"{n} request{'s' * (n > 1)}": [Ask(Clip(1344, 768, f), step=20 + j) for j, f in enumerate(LENGTHS[:n])]
-            for n in range(1, len(LENGTHS) + 1)
+            for n in range(1, 2 if smoke else len(LENGTHS) + 1)
         }
         rows = project(replica, packs, degrees=(1,))
         _report_projection([r for r in rows if r["gpu"] == "H200"])
@@ -582,8 +583,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     ap.add_argument("--session", action="store_true", help="only the projection of gpu_pipeline's packs on one H200")
+    ap.add_argument("--smoke", action="store_true", help="with --session: its single request only (CI)")
     args = ap.parse_args(argv)
-    return 0 if run(args.json, args.session)["ok"] else 1
+    return 0 if run(args.json, args.session, args.smoke)["ok"] else 1
 
 
 if __name__ == "__main__":
