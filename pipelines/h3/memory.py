@@ -115,8 +115,10 @@ Live bytes of one packed forward at its peak, per rank, no grad; the peak is the
                                      2d + 9i  (W > 1: local q, k, v, the exchanged q, k, v, the kernel's
                                                output, the all-to-all's buffer and the re-laid-out result)
                         + 4*2*6r      rotary cos, sin (fp32)
-                        + 8 + 8       AdaLN row index, the row's position in its modality (int64)
-                        + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank) )
+                        + 8 + 8       AdaLN row index, the row's position in its modality (int64; W = 1: the
+                                      pack's own positions, no copy: 8)
+                        + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank;
+                                      W = 1: the refined prompt itself, no copy: 0) )
   step caching (when the deployment offers a tier), per pack row, on every rank (W > 1: every rank holds
   every caching row's full-row tensors, not its own T/W rows'):
     both phases: + T * 2*s*d  held: each row's two residuals (First-Block-Cache's h_Fn - h_0 and the middle
@@ -281,8 +283,9 @@ def activation_row_cost(
     c = max(config["in_channels"] * pt * ph * pw, config["audio_in_channels"])
     phases = block_phase_elements(config, sp_degree)
     block = phases[phase] if phase is not None else max(phases.values())
-    local_common = s * block + 4 * 2 * 6 * r + 8 + 8
-    local_text, local_media = s * d, 4 * d
+    # W = 1 takes every row as it is (packed_forward's _local): no copy of a row's position or of its refined prompt
+    local_common = s * block + 4 * 2 * 6 * r + 8 + (8 if sp_degree > 1 else 0)
+    local_text, local_media = (s * d if sp_degree > 1 else 0), 4 * d
     inputs_common, inputs_text, inputs_media = 40 + 8, s * e, 4 * c
     if text_fraction is None:  # each computed row at its dearer variant (used without a prompt-row bound)
         local = local_common + max(local_text, local_media)
