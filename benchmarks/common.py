@@ -294,15 +294,22 @@ PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
 
 
 class Budget:
-    """Wall-clock budget: once spent, remaining cases are skipped and listed."""
+    """Wall-clock budget: once spent, remaining cases are skipped and listed.
 
-    def __init__(self, seconds: float):
+    ``checkpoint`` (when set) runs before each case is weighed: the numbers so far reach their JSON before the next
+    case starts, so a step killed at its hard timeout loses only the case it was in.
+    """
+
+    def __init__(self, seconds: float, checkpoint: Callable[[], None] | None = None):
         self.t0, self.seconds, self.skipped = time.monotonic(), seconds, []
+        self.checkpoint = checkpoint
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
     def over(self, what: str) -> bool:
+        if self.checkpoint is not None:
+            self.checkpoint()
         if self.elapsed() <= self.seconds:
             return False
         self.skipped.append(what)

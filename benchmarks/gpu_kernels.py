@@ -425,7 +425,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.ranking_out is None and args.out:
         args.ranking_out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "attention_ranking.json")
-    budget = Budget(args.max_seconds)
+    res: dict = {}
+
+    def save() -> None:  # every number so far, before the next case: a step cut at its timeout loses one case
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({**res, "wall_s": budget.elapsed()}, f, indent=1, default=str)
+
+    budget = Budget(args.max_seconds, checkpoint=save)
     if args.cpu_dry_run:
         device, dtype, mode = "cpu", torch.float32, "cpu"
     elif torch.cuda.is_available():
@@ -433,7 +441,7 @@ def main(argv=None) -> int:
     else:
         device, dtype, mode = None, None, None
     platform = probe_platform(device or "cuda")
-    res = {
+    res |= {
         "env": environment(platform),
         "mode": mode,
         "settings": SIZES.get(mode),
@@ -456,6 +464,7 @@ def main(argv=None) -> int:
         try:
             with torch.inference_mode():
                 res["matmul_tflops"] = matmul_tflops(device, dtype, s["matmul_n"], s["warmup"], s["reps"])
+                save()
                 res["sdpa_loop_fused_kernels"] = sdpa_fused_backends(device, dtype, s["head_dim"])
                 say(f"measured {dtype_name(dtype)} matmul {s['matmul_n']}^3: {res['matmul_tflops']:.4g} TFLOP/s")
                 say(
@@ -470,6 +479,7 @@ def main(argv=None) -> int:
                 say("\nranking: " + (ranking.describe() if ranking else "none (no backend passed every pack)"))
                 if ranking and args.ranking_out:
                     say(f"wrote {save_ranking(ranking, args.ranking_out)}")
+                save()
                 _, block_error = attempt(lambda: part2_block(s, device, dtype, status or {}, budget, res))
                 res["error"] = res["error"] or block_error
                 if res["error"]:
@@ -482,9 +492,7 @@ def main(argv=None) -> int:
         say(f"\nskipped ({len(budget.skipped)}): {', '.join(budget.skipped)}")
     say(f"\nwall {res['wall_s']:.1f} s")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        save()
         say(f"wrote {args.out}")
     return 0
 

@@ -160,8 +160,8 @@ class Bench:
         )
         self.report([("eager", r)])
         say(
-            f"  activations: estimate {human_bytes(estimate * pack.total_rows)} ({estimate / 1e3:.0f} kB/row: "
-            "hidden, residual, normed + modulated input, SwiGLU 2f + f, at the block dtype)"
+            f"  activations: planned {human_bytes(estimate * pack.total_rows)} ({estimate / 1e3:.0f} kB/row: "
+            "pipelines/h3/memory.py's ACTIVATION_FORMULA for a media row, checked on the meta device)"
             + (
                 f"; measured peak {human_bytes(r['peak_bytes'])} - weights {human_bytes(self.weights)} = "
                 f"{r['activation_bytes_per_row'] / 1e3:.0f} kB/row; about {r['rows_that_fit']} rows fit in 95% of "
@@ -335,6 +335,7 @@ def main(argv=None) -> int:
         backend = choose_backend(args.backend, s["device"], s["dtype"], head_dim)
         bench, res["error"] = attempt(lambda: Bench(s, backend, args.json, budget))
         if bench is not None:
+            budget.checkpoint = bench.save  # the numbers so far reach the JSON before each next case
             res = bench.res
             res["mode"] = mode
             parts = [

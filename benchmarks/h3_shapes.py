@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 
 import torch
-from diffusers import MiniMaxH3Transformer3DModel
+from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
 from diffusers.models.transformers.transformer_minimax_h3 import MINIMAX_H3_MODALITY_NUM, MiniMaxH3RotaryPosEmbed
 from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3PrepareLayoutStep,
@@ -35,6 +36,7 @@ from pipelines.h3.packing import Document, Pack
 
 # The released VAEs' geometry (diffusers' MiniMaxH3ModularPipeline defaults; the tiny preset keeps them too).
 SPATIAL, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK = 16, 17, 5
+VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0  # the released scheduler/ and audio_scheduler/ (ARCHITECTURE.md)
 KEYFRAME_NOISE_AUG = 0.999  # MiniMaxH3ModularPipeline.keyframe_noise_aug: conditioning rows' timestep floor
 TEXT_TOKENS = 256  # prompt rows of a synthetic request (Qwen3-VL hidden states of a prompt of a few sentences)
 
@@ -48,20 +50,29 @@ FLOPs of one packed forward (2 per multiply-add; elementwise work, norms and RoP
   refiner block: the same over the n_t text rows and their documents l_j (no AdaLN)
   once:  2*n_t*text_dim*d + 2*n_v*c_v*d + 2*n_a*c_a*d  [input projections]
        + 2*n_v*d*c_v + 2*n_a*d*c_a  [output heads, on their own rows]  + K * 2*(freq*e_h + e_h*e + e*2d)
+  Ulysses over W ranks, per rank: its T/W rows (and their n_v, n_a) through the blocks and heads, i/W of every
+  document's attention; the refiner, the prompt projection, AdaLN tables and timestep path on every rank
   MFU = FLOPs / seconds / peak (H200 bf16 dense: 989 TFLOP/s)"""
 
 
 @dataclasses.dataclass(frozen=True)
 class Clip:
-    """A T2VA request's geometry."""
+    """A request's geometry: T2VA, or FL2VA with ``keyframes`` ("first", "last")."""
 
     width: int
     height: int
     num_frames: int
     text_tokens: int = TEXT_TOKENS
+    keyframes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}x{self.num_frames}"
+        return f"{self.width}x{self.height}x{self.num_frames}" + (" FL2VA" if self.keyframes else "")
+
+    @property
+    def vision_tokens(self) -> int:
+        """Qwen3-VL's tokens for the keyframes, in the text stream (video-tagged): one per 32 x 32 pixels of each
+        keyframe at the canvas (its 16-pixel patches merged 2 x 2), an assumption of this geometry."""
+        return len(self.keyframes) * (self.width // 32) * (self.height // 32)
 
 
 def transformer_config(name: str) -> dict:
@@ -77,21 +88,27 @@ def keeps_fp32(model: torch.nn.Module, name: str) -> bool:
 
 @torch.no_grad()
 def build_transformer(config: dict, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
-    """Random weights, laid out and typed as ``from_pretrained(torch_dtype=dtype)`` would load the checkpoint."""
+    """Random weights, laid out and typed as ``from_pretrained(torch_dtype=dtype)`` would load the checkpoint.
+
+    On the ``meta`` device: the same layout and dtypes, no weights (``benchmarks.meta_device`` runs it).
+    """
+    meta = torch.device(device).type == "meta"
     with torch.device("meta"):
         model = MiniMaxH3Transformer3DModel(**config)
-    generator = torch.Generator(device).manual_seed(seed)
+    generator = None if meta else torch.Generator(device).manual_seed(seed)
     for name, param in list(model.named_parameters()):
         parent, _, leaf = name.rpartition(".")
         tensor = torch.empty(param.shape, dtype=torch.float32 if keeps_fp32(model, name) else dtype, device=device)
-        if param.ndim == 1:  # norm weights 1, biases 0
+        if meta:
+            pass
+        elif param.ndim == 1:  # norm weights 1, biases 0
             tensor.fill_(1.0 if "norm" in name and leaf == "weight" else 0.0)
         else:  # fan-in scaled: activations keep their size through 50 blocks
             tensor.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
         setattr(model.get_submodule(parent), leaf, torch.nn.Parameter(tensor, requires_grad=False))
-    # the one buffer (rope.inv_freq) is computed, not loaded: rebuild it off the meta device
+    # the one buffer (rope.inv_freq) is computed, not loaded: rebuild it off the meta device (fp32, as diffusers)
     model.rope = MiniMaxH3RotaryPosEmbed(config["rope_freq_dim"], config["rope_theta"]).to(device)
-    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert meta or not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     return model.eval()
 
 
@@ -103,8 +120,9 @@ def clip_layout(config: dict, clip: Clip) -> tuple:
     """diffusers' packed layout of a T2VA clip, on the host: (position_ids, token_tags, video, audio and text
     indices, conditioning video and audio rows), as ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` returns."""
     text_tags = torch.full((clip.text_tokens,), MINIMAX_H3_TEXT_TAG, dtype=torch.long, device="cpu")
+    vision = torch.full((clip.vision_tokens,), MINIMAX_H3_VIDEO_TAG, dtype=torch.long, device="cpu")
     return MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        text_tags,
+        torch.cat([text_tags, vision]),
         video_latent_num_frames(clip.num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK),
         clip.height // SPATIAL,
         clip.width // SPATIAL,
@@ -113,6 +131,7 @@ def clip_layout(config: dict, clip: Clip) -> tuple:
         MINIMAX_H3_AUDIO_CHANNELS,
         MINIMAX_H3_AUDIO_TAG,
         MINIMAX_H3_VIDEO_TAG,
+        clip.keyframes,
     )
 
 
@@ -130,7 +149,7 @@ def clip_document(
         audio_idx,
         cond_video,
         cond_audio,
-        clip.text_tokens,
+        text_idx.numel(),
         video_t,
         audio_t,
         max(video_t, KEYFRAME_NOISE_AUG),
@@ -139,7 +158,7 @@ def clip_document(
     g = torch.Generator().manual_seed(seed)
     pt, ph, pw = config["patch_size"]
     document = Document(
-        prompt_embeds=torch.randn(clip.text_tokens, config["text_dim"], generator=g),  # [n_text, text_dim]
+        prompt_embeds=torch.randn(text_idx.numel(), config["text_dim"], generator=g),  # [n_text, text_dim]
         video_rows=torch.randn(video_idx.numel(), config["in_channels"] * pt * ph * pw, generator=g),  # [n_v, C*p]
         audio_rows=torch.randn(audio_idx.numel(), config["audio_in_channels"], generator=g),  # [n_a, C_a]
         position_ids=position_ids,
@@ -152,6 +171,54 @@ def clip_document(
     )
     return dataclasses.replace(
         document, **{f.name: getattr(document, f.name).to(device) for f in dataclasses.fields(document)}
+    )
+
+
+def clip_prepared(
+    config: dict, clip: Clip, steps: int = 50, seed: int = 0, embed_dtype: torch.dtype = torch.bfloat16
+) -> dict:
+    """What a conditioner stage hands the denoiser for one request (``pipelines.h3.stages.PREPARED_KEYS``), on the
+    host, as diffusers' blocks build it: the layout (``build_packed_sequence``), both schedules (the released
+    shifts) and one row-timestep pair per step (``build_row_timesteps``, as ``MiniMaxH3SetTimestepsStep`` calls it);
+    random latents (fp32) and prompt embeddings (``embed_dtype``, Qwen3-VL's)."""
+    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = clip_layout(config, clip)
+    video, audio = MiniMaxH3Scheduler(shift=VIDEO_SHIFT), MiniMaxH3Scheduler(shift=AUDIO_SHIFT)
+    video.set_timesteps(steps, device="cpu")
+    audio.set_timesteps(steps, device="cpu")
+    plan = [
+        MiniMaxH3SetTimestepsStep.build_row_timesteps(
+            video_idx,
+            audio_idx,
+            cond_video,
+            cond_audio,
+            text_idx.numel(),
+            float(t),
+            float(t_audio),
+            max(float(t), KEYFRAME_NOISE_AUG),
+            1.0,
+        )  # fmt: skip
+        for t, t_audio in zip(video.timesteps, audio.timesteps, strict=True)
+    ]
+    g = torch.Generator().manual_seed(seed)
+    pt, ph, pw = config["patch_size"]
+    latent_frames = video_latent_num_frames(clip.num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK)
+    return dict(
+        latents=torch.randn(video_idx.numel(), config["in_channels"] * pt * ph * pw, generator=g),  # [n_v, C*p]
+        audio_latents=torch.randn(audio_idx.numel(), config["audio_in_channels"], generator=g),  # [n_a, C_a]
+        row_timestep_plan=plan,  # per step: ([k] fp32 distinct timesteps, [S] int64 row -> index)
+        timesteps=video.timesteps,
+        prompt_embeds=torch.randn(1, text_idx.numel(), config["text_dim"], generator=g).to(embed_dtype),
+        position_ids=position_ids,
+        token_tags=token_tags,
+        video_indices=video_idx,
+        audio_indices=audio_idx,
+        text_indices=text_idx,
+        num_condition_video_rows=cond_video,
+        num_condition_audio_rows=cond_audio,
+        num_latent_frames=latent_frames,
+        latent_height=clip.height // SPATIAL,
+        latent_width=clip.width // SPATIAL,
+        num_audio_latents=audio_latent_num_frames(clip.num_frames),
     )
 
 
@@ -168,27 +235,79 @@ def _attention(config: dict, lengths: list[int]) -> int:
     return sum(4 * n * n * config["num_attention_heads"] * config["attention_head_dim"] for n in lengths)
 
 
-def block_flops(config: dict, pack: Pack) -> dict:
-    """FLOPs of one ``MiniMaxH3TransformerBlock`` over ``pack``: {"matmul", "attention", "total"}."""
+def block_flops(config: dict, pack: Pack, local_rows: int | None = None, sp_degree: int = 1) -> dict:
+    """FLOPs of one ``MiniMaxH3TransformerBlock`` over ``pack``: {"matmul", "attention", "total"}.
+
+    Under Ulysses (``sp_degree`` W) one rank's: its ``local_rows`` (T/W) through the projections and the FFN, and
+    H/W heads of every document's attention (a padding document, of fewer than W rows, is run like the others).
+    Every rank computes the whole AdaLN table.
+    """
     d, e, K = config["hidden_size"], config["time_embed_dim"], pack.timestep.numel()
-    matmul = pack.total_rows * _per_row(config) + K * 2 * e * 6 * d * MINIMAX_H3_MODALITY_NUM
-    attention = _attention(config, pack.lengths)  # real documents only: a padding document is not counted
+    rows = pack.total_rows if local_rows is None else local_rows
+    matmul = rows * _per_row(config) + K * 2 * e * 6 * d * MINIMAX_H3_MODALITY_NUM
+    lengths = pack.lengths + ([pack.padding_rows] if pack.padding_rows else [])
+    attention = _attention(config, lengths) // sp_degree
     return {"matmul": matmul, "attention": attention, "total": matmul + attention}
 
 
-def forward_flops(config: dict, pack: Pack) -> dict:
-    """FLOPs of ``packed_forward(model, pack)`` by ``FLOPS_FORMULA``: {"matmul", "attention", "total"}."""
+def forward_flops(
+    config: dict, pack: Pack, sp_degree: int = 1, rank: int = 0, skipped_blocks: list[int] | None = None
+) -> dict:
+    """FLOPs of ``packed_forward(model, pack)`` by ``FLOPS_FORMULA``: {"matmul", "attention", "total"}.
+
+    ``pack``'s index tensors on the host. Under Ulysses (``sp_degree`` W) rank ``rank``'s share: its rows through
+    the blocks, the input projections and the output heads, H/W heads of attention; every rank embeds and refines
+    every prompt and computes the timestep path. ``skipped_blocks`` (sp_degree 1): the blocks each document left
+    out by step caching, its rows and its attention taken off those blocks.
+    """
     d, e, e_h = config["hidden_size"], config["time_embed_dim"], config["time_embed_hidden_dim"]
     K, n_t = pack.timestep.numel(), pack.text_indices.numel()
-    n_v, n_a = pack.video_indices.numel(), pack.audio_indices.numel()
+    lo, hi = rank * pack.total_rows // sp_degree, (rank + 1) * pack.total_rows // sp_degree
+    n_v, n_a = (int(((i >= lo) & (i < hi)).sum()) for i in (pack.video_indices, pack.audio_indices))
     c_v, c_a = pack.video_rows.shape[1], pack.audio_rows.shape[1]
-    block = block_flops(config, pack)
+    block = block_flops(config, pack, hi - lo, sp_degree)
     matmul = config["num_layers"] * block["matmul"] + config["num_refiner_layers"] * n_t * _per_row(config)
     matmul += 2 * d * (n_t * config["text_dim"] + 2 * n_v * c_v + 2 * n_a * c_a)
     matmul += K * 2 * (config["freq_dim"] * e_h + e_h * e + e * 2 * d)
     attention = config["num_layers"] * block["attention"]
     attention += config["num_refiner_layers"] * _attention(config, doc_lengths(pack.text_cu_seqlens))
+    if skipped_blocks and any(skipped_blocks):
+        if sp_degree != 1:
+            raise ValueError("skipped_blocks is counted at sp_degree 1 only")
+        for length, skipped in zip(pack.lengths, skipped_blocks, strict=True):
+            matmul -= skipped * length * _per_row(config)
+            attention -= skipped * _attention(config, [length])
     return {"matmul": matmul, "attention": attention, "total": matmul + attention}
+
+
+def lora_flops(config: dict, pack: Pack, adapters: Mapping[int, Mapping[str, tuple[int, int, int]]]) -> int:
+    """FLOPs ``lora.adapting`` adds to a forward at sp_degree 1 (``pack``'s indices on the host).
+
+    ``adapters``: slot -> {adapted module: (in_features, out_features, rank)}. Every adapted layer adds
+    2 * r * (in + out) per row of its slot's documents on the layer's stream (``lora.stream_of``: a block's rows,
+    the text rows, the video or audio rows, or K timesteps); when an adapter adapts the timestep path, the pack's
+    timestep path runs once per slot group G (the base model's included): (G - 1) * K more rows through the time
+    embedder, every block's AdaLN table and ``norm_out``'s projection.
+    """
+    from pipelines.h3.lora import stream_of
+
+    d, e, e_h = config["hidden_size"], config["time_embed_dim"], config["time_embed_hidden_dim"]
+    K, slots = pack.timestep.numel(), pack.document_slots or [0] * len(pack.lengths)
+    text = doc_lengths(pack.text_cu_seqlens)
+    rows = {"rows": pack.lengths, "text": text, "video": pack.video_counts, "audio": pack.audio_counts}
+    flops, widened = 0, False
+    for slot, layers in adapters.items():
+        for module, (n_in, n_out, r) in layers.items():
+            stream = stream_of(module)
+            widened |= stream == "timesteps"
+            n = K if stream == "timesteps" else sum(c for c, s in zip(rows[stream], slots, strict=True) if s == slot)
+            flops += 2 * n * r * (n_in + n_out) if slot in slots else 0
+    if widened:
+        groups = len(set(slots))
+        per_timestep = config["num_layers"] * 2 * e * 6 * d * MINIMAX_H3_MODALITY_NUM
+        per_timestep += 2 * (config["freq_dim"] * e_h + e_h * e + e * 2 * d)
+        flops += (groups - 1) * K * per_timestep
+    return flops
 
 
 def doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
@@ -196,14 +315,14 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return [b - a for a, b in itertools.pairwise(bounds)]
 
 
-def activation_bytes_per_row(config: dict, dtype: torch.dtype) -> int:
-    """An estimate of the live activations per pack row at a block's peak (the SwiGLU), for inference.
+def activation_bytes_per_row(config: dict, dtype: torch.dtype) -> float:
+    """The memory plan's live activations per media row of a pack on one rank (``pipelines.h3.memory``'s
+    ``ACTIVATION_FORMULA``: the block's SwiGLU peak, the row's inputs), which benchmarks/meta_step.py checks against
+    the released step's measured peak on the meta device."""
+    from pipelines.h3.memory import activation_row_cost
 
-    hidden, residual, the normed and modulated input (4 x d), the gate/up projection (2f) and its
-    product (f), at ``dtype``; plus the rotary cos/sin (fp32, 2 x 6*rope_freq_dim) held for the pass.
-    """
-    size = torch.finfo(dtype).bits // 8
-    return size * (4 * config["hidden_size"] + 3 * config["ffn_dim"]) + 4 * 2 * 6 * config["rope_freq_dim"]
+    cost = activation_row_cost(config, dtype)
+    return cost.local_media + cost.inputs_media
 
 
 def rows_that_fit(free_bytes: int, bytes_per_row: float) -> int:

@@ -138,7 +138,8 @@ def deployment_memory_plan(
     checkpoint: CheckpointConfigs | None = None,
 ) -> MemoryPlan:
     """Each rank role's device memory for these args: weights (LoRA adapters included), a full pack's activations
-    (with step caches when a tier is offered), the reserve. ``adapters``: ``check_loras``'s, else checked here.
+    (with step caches when a tier is offered; prompt rows bounded by ``engine.max_text_rows_per_step``), the
+    prepared requests' own tensors on rank 0, the reserve. ``adapters``: ``check_loras``'s, else checked here.
     ``checkpoint``: its configs as admission read them, else read here where readable (else the preset's dims).
     With ``args.stages``, rank 0 holds only the transformer partitions and the plan adds the conditioner's and the
     decoder's roles (checked against the replicas' platform: the args give the stages none of their own)."""
@@ -156,6 +157,10 @@ def deployment_memory_plan(
         step_cache=bool(args.engine.step_cache.tiers),
         stages="remote" if args.stages is not None else "local",
         configs=checkpoint,
+        text_rows=args.engine.max_text_rows_per_step,
+        requests=args.engine.max_active + args.engine.max_prepared,  # prepared states held at once
+        steps=args.limits.max_steps,
+        late_decisions=len({policy.fn_blocks for policy in args.engine.step_cache.tiers.values()}) > 1,
     )
 
 

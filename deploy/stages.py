@@ -29,6 +29,7 @@ from typing import Any
 from ray import serve
 
 from pipelines.h3 import DecodeHandoff, EncodedMedia, GeneratedMedia, GenerationRequest, H3StageModels, PreparedState
+from replicas.allocator import cuda_allocator_defaults
 
 from .args import DeployArgs, StageDeploymentArgs
 from .replica import log_through_serve
@@ -54,6 +55,7 @@ class StageReplica:
 
     def __init__(self, checkpoint: str | None, device: str, dtype: str):
         log_through_serve()
+        cuda_allocator_defaults(device)  # a VAE decode's transients vary with the clip as a pack's do
         self.models = H3StageModels.load(self.role, checkpoint, device=device, dtype=dtype)  # type: ignore[arg-type]
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.calls: collections.Counter[str] = collections.Counter()  # caller's replica id -> requests served

@@ -138,6 +138,13 @@ class EngineLimits(BaseModel):
         ge=64,
         description="rows of one packed forward: text, conditioning, audio and video rows of every request in it",
     )
+    max_text_rows_per_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="prompt rows of one packed forward (each request's prompt tokens and its keyframes' vision "
+        "tokens); None: only max_rows_per_step bounds them. A prompt row costs more activation memory than a media "
+        "row on every Ulysses rank (every rank refines every prompt): the memory plan counts this many of them",
+    )
     drain_timeout_s: float = Field(
         default=600.0, gt=0, description="on scale-down or shutdown, active requests get this long to finish"
     )
@@ -259,6 +266,7 @@ class Ticket:
         order: int = 0,
     ):
         self.id, self.request, self.rows, self.deadline_s = request_id, request, rows, deadline_s
+        self.text_rows = 0  # its prompt rows, known once prepared (the scheduler sees prepared requests only)
         self.priority, self.order = priority, order  # order: the engine's submission sequence number
         self.step_cache: StepCachePolicy | None = None  # its step-cache tier's policy (None: off)
         self.adapter: str | None = None  # the LoRA adapter it runs on (None: the base model)
@@ -301,6 +309,7 @@ class Ticket:
             order=self.order,
             submitted=self.submitted,
             rows=self.rows,
+            text_rows=self.text_rows,
             steps_left=total - done,
             priority=self.priority,
             running=self.running,
@@ -513,6 +522,8 @@ class Engine:
         request = self.pipeline.with_adapter(request, adapter)
         rows = self.pipeline.validate(request)
         self._check_budget(rows)
+        if self.limits.max_text_rows_per_step is not None:  # the prompt's tokens; keyframes add theirs at prepare
+            self._check_text_budget(self.pipeline.text_tokens(request.prompt))
         self.step_cache_policy(request)
         return rows
 
@@ -522,6 +533,16 @@ class Engine:
                 "size",
                 f"request needs {rows} rows per step, above this replica's budget of "
                 f"{self.limits.max_rows_per_step}; ask for fewer pixels, frames or prompt tokens",
+            )
+
+    def _check_text_budget(self, text_rows: int) -> None:
+        """A request whose prompt rows alone exceed a pack's would never be scheduled: refused instead."""
+        limit = self.limits.max_text_rows_per_step
+        if limit is not None and text_rows > limit:
+            raise RequestError(
+                "prompt",
+                f"request needs {text_rows} prompt rows per step (its prompt's tokens and its keyframes' vision "
+                f"tokens), above this replica's budget of {limit}; shorten the prompt",
             )
 
     async def generate(
@@ -732,7 +753,7 @@ class Engine:
         by_order = {t.order: t for t in candidates}
         plan = scheduler.schedule(
             [t.view() for t in candidates],
-            Budget(self.limits.max_active, self.limits.max_rows_per_step),
+            Budget(self.limits.max_active, self.limits.max_rows_per_step, self.limits.max_text_rows_per_step),
             self.limits.policy,
             time.monotonic(),
             self.limits.aging_s,
@@ -946,6 +967,7 @@ class Engine:
             else:
                 state = await self._prepare_remote(ticket)
             self._check_budget(state.rows)  # the estimate at submit was short (keyframe vision tokens)
+            self._check_text_budget(state.text_rows)
         except Exception as e:
             logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
             self._fail(ticket, e, "prepare")
@@ -956,7 +978,7 @@ class Engine:
         self._stage("prepare", time.perf_counter() - started)
         if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
             return
-        ticket.state, ticket.rows = state, state.rows
+        ticket.state, ticket.rows, ticket.text_rows = state, state.rows, state.text_rows
         self._resident.append(ticket)
         logger.info("request %s prepared (%d rows, %d steps)", ticket.id, state.rows, state.steps)
         self._report_queue()

@@ -46,6 +46,7 @@ class RequestView:
     steps_left: int  # model evaluations (packed forwards) it still needs
     priority: int = 0
     running: bool = False  # it was in the previous step's batch
+    text_rows: int = 0  # of its rows, the prompt rows
 
     @property
     def work(self) -> int:
@@ -55,10 +56,12 @@ class RequestView:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """One step's limits: requests in the batch and rows in its packs (all partitions together)."""
+    """One step's limits: requests in the batch, rows in its packs and prompt rows among them (all partitions
+    together; ``max_text_rows`` None: only ``max_rows`` bounds them)."""
 
     max_requests: int
     max_rows: int
+    max_text_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +97,20 @@ def rank(views: Iterable[RequestView], policy: Policy, now: float, aging_s: floa
 def schedule(views: Sequence[RequestView], budget: Budget, policy: Policy, now: float, aging_s: float) -> Schedule:
     """One step's batch: the candidates in rank order, each taken while the budget holds.
 
-    A candidate whose rows do not fit beside those already taken is skipped and the next one tried, so a
-    pack never exceeds ``budget.max_rows`` and a smaller request fills the rest. Running requests left out
-    are preempted (paused).
+    A candidate whose rows (or prompt rows) do not fit beside those already taken is skipped and the next one
+    tried, so a pack never exceeds ``budget.max_rows`` (nor ``budget.max_text_rows``) and a smaller request fills
+    the rest. Running requests left out are preempted (paused).
     """
     batch: list[RequestView] = []
-    rows = 0
+    rows = text_rows = 0
+    max_text = budget.max_text_rows if budget.max_text_rows is not None else budget.max_rows
     for view in rank(views, policy, now, aging_s):
         if len(batch) == budget.max_requests:
             break
-        if rows + view.rows <= budget.max_rows:
+        if rows + view.rows <= budget.max_rows and text_rows + view.text_rows <= max_text:
             batch.append(view)
             rows += view.rows
+            text_rows += view.text_rows
     chosen = {view.id for view in batch}
     preempted = tuple(view for view in views if view.running and view.id not in chosen)
     return Schedule(tuple(batch), preempted)

@@ -43,6 +43,7 @@ from pipelines.h3 import H3Denoiser, H3Pipeline
 from pipelines.h3.packing import Pack
 from pipelines.h3.step_cache import CachedPack, CacheMirrorWriter, RankCaches
 
+from .allocator import cuda_allocator_defaults
 from .sequence_parallel import UlyssesGroup
 from .spec import ReplicaSpec
 
@@ -115,12 +116,14 @@ def _load_kwargs(spec: ReplicaSpec) -> dict:
 def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
     """Rank 0's pipeline with exactly the resolved backend; fails closed if this node cannot run it. With
     ``spec.stages`` "remote" it loads no text encoder and no VAE (``H3Pipeline.load_denoiser_only``)."""
+    cuda_allocator_defaults(spec.device)  # before anything touches CUDA in this process
     return H3Pipeline.load(
         spec.checkpoint, spec.resolution.backend, name=spec.model_name, stages=spec.stages, **_load_kwargs(spec)
     )
 
 
 def build_worker(spec: ReplicaSpec) -> H3Denoiser:
+    cuda_allocator_defaults(spec.device)
     return H3Denoiser.load(spec.checkpoint, spec.resolution.backend, **_load_kwargs(spec))
 
 

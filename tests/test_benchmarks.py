@@ -313,6 +313,37 @@ def test_gpu_session_script_parses_and_carries_the_versions_installed_here():
         assert pins[package] == importlib.metadata.version(package)
 
 
+def test_gpu_session_fits_a_ten_minute_slot_and_opens_with_the_projection():
+    """The caps of the steps the lent machine runs add up to 480 s, each of them runs under its own cap, and the
+    first one prints the meta-device projection into the log the measured packs are appended to."""
+    text = (REPO / "benchmarks" / "gpu_session.sh").read_text()
+    (caps,) = re.findall(r"^CAPS=\(([0-9 ]+)\)$", text, re.M)
+    caps = [int(c) for c in caps.split()]
+    assert sum(caps) <= 480
+    capped = re.findall(r'timeout "\$\{CAPS\[(\d)\]\}" \$PY -m (\S+)', text)
+    assert [int(i) for i, _ in capped] == list(range(len(caps)))  # every cap used once, in order
+    assert [m for _, m in capped][:2] == ["benchmarks.meta_step", "benchmarks.gpu_smoke"]
+    assert re.search(r"meta_step --session .*\| tee \"\$DEST/gpu_pipeline.log\"", text)
+    assert re.search(r"gpu_pipeline .*\n.*\| tee -a \"\$DEST/gpu_pipeline.log\"", text)
+    # every other python step of the script is one the lent machine skips (it needs Ray and a checkpoint)
+    others = re.findall(r"timeout (\d+) \$PY -m (\S+)", text)
+    assert [m for _, m in others] == ["benchmarks.trace", "benchmarks.stages"]
+
+
+def test_meta_step_session_projects_gpu_pipelines_single_request(capsys, tmp_path):
+    """gpu_session.sh's first step: the released step counted on meta, PROJECTED for one H200."""
+    from benchmarks import meta_step
+
+    out = tmp_path / "projection.json"
+    assert meta_step.main(["--session", "--smoke", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["projection"]
+    assert {(r["pack"], r["rows"], r["gpu"]) for r in rows} == {("1 request", 37966, g) for g in ("H200", "H100")}
+    assert sorted(r["gemm_efficiency"] for r in rows if r["gpu"] == "H200") == [0.4, 0.6, 0.8]
+    assert all(r["gemm"] > 0 and r["attention"] > 0 and r["all_to_all"] == 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "PROJECTED (not measured)" in printed and "FlashAttention-3" in printed
+
+
 def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(capsys):
     result = default_clip.run(smoke=True)
     out = capsys.readouterr().out

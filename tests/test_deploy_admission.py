@@ -204,8 +204,19 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     args["checkpoint"] = str(released)
     h200, h100 = (REPO / "deploy" / "platforms" / f"{gpu}-flash-attn.json" for gpu in ("h200", "h100"))
     h200_bytes = json.loads(h200.read_text())["device_memory_bytes"]
+    from deploy.args import DeployArgs
+
+    engine = DeployArgs.model_validate(args).engine  # the config's bounds, its defaults filled in
     plan = memory_plan(
-        model="full", checkpoint=str(released), dtype="bfloat16", sp_degree=4, max_rows=80000, stages="remote"
+        model="full",
+        checkpoint=str(released),
+        dtype="bfloat16",
+        sp_degree=4,
+        max_rows=80000,
+        stages="remote",
+        text_rows=engine.max_text_rows_per_step,
+        requests=engine.max_active + engine.max_prepared,
+        steps=args["limits"]["max_steps"],
     )
     rank0, workers = plan.ranks
     assert rank0.weights == workers.weights and set(rank0.weights) == {"transformer", "transformer_ref"}
@@ -227,7 +238,16 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     assert f"rank 0 needs {gib(rank0.total_bytes)}" in on_h100.stderr and "has 79.6 GiB" in on_h100.stderr
 
     del args["stages"]
-    local = memory_plan(model="full", checkpoint=str(released), dtype="bfloat16", sp_degree=4, max_rows=80000)
+    local = memory_plan(
+        model="full",
+        checkpoint=str(released),
+        dtype="bfloat16",
+        sp_degree=4,
+        max_rows=80000,
+        text_rows=engine.max_text_rows_per_step,
+        requests=engine.max_active + engine.max_prepared,
+        steps=args["limits"]["max_steps"],
+    )
     assert local.ranks[0].weight_bytes > h200_bytes  # no row budget can help
     unstaged = h3serve_inline(
         "admit", str(write_config(tmp_path, config, free_port(), "h200-unstaged.yaml")), "--platform", str(h200)

@@ -115,6 +115,17 @@ def test_a_batch_never_exceeds_the_row_budget_and_a_smaller_request_fills_what_i
         assert set(plan.preempted) == {v for v in left_out if v.running}
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_batch_never_exceeds_the_prompt_row_budget_either(policy):
+    """engine.max_text_rows_per_step bounds a pack's prompt rows (what the memory plan counts); a request whose
+    prompt rows do not fit beside those taken is skipped like one whose rows do not, and a shorter one runs."""
+    queue = [view(0, rows=600, text_rows=300), view(1, rows=500, text_rows=250), view(2, rows=400, text_rows=50)]
+    plan = schedule(queue, Budget(max_requests=16, max_rows=10_000, max_text_rows=400), policy, 0.0, 60.0)
+    assert ids(plan.batch) == (["r2", "r1"] if policy == "srpt" else ["r0", "r2"])
+    assert sum(v.text_rows for v in plan.batch) <= 400
+    assert len(schedule(queue, Budget(16, 10_000), policy, 0.0, 60.0).batch) == 3  # no prompt-row budget: all
+
+
 def test_aging_lets_a_request_outrank_newcomers_after_the_computed_wait():
     aging_s = 10.0
     # priority: a request of priority 0 outranks a newcomer of priority 3 once it waited 3 * aging_s
@@ -224,6 +235,29 @@ def test_priority_out_of_range_or_not_an_int_is_a_request_error_naming_priority(
     for bad in (dict(policy="lifo"), dict(aging_s=0), dict(max_prepared=0)):
         with pytest.raises(pydantic.ValidationError, match=next(iter(bad))):
             EngineLimits(**bad)
+
+
+def test_the_prompt_row_budget_refuses_a_longer_prompt_and_packs_within_it(solo):
+    """A prompt longer than engine.max_text_rows_per_step alone is a 400 on ``prompt`` at submit (it would never
+    be scheduled); two prompts that fit alone but not together never share a pack."""
+    prompt = "a red circle moving left"
+    text_rows = solo.pipeline.text_tokens(prompt)  # a T2VA request's prompt rows: its tokens, no template
+    limits = EngineLimits(max_text_rows_per_step=text_rows)
+
+    async def scenario():
+        recorder = Recorder()
+        engine = Engine(solo, limits, recorder)
+        with pytest.raises(RequestError, match="prompt rows") as refused:
+            engine.submit(request(prompt + " and a blue square"))
+        assert refused.value.field == "prompt"
+        tickets = [engine.submit(request(prompt, 3, seed=s)) for s in (1, 2)]
+        await asyncio.gather(*(t.future for t in tickets))
+        await engine.close()
+        return engine, tickets
+
+    engine, tickets = asyncio.run(scenario())
+    assert [t.text_rows for t in tickets] == [text_rows] * 2
+    assert engine.stats.forwards == 2 * 2  # two steps each, never in one pack
 
 
 def run_alone(group, req, limits: EngineLimits):

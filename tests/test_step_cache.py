@@ -213,7 +213,7 @@ def test_the_memory_plan_counts_the_residuals_a_caching_request_holds(tiny_pipel
 def test_a_deployment_plans_step_caches_only_where_a_request_can_cache():
     from deploy.admission import deployment_memory_plan
     from deploy.args import DeployArgs
-    from pipelines.h3.memory import STEP_CACHE_GATHERED_ROWS
+    from pipelines.h3.memory import STEP_CACHE_GATHERED_ROWS, STEP_CACHE_GATHERED_ROWS_ONE_DECISION
 
     offered = deployment_memory_plan(DeployArgs()).row_cost.step_cache
     assert offered > 0  # the built-in tiers are offered by default
@@ -223,8 +223,13 @@ def test_a_deployment_plans_step_caches_only_where_a_request_can_cache():
     assert deployment_memory_plan(DeployArgs(sp_degree=2)).row_cost.step_cache == 0
     listed = DeployArgs(sp_degree=2, engine={"step_cache": {"tiers": {"high": BUILTIN_TIERS["high"].model_dump()}}})
     sharded = deployment_memory_plan(listed).row_cost
-    # every rank holds the full rows' residuals, and the rows gathered at the cache's transitions
-    assert sharded.step_cache == offered and sharded.step_cache_gathers == offered * STEP_CACHE_GATHERED_ROWS / 2
+    # every rank holds the full rows' residuals, and the rows gathered at the cache's transitions: one [T, hidden]
+    # beside a block when every tier decides at the same block, two when a later decision keeps h_0 gathered
+    assert sharded.step_cache == offered
+    assert sharded.step_cache_gathers == offered * STEP_CACHE_GATHERED_ROWS_ONE_DECISION / 2
+    late = {"high": BUILTIN_TIERS["high"].model_dump(), "f2": {"threshold": 0.1, "fn_blocks": 2}}
+    mixed = deployment_memory_plan(DeployArgs(sp_degree=2, engine={"step_cache": {"tiers": late}})).row_cost
+    assert mixed.step_cache_gathers == offered * STEP_CACHE_GATHERED_ROWS / 2
 
 
 def test_policies_that_leave_no_block_to_skip_are_refused(tiny_pipeline):

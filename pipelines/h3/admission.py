@@ -154,7 +154,9 @@ def check_memory(plan: MemoryPlan, platform: Platform) -> str:
         problems = "; ".join(
             f"{rank.role} needs {gib(rank.total_bytes)} = weights {gib(rank.weight_bytes)} ("
             + ", ".join(f"{name} {gib(size)}" for name, size in rank.weights.items())
-            + f") + activations {gib(rank.activation_bytes)} + reserve {gib(rank.reserve_bytes)}"
+            + f") + activations {gib(rank.activation_bytes)}"
+            + (f" + {rank.requests} prepared requests {gib(rank.request_bytes)}" if rank.request_bytes else "")
+            + f" + reserve {gib(rank.reserve_bytes)}"
             for rank in over
         )
         advice = []

@@ -20,8 +20,12 @@ from .packing import Pack
 from .step_cache import PackCache, ShardedRows, cached_blocks
 
 
-def _local(indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _local(
+    indices: torch.Tensor, rows: torch.Tensor, lo: int, hi: int, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows whose pack positions fall in [lo, hi), with positions made local."""
+    if lo == 0 and hi == total:  # one rank holds every row: no mask, whose nonzero would make the host wait
+        return indices, rows
     keep = (indices >= lo) & (indices < hi)
     return indices[keep] - lo, rows[keep]
 
@@ -67,9 +71,9 @@ def _packed_forward(
 
     # 2. This rank's rows of the packed buffer, each modality through its own (fp32) input projection.
     hidden = text.new_zeros((1, hi - lo, text.shape[-1]))  # [1, T/W, hidden]; padding rows stay zero
-    text_at, text_rows = _local(pack.text_indices, text[0], lo, hi)
-    video_at, video_rows = _local(pack.video_indices, pack.video_rows, lo, hi)
-    audio_at, audio_rows = _local(pack.audio_indices, pack.audio_rows, lo, hi)
+    text_at, text_rows = _local(pack.text_indices, text[0], lo, hi, pack.total_rows)
+    video_at, video_rows = _local(pack.video_indices, pack.video_rows, lo, hi, pack.total_rows)
+    audio_at, audio_rows = _local(pack.audio_indices, pack.audio_rows, lo, hi, pack.total_rows)
     video = model.proj_in(video_rows.to(get_parameter_dtype(model.proj_in)))
     audio = model.audio_proj_in(audio_rows.to(get_parameter_dtype(model.audio_proj_in)))
     hidden = hidden.index_copy(1, text_at, text_rows[None])

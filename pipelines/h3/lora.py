@@ -472,6 +472,8 @@ def pack_slots(pack: Pack, document_slots: Sequence[int], rank: int = 0, world: 
     lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
 
     def local(indices: torch.Tensor) -> torch.Tensor:  # the filter packed_forward's `_local` applies
+        if world == 1:  # every row: no mask, whose nonzero would make the host wait
+            return rows[indices]
         return rows[indices[(indices >= lo) & (indices < hi)]]
 
     groups = torch.unique(rows, sorted=True)  # [G]

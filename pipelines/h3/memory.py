@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,8 +61,10 @@ STEP_CACHE_INPUT_ROWS = 1
 # documents' rows stay there; the sub-pack's rows are the block's input)
 STEP_CACHE_SUBPACK_ROWS = 1
 # Ulysses (sp_degree > 1): full-row [T, hidden] tensors gathered onto every rank beside a block: the rows as of the
-# last transition (while a sub-pack runs, the other documents' rows are there) and h_0 until the last decision
+# last transition (while a sub-pack runs, the other documents' rows are there) and h_0 until the last decision, which
+# outlives a block only when a document decides after others started a sub-pack (tiers of different fn_blocks)
 STEP_CACHE_GATHERED_ROWS = 2
+STEP_CACHE_GATHERED_ROWS_ONE_DECISION = 1  # every tier's fn_blocks alike: h_0 is let go at the one decision block
 TEXT_ENCODER_LAYER = 50  # H3 reads Qwen3-VL's hidden_states[50]; H3Pipeline.load keeps layers [0, 51)
 
 # The released text_encoder/config.json (Qwen3-VL-32B), as Qwen3VLConfig kwargs: read when no checkpoint
@@ -114,8 +117,10 @@ Live bytes of one packed forward at its peak, per rank, no grad; the peak is the
                                      2d + 9i  (W > 1: local q, k, v, the exchanged q, k, v, the kernel's
                                                output, the all-to-all's buffer and the re-laid-out result)
                         + 4*2*6r      rotary cos, sin (fp32)
-                        + 8 + 8       AdaLN row index, the row's position in its modality (int64)
-                        + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank) )
+                        + 8 + 8       AdaLN row index, the row's position in its modality (int64; W = 1: the
+                                      pack's own positions, no copy: 8)
+                        + media row 4d (its fp32 input projection) | text row s*d (its copy on this rank;
+                                      W = 1: the refined prompt itself, no copy: 0) )
   step caching (when the deployment offers a tier), per pack row, on every rank (W > 1: every rank holds
   every caching row's full-row tensors, not its own T/W rows'):
     both phases: + T * 2*s*d  held: each row's two residuals (First-Block-Cache's h_Fn - h_0 and the middle
@@ -136,45 +141,104 @@ Released dims: SwiGLU 78848 elements, attention 60928 (W = 1) / 75264 (W > 1); t
 class RowCost:
     """Activation bytes on one rank per pack row, by phase: the larger of the two phases is the peak.
 
-    ``text_share`` is the share of a pack's rows that are prompt rows: None bounds it by 1 (every
-    row text), which is what a budget must assume while nothing caps a pack's prompt rows.
+    Text (prompt) and media (video, audio, conditioning) rows cost differently: a prompt row is refined on every
+    rank and kept there, a media row carries fp32 latents and its fp32 input projection. ``text_rows`` bounds the
+    pack's prompt rows (the engine's ``max_text_rows_per_step``); the bytes of a pack then count its rows by
+    modality with that many prompt rows at most. Without a bound, ``text_share`` is the share of a pack's rows
+    that are prompt rows, and None takes every row at its dearer variant and every row a prompt row (what a
+    budget must assume while nothing caps a pack's prompt rows).
     """
 
-    local: float  # block phase, per row this rank computes (T/W of them)
+    local: float  # block phase, per row this rank computes (T/W of them), at the text share (or the dearer)
     kept_text: float  # block phase, per prompt row of the pack: its refined text, on every rank
     refiner_text: float  # refiner phase, per prompt row of the pack: every rank refines every prompt
-    per_pack_row: float  # both phases, per row of the pack: its inputs, on every rank
+    per_pack_row: float  # both phases, per row of the pack: its inputs, on every rank, at the text share
     text_share: float | None = None
     step_cache: float = 0.0  # both phases, per row of a step-caching request: its two residuals, held across steps
     # block phase, per row of a step-caching request, on every rank: its pending residuals, the blocks' input h_0,
     # the sub-pack's per-row indices and angles, and (sp_degree 1) the whole pack beside a sub-pack's block
     step_cache_working: float = 0.0
     step_cache_gathers: float = 0.0  # block phase, per pack row under Ulysses, on every rank: the gathered full rows
+    local_text: float = 0.0  # block phase, per prompt row this rank computes
+    local_media: float = 0.0  # block phase, per media row this rank computes
+    inputs_text: float = 0.0  # both phases, per prompt row of the pack, every rank: positions, tags, embeddings
+    inputs_media: float = 0.0  # both phases, per media row of the pack, every rank: positions, tags, fp32 latents
+    text_rows: int | None = None  # the pack's prompt rows at most (None: not bounded)
 
     def _block_phase_every_rank(self) -> float:
         """Per pack row on every rank, block phase only: step caching's tensors of the forward (not the refiner's)."""
         return self.step_cache_working + self.step_cache_gathers
 
-    def bytes_for(self, rows: int, sp_degree: int) -> int:
-        """Activation bytes on one rank for a pack of ``rows`` split over ``sp_degree`` ranks."""
+    def bytes_for(self, rows: int, sp_degree: int, text_rows: int | None = None) -> int:
+        """Activation bytes on one rank for a pack of ``rows`` split over ``sp_degree`` ranks, ``text_rows`` of them
+        prompt rows (None: the bound ``self.text_rows``, if any)."""
         local_rows = -(-rows // sp_degree)  # padding makes T divisible by W
-        text_rows = rows * (1.0 if self.text_share is None else self.text_share)
-        block = self.local * local_rows + self.kept_text * text_rows + self._block_phase_every_rank() * rows
         every_rank = self.per_pack_row + self.step_cache  # per pack row, on every rank, both phases
-        return int(every_rank * rows + max(block, self.refiner_text * text_rows))
+        text = text_rows if text_rows is not None else self.text_rows
+        if text is None:  # no bound: the text share, or every row a prompt row at its dearer variant
+            text_rows_f = rows * (1.0 if self.text_share is None else self.text_share)
+            block = self.local * local_rows + self.kept_text * text_rows_f + self._block_phase_every_rank() * rows
+            return int(every_rank * rows + max(block, self.refiner_text * text_rows_f))
+        text = min(text, rows)  # more prompt rows cost more on every rank (W > 1) or as much (W = 1): the bound
+        local_text = text / sp_degree  # a rank's share of them, on average
+        block = self.local_text * local_text + self.local_media * (local_rows - local_text)
+        block += self.kept_text * text + self._block_phase_every_rank() * rows
+        inputs = self.inputs_text * text + self.inputs_media * (rows - text) + self.step_cache * rows
+        return int(inputs + max(block, self.refiner_text * text))
 
     def per_row(self, sp_degree: int) -> float:
-        """Bytes per pack row on one rank (the pack's padding aside)."""
+        """Bytes per pack row on one rank (the pack's padding aside), without a prompt-row bound."""
         share = 1.0 if self.text_share is None else self.text_share
         block = self.local / sp_degree + self.kept_text * share + self._block_phase_every_rank()
         return self.per_pack_row + self.step_cache + max(block, self.refiner_text * share)
 
     def rows_that_fit(self, free_bytes: int, sp_degree: int) -> int:
         """The most pack rows whose activations fit in ``free_bytes`` on one rank (0 if none)."""
-        rows = max(0, int(free_bytes // self.per_row(sp_degree)))
-        while rows > 0 and self.bytes_for(rows, sp_degree) > free_bytes:  # the padding's few rows
-            rows -= 1
-        return rows
+        return _largest(lambda rows: self.bytes_for(rows, sp_degree) <= free_bytes)
+
+
+def _largest(fits: Callable[[int], bool]) -> int:
+    """The largest n >= 0 with fits(n), for a fits() true up to some n and false after (0 if fits(1) is false)."""
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestCost:
+    """Bytes one request holds on rank 0 for as long as it is prepared (its ``RequestState``), per row of it:
+    what ``REQUEST_FORMULA`` counts."""
+
+    media_row: float  # fp32 latents (the video row's 96 columns), position, tag, modality index, row-timestep plan
+    text_row: float  # prompt embedding (served dtype x text_dim), position, tag, index, row-timestep plan
+
+    def bytes_for(self, rows: int, text_rows: int) -> int:
+        text = min(text_rows, rows)
+        return int(self.text_row * text + self.media_row * (rows - text))
+
+
+REQUEST_FORMULA = """\
+Bytes a prepared request holds on rank 0 until it finishes (its RequestState), per row, s = served dtype's bytes:
+  every row:   24 (position, 3 x float64) + 8 (tag) + 8 (its index in its modality) + 8 x E (the row-timestep
+               plan: one int64 timestep index per model evaluation, E = steps - 1)
+  media row:   + 4c   fp32 latents (c = the video row's columns; an audio row's are fewer)
+  prompt row:  + s*e  its Qwen3-VL hidden state (e = text_dim)
+A deployment holds at most max_active + max_prepared prepared requests, each within the row budget and the
+prompt-row budget: the plan counts that many full-budget requests on rank 0 (workers hold none)."""
+
+
+def request_row_cost(config: dict[str, Any], dtype: str | torch.dtype, steps: int) -> RequestCost:
+    """``REQUEST_FORMULA`` for a transformer config, a served dtype and requests of at most ``steps`` steps."""
+    pt, ph, pw = config["patch_size"]
+    c = max(config["in_channels"] * pt * ph * pw, config["audio_in_channels"])
+    every = 24 + 8 + 8 + 8 * (steps - 1)
+    return RequestCost(media_row=float(every + 4 * c), text_row=float(every + dtype_bytes(dtype) * config["text_dim"]))
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
@@ -200,6 +264,8 @@ def activation_row_cost(
     sp_degree: int = 1,
     phase: str | None = None,
     step_cache: bool = False,
+    text_rows: int | None = None,
+    late_decisions: bool = True,
 ) -> RowCost:
     """``ACTIVATION_FORMULA`` for a transformer config at ``dtype`` over ``sp_degree`` ranks.
 
@@ -208,7 +274,10 @@ def activation_row_cost(
     ``phase`` ("swiglu" or "attention") takes that phase's peak; None the larger of the two.
     ``step_cache``: every row may belong to a step-caching request (its residuals live across steps, and a
     forward holds its next ones and its working tensors beside them); over ``sp_degree`` > 1 every rank also
-    gathers the full rows at the cache's transitions.
+    gathers the full rows at the cache's transitions. ``text_rows``: the most prompt rows a pack holds (the
+    engine's ``max_text_rows_per_step``); the bytes of a pack then count its rows by modality.
+    ``late_decisions``: some documents may decide after others' sub-pack started (the tiers differ in
+    ``fn_blocks``), so under Ulysses h_0 stays gathered beside a block; False when every tier decides at one block.
     """
     s = dtype_bytes(dtype)
     d, f, r, e = config["hidden_size"], config["ffn_dim"], config["rope_freq_dim"], config["text_dim"]
@@ -216,10 +285,11 @@ def activation_row_cost(
     c = max(config["in_channels"] * pt * ph * pw, config["audio_in_channels"])
     phases = block_phase_elements(config, sp_degree)
     block = phases[phase] if phase is not None else max(phases.values())
-    local_common = s * block + 4 * 2 * 6 * r + 8 + 8
-    local_text, local_media = s * d, 4 * d
+    # W = 1 takes every row as it is (packed_forward's _local): no copy of a row's position or of its refined prompt
+    local_common = s * block + 4 * 2 * 6 * r + 8 + (8 if sp_degree > 1 else 0)
+    local_text, local_media = (s * d if sp_degree > 1 else 0), 4 * d
     inputs_common, inputs_text, inputs_media = 40 + 8, s * e, 4 * c
-    if text_fraction is None:  # each computed row at its dearer variant
+    if text_fraction is None:  # each computed row at its dearer variant (used without a prompt-row bound)
         local = local_common + max(local_text, local_media)
         inputs = inputs_common + max(inputs_text, inputs_media)
     else:
@@ -234,7 +304,8 @@ def activation_row_cost(
             working += STEP_CACHE_SUBPACK_ROWS * s * d + 8 + 8 + rope_row
         else:  # its row index and padded copy, every row's AdaLN index; this rank's share's AdaLN index, cos, sin
             working += 8 + 8 + 8 + (8 + rope_row) / sp_degree
-            gathers = float(STEP_CACHE_GATHERED_ROWS * s * d)
+            gathered = STEP_CACHE_GATHERED_ROWS if late_decisions else STEP_CACHE_GATHERED_ROWS_ONE_DECISION
+            gathers = float(gathered * s * d)
     return RowCost(
         local=float(local),
         kept_text=float(s * d),
@@ -244,6 +315,11 @@ def activation_row_cost(
         step_cache=held,
         step_cache_working=working,
         step_cache_gathers=gathers,
+        local_text=float(local_common + local_text),
+        local_media=float(local_common + local_media),
+        inputs_text=float(inputs_common + inputs_text),
+        inputs_media=float(inputs_common + inputs_media),
+        text_rows=text_rows,
     )
 
 
@@ -339,6 +415,8 @@ class RankPlan:
     weights: dict[str, int]  # component -> bytes
     activation_bytes: int
     reserve_bytes: int
+    request_bytes: int = 0  # the prepared requests' own tensors (rank 0: REQUEST_FORMULA)
+    requests: int = 0  # how many prepared requests it holds at most
 
     @property
     def weight_bytes(self) -> int:
@@ -346,7 +424,7 @@ class RankPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+        return self.weight_bytes + self.activation_bytes + self.request_bytes + self.reserve_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +441,7 @@ class MemoryPlan:
     ranks: tuple[RankPlan, ...]
     notes: tuple[str, ...] = ()
     stages: tuple[RankPlan, ...] = ()
+    request_cost: RequestCost | None = None  # per row of a prepared request on rank 0
 
     @property
     def roles(self) -> tuple[RankPlan, ...]:
@@ -370,28 +449,44 @@ class MemoryPlan:
         return self.ranks + self.stages
 
     def rows_that_fit(self, rank: RankPlan, device_bytes: int) -> int:
-        """The largest row budget with which ``rank`` fits ``device_bytes``."""
+        """The largest row budget with which ``rank`` fits ``device_bytes`` (its requests' tensors grow with it)."""
         free = device_bytes - rank.weight_bytes - rank.reserve_bytes
-        return self.row_cost.rows_that_fit(free, self.sp_degree)
+        return _largest(lambda rows: self.activations_at(rows) + self.requests_at(rank, rows) <= free)
+
+    def activations_at(self, rows: int) -> int:
+        return self.row_cost.bytes_for(rows, self.sp_degree)
+
+    def requests_at(self, rank: RankPlan, rows: int) -> int:
+        """``rank``'s prepared requests' bytes at a row budget of ``rows``: each as large as the budget allows."""
+        if not rank.requests or self.request_cost is None:
+            return 0
+        text = rows if self.row_cost.text_rows is None else min(rows, self.row_cost.text_rows)
+        return rank.requests * self.request_cost.bytes_for(rows, text)
 
     def max_rows_that_fit(self, device_bytes: int) -> int:
         return min(self.rows_that_fit(rank, device_bytes) for rank in self.ranks)
 
     def table(self, device_bytes: int | None = None) -> str:
         """A small table: one line per rank role, GiB, and how many rows would fit."""
-        head = f"{'rank role':<13} {'weights':>9} {'activations':>12} {'reserve':>8} {'total':>8}"
+        head = f"{'rank role':<13} {'weights':>9} {'activations':>12} {'requests':>9} {'reserve':>8} {'total':>8}"
         head += f" {'device':>8} {'rows that fit':>14}" if device_bytes else ""
         lines = [
             f"memory plan: {self.model}, {self.dtype}, sp_degree {self.sp_degree}, max_rows_per_step "
-            f"{self.max_rows}: {self.row_cost.per_row(self.sp_degree) / 1e3:.1f} kB per pack row on a rank "
-            f"(block phase {self.row_cost.local / 1e3:.1f} kB per computed row; every prompt row refined on every "
-            f"rank at {self.row_cost.refiner_text / 1e3:.1f} kB; inputs {self.row_cost.per_pack_row / 1e3:.1f} kB)",
+            f"{self.max_rows}: {self.activations_at(self.max_rows) / max(self.max_rows, 1) / 1e3:.1f} kB per pack row "
+            f"on a rank (block phase per computed row {self.row_cost.local_media / 1e3:.1f} kB media, "
+            f"{self.row_cost.local_text / 1e3:.1f} kB prompt; every prompt row refined on every rank at "
+            f"{self.row_cost.refiner_text / 1e3:.1f} kB)"
+            + (
+                f"; prompt rows at most {self.row_cost.text_rows} (engine.max_text_rows_per_step), the rest media rows"
+                if self.row_cost.text_rows is not None
+                else "; every row counted as a prompt row at its dearer variant (no engine.max_text_rows_per_step)"
+            ),
             head,
         ]
         for rank in self.roles:
             line = (
                 f"{rank.role:<13} {gib(rank.weight_bytes):>9} {gib(rank.activation_bytes):>12} "
-                f"{gib(rank.reserve_bytes):>8} {gib(rank.total_bytes):>8}"
+                f"{gib(rank.request_bytes):>9} {gib(rank.reserve_bytes):>8} {gib(rank.total_bytes):>8}"
             )
             if device_bytes:
                 # a stage holds no pack rows: whether it fits does not depend on the row budget
@@ -399,6 +494,13 @@ class MemoryPlan:
                 line += f" {gib(device_bytes):>8} {fits:>14}"
             lines.append(line)
             lines.append("  weights: " + ", ".join(f"{k} {gib(v)}" for k, v in rank.weights.items()))
+        if any(rank.requests for rank in self.ranks):
+            lines.append(
+                "  requests: "
+                + ", ".join(f"{rank.role} holds up to {rank.requests} prepared" for rank in self.ranks if rank.requests)
+                + " (engine.max_active + engine.max_prepared), each at the row budget: latents, layout, prompt"
+                " embeddings and the row-timestep plan"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -434,6 +536,10 @@ def memory_plan(
     step_cache: bool = False,
     stages: Literal["local", "remote"] = "local",
     configs: CheckpointConfigs | None = None,
+    text_rows: int | None = None,
+    requests: int = 0,
+    steps: int = 50,
+    late_decisions: bool = True,
 ) -> MemoryPlan:
     """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
 
@@ -445,6 +551,10 @@ def memory_plan(
     a forward, its next ones and the cache's working tensors: ``ACTIVATION_FORMULA``).
     ``stages``: "local", rank 0 holds the text encoder and both VAEs; "remote", stage deployments hold them
     (the plan's ``stages``: the conditioner and the decoder, each with ``reserve_bytes``) and rank 0 does not.
+    ``text_rows``: the most prompt rows a pack holds (``engine.max_text_rows_per_step``; None: every row may be
+    one). ``requests``: the prepared requests rank 0 holds at most (``max_active + max_prepared``), each at the
+    row budget with requests of up to ``steps`` steps (``REQUEST_FORMULA``). ``late_decisions``: the offered tiers
+    differ in ``fn_blocks`` (``activation_row_cost``).
     """
     if stages not in ("local", "remote"):
         raise ValueError(f"stages must be 'local' or 'remote', got {stages!r}")
@@ -460,7 +570,15 @@ def memory_plan(
     weights = _component_bytes(json.dumps(components, sort_keys=True), dtype)
     # the activations of the transformer that is served: the checkpoint's dims, not a preset's
     transformer = {**transformer_defaults(), **(components["transformer"] or {})}
-    row_cost = activation_row_cost(transformer, dtype, sp_degree=sp_degree, step_cache=step_cache)
+    row_cost = activation_row_cost(
+        transformer,
+        dtype,
+        sp_degree=sp_degree,
+        step_cache=step_cache,
+        text_rows=text_rows,
+        late_decisions=late_decisions,
+    )
+    request_cost = request_row_cost(transformer, dtype, steps)
     if step_cache:
         notes += (
             f"a request paused under srpt or priority keeps its step cache: "
@@ -475,7 +593,11 @@ def memory_plan(
     vaes = {"vae": weights["vae"], "audio_vae": weights["audio_vae"]}
     conditioner = {"text_encoder": weights["text_encoder"], **vaes}
     rank0 = RankPlan(
-        "rank 0", {**transformers, **conditioner} if stages == "local" else transformers, activations, reserve_bytes
+        "rank 0",
+        {**transformers, **conditioner} if stages == "local" else transformers,
+        activations,
+        reserve_bytes,
+        requests=requests,
     )
     ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", transformers, activations, reserve_bytes))
     stage_plans: tuple[RankPlan, ...] = ()
@@ -484,4 +606,6 @@ def memory_plan(
             RankPlan("conditioner", conditioner, 0, reserve_bytes),
             RankPlan("decoder", vaes, 0, reserve_bytes),
         )
-    return MemoryPlan(model, dtype, sp_degree, max_rows, row_cost, ranks, notes, stage_plans)
+    plan = MemoryPlan(model, dtype, sp_degree, max_rows, row_cost, ranks, notes, stage_plans, request_cost)
+    rank0 = dataclasses.replace(rank0, request_bytes=plan.requests_at(rank0, max_rows))
+    return dataclasses.replace(plan, ranks=(rank0, *plan.ranks[1:]))

@@ -446,6 +446,11 @@ class RequestState:
         return int(self.layout["position_ids"].shape[0])
 
     @property
+    def text_rows(self) -> int:
+        """Its prompt rows: the prompt's tokens and the keyframes' vision tokens."""
+        return int(self.layout["text_indices"].shape[0])
+
+    @property
     def done(self) -> bool:
         return self.step_index >= self.steps
 
