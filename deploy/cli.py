@@ -73,6 +73,20 @@ def parse_args(app_name: str, raw: dict, deployments: list[dict]):
 
 
 # -- admit --------------------------------------------------------------------------------
+def read_platform(value: str):
+    """``--platform``: a file of platform JSON (from `h3serve probe`), or the JSON itself; exits 2 naming the flag."""
+    from pydantic import ValidationError
+
+    from attention import Platform
+
+    path = Path(value)
+    text = path.read_text() if path.is_file() else value
+    try:
+        return Platform.model_validate_json(text)
+    except ValidationError as e:
+        what = f"file {path}" if path.is_file() else "neither an existing file nor platform JSON"
+        fail(EXIT_REFUSED, f"--platform {value!r}: {what} that `h3serve probe` writes:\n{e}")
+
 def admitted_checkpoint(args, admission) -> str:
     """Which checkpoint geometry was admitted, and where it was read."""
     where = admission.checkpoint.where() if admission.checkpoint else f"{args.checkpoint} (not readable here)"
@@ -82,7 +96,7 @@ def admitted_checkpoint(args, admission) -> str:
 def cmd_admit(ns: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry, Counter, push_to_gateway, write_to_textfile
 
-    from attention import Platform, probe_platform
+    from attention import probe_platform
     from pipelines.h3 import CheckpointMismatch
     from pipelines.h3.lora import LoraError
 
@@ -110,8 +124,7 @@ def cmd_admit(ns: argparse.Namespace) -> None:
     for name, raw in apps:
         args = parse_args(name, raw, deployments[name])
         if ns.platform:
-            text = Path(ns.platform).read_text() if Path(ns.platform).is_file() else ns.platform
-            platform = Platform.model_validate_json(text)
+            platform = read_platform(ns.platform)
         else:
             platform = probe_platform(args.device)
             if platform.device_type != args.device:

@@ -153,6 +153,9 @@ def test_admit_passes_both_shipped_configs():
     assert "stage conditioner" not in default.stdout  # the CPU default stays one deployment
     gpu = h3serve_inline("admit", "deploy/serve_config.gpu.yaml")
     assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
+    missing = h3serve_inline("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200.json")
+    assert missing.returncode == 2, missing  # a mistyped file name: refused naming the flag, no traceback
+    assert "--platform 'deploy/platforms/h200.json': neither an existing file nor platform JSON" in missing.stderr
     h200 = "deploy/platforms/h200-flash-attn.json"
     given = h3serve_inline("admit", "deploy/serve_config.gpu.yaml", "--platform", h200)
     assert given.returncode == 0, given.stderr
