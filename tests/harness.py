@@ -182,9 +182,11 @@ def wait_video(
     return {**job, "seen": seen}
 
 
-def requests_counted(metrics_port: int, **labels: str) -> float:
-    """ray_h3serve_requests_total summed over the series whose labels include ``labels``."""
-    samples = scrape(metrics_port).get("ray_h3serve_requests_total", [])
+def requests_counted(metrics: int | dict[str, list], **labels: str) -> float:
+    """ray_h3serve_requests_total summed over the series whose labels include ``labels``; ``metrics``: the export
+    port, or one ``scrape`` of it (a scrape of the session cluster's port reads every module's series: a test that
+    counts several label sets reads it once)."""
+    samples = (scrape(metrics) if isinstance(metrics, int) else metrics).get("ray_h3serve_requests_total", [])
     return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
 

@@ -17,6 +17,7 @@ from tests.harness import (
     client,
     error_of,
     requests_counted,
+    scrape,
     truncated_png,
     wait_for,
     wait_video,
@@ -258,8 +259,9 @@ def test_401s_and_4xxs_are_counted_by_route_and_status(server):
     }
 
     def counts() -> dict[str, float]:
+        scraped = scrape(server.metrics_port)
         return {
-            key: requests_counted(server.metrics_port, application="locked", route=route, status=status)
+            key: requests_counted(scraped, application="locked", route=route, status=status)
             for key, (route, status) in series.items()
         }
 

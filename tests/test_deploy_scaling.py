@@ -8,6 +8,7 @@ import pytest
 import ray
 from ray import serve
 
+from deploy.metrics import admission_recorder
 from tests.harness import ServeProcess, client, default_config, free_port, serve_status, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -65,7 +66,10 @@ def multi_app_config() -> dict:
 def server(ray_cluster, tmp_path_factory):
     port = free_port()
     config = write_config(tmp_path_factory.mktemp("multi"), multi_app_config(), port)
+    # the session's cluster holds one admission recorder for every module: this server's decisions come after these
+    decided_before = len(ray.get(admission_recorder().decisions_log.remote()))
     process = ServeProcess(config, ray_cluster.address, port)
+    process.decided_before = decided_before
     try:
         process.wait_serving(apps=3)
         yield process
@@ -75,7 +79,7 @@ def server(ray_cluster, tmp_path_factory):
 
 def test_admission_ran_once_per_app_in_the_driver_and_never_in_a_replica(server):
     recorder = ray.get_actor("h3serve-admission-metrics", namespace="h3serve")
-    log = ray.get(recorder.decisions_log.remote())
+    log = ray.get(recorder.decisions_log.remote())[server.decided_before :]
     # one pre-flight (h3serve serve) and one build per application, however many replicas
     assert sorted(entry["stage"] for entry in log) == ["build"] * 3 + ["preflight"] * 3
     assert all(entry["outcome"] == "admitted" and entry["backend"] == "torch_sdpa" for entry in log)

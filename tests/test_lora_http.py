@@ -24,15 +24,20 @@ def server(served):
         yield app
 
 
-def generations_counted(server, model: str) -> float:
-    return requests_counted(server.metrics_port, route="/v1/images/generations", status="200", model=model)
+def generations_counted(server, models: list[str]) -> dict[str, float]:
+    """This application's 200s on the images route by model id (one scrape; other modules' apps serve the base id)."""
+    scraped = scrape(server.metrics_port)
+    labels = {"application": server.name, "route": "/v1/images/generations", "status": "200"}
+    return {model: requests_counted(scraped, model=model, **labels) for model in models}
 
 
 def adapter_documents(server) -> dict[str, float]:
-    """ray_h3serve_adapter_document_steps_total by adapter ("" for the base model), summed over replicas."""
+    """ray_h3serve_adapter_document_steps_total by adapter ("" for the base model), summed over this application's
+    replicas."""
     counted: dict[str, float] = {}
     for sample in scrape(server.metrics_port).get("ray_h3serve_adapter_document_steps_total", []):
-        counted[sample.labels["adapter"]] = counted.get(sample.labels["adapter"], 0.0) + sample.value
+        if sample.labels.get("application") == server.name:
+            counted[sample.labels["adapter"]] = counted.get(sample.labels["adapter"], 0.0) + sample.value
     return counted
 
 
@@ -67,7 +72,7 @@ def test_adapters_are_model_ids_and_a_request_picks_one(server):
             return 1
 
         # 200s only: the refused requests above are counted too (status 400), and Ray's export may add them late
-        before = {m: generations_counted(server, m) for m in ids}
+        before = generations_counted(server, ids)
         documents_before = adapter_documents(server)
         generated(f"{BASE_ID}:turbo")  # its own 3 steps, though the deployment's default is 50
         generated(f"{BASE_ID}:style", num_inference_steps=3)
@@ -78,12 +83,12 @@ def test_adapters_are_model_ids_and_a_request_picks_one(server):
         assert video.json()["model"] == f"{BASE_ID}:turbo"
 
     def counted():
-        now = {m: generations_counted(server, m) for m in ids}
+        now = generations_counted(server, ids)
         return now if all(now[m] - before[m] >= 1 for m in ids) else None
 
     wait_for(counted, timeout=60, what="request counters labelled by model id")
     time.sleep(3)
-    after = {m: generations_counted(server, m) for m in ids}
+    after = generations_counted(server, ids)
     assert {m: after[m] - before[m] for m in ids} == dict.fromkeys(ids, 1)
 
     # the engine's own view, by adapter name: the adapters the replica serves, and one document per request in each
@@ -99,5 +104,9 @@ def test_adapters_are_model_ids_and_a_request_picks_one(server):
     time.sleep(3)
     documents = adapter_documents(server)
     assert {a: documents.get(a, 0.0) - documents_before.get(a, 0.0) for a in expected} == expected
-    served = {s.labels["adapter"]: s.value for s in scrape(server.metrics_port).get("ray_h3serve_lora_adapters", [])}
+    served = {
+        s.labels["adapter"]: s.value
+        for s in scrape(server.metrics_port).get("ray_h3serve_lora_adapters", [])
+        if s.labels.get("application") == server.name
+    }
     assert served == {"turbo": 1.0, "style": 1.0}
