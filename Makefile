@@ -25,8 +25,9 @@ setup: $(VENV)/.installed
 serve: setup
 	$(BIN)/h3serve serve $(CONFIG)
 
+# --durations: the slowest tests and fixtures, printed on every run (tests/README.md: where the suite's time goes)
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # No Ray, no processes, no GPU: the library layers in well under a minute.
 test-fast: setup

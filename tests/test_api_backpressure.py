@@ -179,10 +179,12 @@ def test_a_flood_gets_2xx_or_503_and_polls_stay_fast(server):
 def test_a_video_no_replica_can_queue_gets_503_not_a_job_that_fails(server):
     """Videos one at a time: an accepted one no longer holds the ingress, so the 503 is the engine's queue."""
     accepted = []
+    # the POSTs take well under a second; each video ~2 s of steps alone, so the engine is full before one ends
+    video = {**VIDEO, "num_inference_steps": 12}
     with client(server.url) as http:
         before = {video["id"] for video in http.get("/v1/videos", params={"limit": 100}).json()["data"]}
         for _ in range(CAPACITY + 3):
-            response = http.post("/v1/videos", json=VIDEO)
+            response = http.post("/v1/videos", json=video)
             assert response.status_code in (200, 503), response.text
             if response.status_code == 503:
                 break
