@@ -87,6 +87,7 @@ def read_platform(value: str):
         what = f"file {path}" if path.is_file() else "neither an existing file nor platform JSON"
         fail(EXIT_REFUSED, f"--platform {value!r}: {what} that `h3serve probe` writes:\n{e}")
 
+
 def admitted_checkpoint(args, admission) -> str:
     """Which checkpoint geometry was admitted, and where it was read."""
     where = admission.checkpoint.where() if admission.checkpoint else f"{args.checkpoint} (not readable here)"
