@@ -68,11 +68,11 @@ def lora_adapters(inputs: Inputs) -> dict[str, dict]:
 def _app(inputs: Inputs, name: str, route: str, **args) -> dict:
     app = copy.deepcopy(default_config()["applications"][0])
     app.update(name=name, route_prefix=route)
-    # a quarter of a CPU each (the default's half would fit four replicas in the cluster's two): placement only,
-    # a replica's threads are not limited by it
-    app["args"].update(jobs={"store": str(inputs.tmp / "videos")}, rank_resources={"CPU": 0.25}, **args)
+    # a tenth of a CPU each (the default's half would fit four replicas in the cluster's two, and every module's
+    # applications start together): placement only, a replica's threads are not limited by it
+    app["args"].update(jobs={"store": str(inputs.tmp / "videos")}, rank_resources={"CPU": 0.1}, **args)
     app["deployments"] = [
-        {"name": "H3Ingress", "ray_actor_options": {"num_cpus": 0.05}},
+        {"name": "H3Ingress", "ray_actor_options": {"num_cpus": 0.02}},
         {"name": "H3Replica", "num_replicas": 1},
     ]
     return app
