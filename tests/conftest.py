@@ -9,6 +9,10 @@ import pytest
 # workers and subprocesses they start, which inherit the environment).
 os.environ.setdefault("H3SERVE_CACHE", str(Path(tempfile.gettempdir()) / "h3serve-test-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A replica whose constructor refuses (the fail-closed tests) is tried once, not three times, before Serve calls its
+# deployment failed: each try is a process importing torch (~7 s on 2 cores), and the refusal is the same every time.
+# The Serve controller reads it; the clusters the tests start inherit this environment.
+os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
 
 
 @pytest.fixture(scope="session")
