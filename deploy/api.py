@@ -198,6 +198,16 @@ class ImagesBody(Body):
     n: int = Field(default=1, ge=1)
     response_format: Literal["b64_json"] = "b64_json"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_video_fields(cls, data: Any) -> Any:
+        """A field of the video route here (a first frame, a length) would change the output if it were honoured;
+        ignored like OpenAI's unused fields, it would be lost without a word."""
+        if isinstance(data, dict):
+            for name in sorted((set(VideosBody.model_fields) - set(cls.model_fields)) & data.keys()):
+                raise FieldError(name, "is a field of POST /v1/videos; an image is made from the prompt alone")
+        return data
+
     @field_validator("n")
     @classmethod
     def _n(cls, n: int, info: ValidationInfo) -> int:

@@ -49,6 +49,15 @@ def test_a_body_over_a_limit_is_a_400_naming_the_field(model, fields, param, wor
     assert words in message
 
 
+@pytest.mark.parametrize("field", ["input_reference", "last_reference", "references", "seconds", "fps"])
+def test_a_field_of_the_video_route_sent_for_an_image_is_a_400_naming_it_not_dropped(field):
+    param, message = refusal(ImagesBody, {"prompt": "x", field: "anything"})
+    assert param == field
+    assert message == f"{field}: is a field of POST /v1/videos; an image is made from the prompt alone"
+    # OpenAI's fields that change nothing here are still accepted and unused
+    assert validate(ImagesBody, {"prompt": "x", "quality": "hd", "style": "vivid", "user": "u"}).prompt == "x"
+
+
 def test_limits_come_from_the_deployment_not_from_defaults():
     # validated without the deployment's limits is a programming error, never a silent default
     with pytest.raises(TypeError, match="deployment's limits"):
