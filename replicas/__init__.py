@@ -1,10 +1,12 @@
 """What runs inside one Serve replica: the SP worker group and the step-level engine (no Serve here)."""
 
 from .engine import (
+    CANCEL_STAGES,
     FAILURE_REASONS,
     MAX_PRIORITY,
     MIN_PRIORITY,
     POLICIES,
+    REQUEST_EVENTS,
     STAGES,
     DeadlineExceeded,
     Engine,
@@ -14,6 +16,7 @@ from .engine import (
     EngineStalled,
     EngineStats,
     EngineStopped,
+    PreviewPolicy,
     QueueFull,
     StageClient,
     StepBoundary,
@@ -24,10 +27,12 @@ from .spec import ReplicaSpec
 from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
 
 __all__ = [
+    "CANCEL_STAGES",
     "FAILURE_REASONS",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
     "POLICIES",
+    "REQUEST_EVENTS",
     "STAGES",
     "DeadlineExceeded",
     "Engine",
@@ -38,6 +43,7 @@ __all__ = [
     "EngineStats",
     "EngineStopped",
     "PackFailed",
+    "PreviewPolicy",
     "QueueFull",
     "ReplicaSpec",
     "StageClient",

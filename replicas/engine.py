@@ -121,6 +121,22 @@ def check_priority(priority: object) -> int:
     return priority
 
 
+class PreviewPolicy(BaseModel):
+    """When a followed request's preview is captured (``pipelines/h3/preview.py``); neither bound set: never."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    every_steps: int | None = Field(default=None, ge=1, description="a preview every this many denoising steps")
+    every_s: float | None = Field(
+        default=None, gt=0, description="a preview when this many seconds passed since the request's last one"
+    )
+    frames: int = Field(default=4, ge=1, le=16, description="latent frames in a preview's strip, first to last")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_s is not None
+
+
 class EngineLimits(BaseModel):
     """The bounds of one replica's engine (the ``engine:`` block of the deploy args)."""
 
@@ -186,6 +202,14 @@ class EngineLimits(BaseModel):
         "it lists here (none unless listed)",
     )
 
+    preview: PreviewPolicy = Field(
+        default_factory=PreviewPolicy,
+        description="live previews of video requests while they denoise: every_steps and/or every_s (whichever "
+        "comes first), each a strip of `frames` latent frames of the clean-latent prediction through a linear "
+        "latent -> RGB map fitted from the checkpoint's video VAE when the replica loads (never a VAE decode); "
+        "rendered on the stage worker, off the step loop. Off unless a bound is set",
+    )
+
     @property
     def capacity(self) -> int:
         """Requests one engine holds at once: a full pack plus the queue behind it; one more gets QueueFull."""
@@ -225,9 +249,18 @@ class EngineObserver(Protocol):
     # after each packed forward: its documents by adapter (None: the base model)
     def on_adapter_documents(self, documents: Mapping[str | None, int]) -> None: ...
 
+    # one request's progress (REQUEST_EVENTS), for whoever follows it; on the engine's event loop
+    def on_request_event(self, ticket: Ticket, kind: str, fields: dict[str, Any]) -> None: ...
+
+    def on_cancelled(self, stage: str) -> None: ...  # stage in CANCEL_STAGES: where the request was when cancelled
+
 
 # observer methods added after the first observers were written: the engine skips them on an observer without them
-OPTIONAL_OBSERVER_METHODS = ("on_adapters", "on_adapter_documents")
+OPTIONAL_OBSERVER_METHODS = ("on_adapters", "on_adapter_documents", "on_request_event", "on_cancelled")
+# what ``on_request_event`` reports: queued (position, eta_s; again when either changes), started, step (step, steps,
+# eta_s), preview (step, steps, png), decoding (eta_s)
+REQUEST_EVENTS = ("queued", "started", "step", "preview", "decoding")
+CANCEL_STAGES = ("waiting", "running", "decoding")
 
 
 @dataclasses.dataclass
@@ -245,6 +278,8 @@ class EngineStats:
     # with stages of their own (``StageClient``): bytes handed over, by direction: "prepared" (conditioner ->
     # denoiser), "latents" (denoiser -> decoder), "media" (decoder -> replica, encoded or raw)
     handoff_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    cancelled: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # by CANCEL_STAGES
+    previews: int = 0  # previews rendered
 
     @property
     def duty_cycle(self) -> float:
@@ -279,6 +314,12 @@ class Ticket:
         self.submitted = time.monotonic()
         self.first_step_done = False
         self.prepares = 0  # more than one when it gave its prepared room to a request that outranks it
+        # followed by a client (video jobs): previews under ``limits.preview``, and where it was last reported
+        self.preview = False
+        self.previewing = False  # a preview of it is being rendered (one at a time)
+        self.pending_preview: tuple[torch.Tensor, int, int] | None = None  # the newest capture waiting for that one
+        self.last_preview: tuple[int, float] = (0, 0.0)  # (step, time.monotonic()) of its last capture
+        self.reported: tuple[int, float, float] | None = None  # queued: (position, eta_s, when) last reported
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -425,6 +466,10 @@ class Engine:
         self._progress_at = time.monotonic()
         self._stage_calls = 0  # calls to stage deployments in flight (``_awaiting_stage``)
         self._busy_since: float | None = None  # when the current stretch of busy time began (stats.busy_s)
+        # ETAs: rows per second of forward (warm-up, then an EMA of steps), the last pack's rows, an EMA of decodes
+        self.row_step_rate: float | None = None
+        self._pack_rows = 0
+        self._decode_s: float | None = None
         self._device = self.pipeline.denoiser.device
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
@@ -563,9 +608,14 @@ class Engine:
             raise
 
     def cancel(self, ticket: Ticket) -> None:
+        """Cancel a request wherever it is (a no-op once finished): waiting, it leaves the queue now; running, it
+        leaves its pack at the next step boundary, where its state is freed; decoding, its result is dropped."""
         if not ticket.future.done():
+            stage = "waiting" if not ticket.started else "decoding" if ticket.prepared.done else "running"
             ticket.future.cancel()
-            logger.info("request %s cancelled", ticket.id)
+            self.stats.cancelled[stage] += 1
+            self._observe("on_cancelled", stage)
+            logger.info("request %s cancelled (%s, step %d of %d)", ticket.id, stage, *ticket.progress)
         self._drop_finished_waiting()
         self._report_queue()
         self._wake.set()
@@ -613,6 +663,7 @@ class Engine:
         self.group(pack)
         seconds = time.perf_counter() - prepared
         self.expected_step_s = seconds
+        self.row_step_rate = pack.total_rows / seconds if seconds > 0 else None
         self.warmup_s = {None: seconds}
         logger.info(
             "warm-up: prepare %.2f s, one packed forward of %d rows on %d ranks %.2f s",
@@ -717,6 +768,7 @@ class Engine:
         for ticket in self._resident:
             if ticket.future.done() and ticket.state is not None:
                 ticket.state.free_step_cache()
+                ticket.state = None  # its rows and schedulers go with it (a finished one left for decoding before)
         self._resident = [t for t in self._resident if not t.future.done()]
 
     async def _run(self) -> None:
@@ -861,6 +913,7 @@ class Engine:
         seconds = time.perf_counter() - started
         self._progress_at = time.monotonic()
         self.expected_step_s = seconds if self.expected_step_s is None else 0.8 * self.expected_step_s + 0.2 * seconds
+        self._measure_rate(pack.total_rows, seconds)
         stats = StepStats(len(states), pack.total_rows, pack.padding_rows, skipped_block_rows(pack))
         self.stats.skipped_block_rows += stats.skipped_block_rows
         self.stats.forwards += 1
@@ -881,6 +934,8 @@ class Engine:
             if not ticket.first_step_done:
                 ticket.first_step_done = True
                 self._stage("first_step", time.monotonic() - ticket.submitted)
+                self._event(ticket, "started")
+            self._after_step(ticket)
             ticket.changed.set()
         return None
 
@@ -979,6 +1034,8 @@ class Engine:
         if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
             return
         ticket.state, ticket.rows, ticket.text_rows = state, state.rows, state.text_rows
+        if self._previews(ticket):  # its first step shows the first clean prediction
+            self.pipeline.request_preview(state, self.limits.preview.frames)
         self._resident.append(ticket)
         logger.info("request %s prepared (%d rows, %d steps)", ticket.id, state.rows, state.steps)
         self._report_queue()
@@ -1024,6 +1081,7 @@ class Engine:
         if ticket.future.done():
             return
         self._decoding_now = ticket
+        self._event(ticket, "decoding", eta_s=self._decode_s)
         started = time.perf_counter()
         try:
             if self.remote is None:
@@ -1038,7 +1096,9 @@ class Engine:
             self._decoding_now = None
             self._progress_at = time.monotonic()
             self._account_busy()
-        self._stage("decode", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
+        self._stage("decode", seconds)
         if ticket.future.done():
             return
         ticket.future.set_result(media)
@@ -1098,12 +1158,125 @@ class Engine:
             self.stats.busy_s += now - self._busy_since
         self._busy_since = now if self._busy else None
 
+    # -- a followed request's events: queue position, ETA, steps, previews -------------------------
+    def _measure_rate(self, rows: int, seconds: float) -> None:
+        """The replica's row-step rate (rows of packed forward per second), an EMA of steps: what ETAs divide by."""
+        self._pack_rows = rows
+        if seconds > 0:
+            rate = rows / seconds
+            self.row_step_rate = rate if self.row_step_rate is None else 0.8 * self.row_step_rate + 0.2 * rate
+
+    @staticmethod
+    def _work(ticket: Ticket) -> int:
+        """Its remaining row-steps (0 once its schedule is done)."""
+        done, total = ticket.progress
+        return ticket.rows * max(total - done, 0)
+
+    def _queued(self) -> list[Ticket]:
+        """Requests that never started, in the order the policy would start them."""
+        now, policy, aging_s = time.monotonic(), self.limits.policy, self.limits.aging_s
+        return sorted(
+            (t for t in self._held_tickets() if not t.started),
+            key=lambda t: scheduler.rank_key(t.view(), policy, now, aging_s),
+        )
+
+    def queue_position(self, ticket: Ticket) -> int | None:
+        """1 for the next request to start; None once it started (or finished)."""
+        queued = self._queued()
+        return queued.index(ticket) + 1 if ticket in queued else None
+
+    def eta_s(self, ticket: Ticket) -> float | None:
+        """Seconds until its media is decoded, from the measured row-step rate; None before any forward ran.
+
+        Queued: the row-steps of every started request and of those queued ahead of it, then its own. Running: its
+        steps left at the last pack's rows. An EMA of decodes is added."""
+        rate, decode = self.row_step_rate, self._decode_s or 0.0
+        if ticket.future.done() or rate is None:
+            return None
+        if ticket.state is not None and ticket.state.done:
+            return decode
+        if ticket.started:
+            done, total = ticket.progress
+            return (total - done) * max(self._pack_rows, ticket.rows) / rate + decode
+        ahead = sum(self._work(t) for t in self._held_tickets() if t.started)
+        for other in self._queued():
+            ahead += self._work(other)
+            if other is ticket:
+                break
+        return ahead / rate + decode
+
+    def _report_positions(self) -> None:
+        """A queued event for each request whose position changed, or whose ETA moved a second (at most 1/s)."""
+        if self.observer is None or not hasattr(self.observer, "on_request_event"):
+            return
+        rate, decode = self.row_step_rate, self._decode_s or 0.0
+        ahead = sum(self._work(t) for t in self._held_tickets() if t.started)
+        now = time.monotonic()
+        for position, ticket in enumerate(self._queued(), 1):
+            ahead += self._work(ticket)
+            eta = None if rate is None else ahead / rate + decode
+            last = ticket.reported
+            moved = last is not None and eta is not None and abs(eta - last[1]) >= 1.0 and now - last[2] >= 1.0
+            if last is None or last[0] != position or moved:
+                ticket.reported = (position, -1.0 if eta is None else eta, now)
+                self._event(ticket, "queued", position=position, eta_s=eta)
+
+    def _previews(self, ticket: Ticket) -> bool:
+        return ticket.preview and self.limits.preview.enabled and self.pipeline.preview_map is not None
+
+    def _after_step(self, ticket: Ticket) -> None:
+        """After a step of ``ticket``: its step event, the render of a preview captured in it, and whether its next
+        step captures one (``limits.preview``: every N steps or S seconds, whichever first; one rendering at a time)."""
+        state = ticket.prepared
+        done, total = state.progress
+        self._event(ticket, "step", step=done, steps=total, eta_s=self.eta_s(ticket))
+        if state.preview is not None:
+            rows, state.preview = state.preview, None
+            ticket.last_preview = (done, time.monotonic())
+            if ticket.previewing:  # the stage worker is busy (a decode, a prepare): the newest capture waits
+                ticket.pending_preview = (rows, done, total)
+            else:
+                self._render_preview(ticket, rows, done, total)
+        if not self._previews(ticket) or state.done or state.preview_index is not None:
+            return
+        policy, (last_step, last_at) = self.limits.preview, ticket.last_preview
+        due_steps = policy.every_steps is not None and done + 1 - last_step >= policy.every_steps
+        due_time = policy.every_s is not None and time.monotonic() - last_at >= policy.every_s
+        if due_steps or due_time:
+            self.pipeline.request_preview(state, policy.frames)
+
+    def _render_preview(self, ticket: Ticket, rows: torch.Tensor, step: int, steps: int) -> None:
+        """The map's matmul and a PNG on the stage worker; reported when done, unless the request finished."""
+        ticket.previewing = True
+        layout = self.pipeline.preview_layout(ticket.prepared)
+        rendering = self._stages.run(self.pipeline.render_preview, rows, layout)
+
+        def rendered(future: asyncio.Future[bytes]) -> None:
+            ticket.previewing = False
+            if future.cancelled() or ticket.future.done():
+                ticket.pending_preview = None
+                return
+            if future.exception() is not None:  # a preview never fails its request
+                logger.warning("request %s: preview failed: %r", ticket.id, future.exception())
+            else:
+                self.stats.previews += 1
+                self._event(ticket, "preview", step=step, steps=steps, png=future.result())
+            if ticket.pending_preview is not None:
+                pending, ticket.pending_preview = ticket.pending_preview, None
+                self._render_preview(ticket, *pending)
+
+        rendering.add_done_callback(rendered)
+
+    def _event(self, ticket: Ticket, kind: str, **fields: Any) -> None:
+        self._observe("on_request_event", ticket, kind, fields)
+
     # -- observing --------------------------------------------------------------------------
     def _stage(self, stage: str, seconds: float) -> None:
         self._observe("on_stage", stage, seconds)
 
     def _report_queue(self) -> None:
         self._observe("on_queue", *self.queue_depth)
+        self._report_positions()
 
     def _observe(self, method: str, *args: Any) -> None:
         """Report to the observer; a failing observer is logged and never fails a request."""

@@ -41,6 +41,7 @@ from .config import TransformerGeometry, transformer_defaults
 from .forward import packed_forward
 from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, asked_steps, load_partitions
 from .packing import Document, Pack, pack_documents
+from .preview import PreviewLayout, PreviewMap, clean_rows, preview_frames, strip_png
 from .request import GenerationRequest, ModelRules, RequestError
 from .stages import DECODE_KEYS, PREPARED_KEYS, H3Stages
 from .step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, skipped_block_rows
@@ -381,6 +382,10 @@ class H3StageModels:
         state = prepare_shifted(self.stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
         return PreparedState.of(state)
 
+    def fit_preview(self) -> PreviewMap:
+        """The latent -> RGB preview map of this checkpoint's video VAE, for the denoisers (which hold no VAE)."""
+        return PreviewMap.fit(self.stages.after.vae, self.stages.before.pixel_mean, self.stages.before.pixel_std)
+
     @torch.no_grad()
     def decode(self, handoff: DecodeHandoff, output: str | None = None) -> GeneratedMedia | EncodedMedia:
         """Both VAE decoders for one finished request; ``output`` "png"/"mp4": encoded here, None: the media."""
@@ -427,6 +432,10 @@ class RequestState:
         self.num_condition_video = state.get("num_condition_video_rows") or 0
         self.num_condition_audio = state.get("num_condition_audio_rows") or 0
         self.step_index = 0
+        # previews (``preview.py``): the generated rows whose clean prediction the next ``advance`` captures, and the
+        # last capture ``[k, C*p]``, which the engine takes for rendering off the model thread
+        self.preview_index: torch.Tensor | None = None
+        self.preview: torch.Tensor | None = None
         embeds = state.get("prompt_embeds")[0]  # [n_text, text_dim]
         self.layout = dict(
             prompt_embeds=embeds,
@@ -476,6 +485,9 @@ class RequestState:
             video_velocity.to(self.video_rows.device),
             audio_velocity.to(self.audio_rows.device),
         )
+        if self.preview_index is not None:  # before the step overwrites x_t in place
+            self.preview = clean_rows(self.video_rows[nv:], video_velocity[nv:], t_video, self.preview_index)
+            self.preview_index = None
         self.video_rows[nv:] = self.video_scheduler.step(
             video_velocity[nv:].float(), t_video, self.video_rows[nv:], return_dict=False
         )[0]
@@ -528,6 +540,8 @@ class H3Pipeline:
             rules = stages.rules()
         self.rules: ModelRules = rules
         self.row_multiple = 1  # a worker group sets its SP degree here: packs split evenly over its ranks
+        # latent channels -> RGB for previews (``fit_preview``, or a conditioner stage's); None: no previews
+        self.preview_map: PreviewMap | None = None
         self.forward: Callable[[Pack], tuple[torch.Tensor, torch.Tensor]] = self._forward_alone
 
     @classmethod
@@ -737,6 +751,29 @@ class H3Pipeline:
             audio_rows=state.audio_rows.cpu(),
             layout={key: state.state.get(key) for key in DECODE_KEYS},
         )
+
+    # -- previews ------------------------------------------------------------------------------------
+    def fit_preview(self) -> PreviewMap:
+        """Fit (and keep) the latent -> RGB map of this checkpoint's video VAE (``preview.PreviewMap.fit``)."""
+        stages = self._local_stages("fit the preview map from the video VAE")
+        self.preview_map = PreviewMap.fit(stages.after.vae, stages.before.pixel_mean, stages.before.pixel_std)
+        return self.preview_map
+
+    def preview_layout(self, state: RequestState) -> PreviewLayout:
+        ph, pw = self.rules.patch_hw
+        height, width = state.state.get("latent_height"), state.state.get("latent_width")
+        return PreviewLayout(height, width, state.video_rows.shape[1] // (ph * pw), (ph, pw))
+
+    def request_preview(self, state: RequestState, frames: int) -> None:
+        """The next step of ``state`` captures the clean prediction of ``frames`` latent frames (``state.preview``)."""
+        chosen = preview_frames(int(state.state.get("num_latent_frames")), frames)
+        state.preview_index = self.preview_layout(state).rows(chosen, state.video_rows.device)
+
+    def render_preview(self, rows: torch.Tensor, layout: PreviewLayout) -> bytes:
+        """A PNG strip of captured clean rows ``[k, C*p]``: the map's matmul per latent pixel, never a VAE decode."""
+        if self.preview_map is None:
+            raise RuntimeError("no preview map: fit_preview() (or a conditioner stage's) first")
+        return strip_png(self.preview_map.rgb(layout.latents(rows.cpu())))
 
     # -- many requests, one step each ------------------------------------------------------------
     def packs(self, states: Sequence[RequestState]) -> list[tuple[list[RequestState], Pack]]:
