@@ -10,7 +10,7 @@ DEMO_CHECKPOINT ?= pipelines/h3/checkpoints/minimax-h3-tiny-demo
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test test-fast lint setup weights eval demo-checkpoint readme-images bench k8s k8s-check clean
+.PHONY: serve test test-fast lint setup weights eval demo-checkpoint readme-images screenshots bench k8s k8s-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,11 @@ demo-checkpoint: setup
 # docs/images/readme-clip.png (a frame strip of the clip) and readme-still.png (the images endpoint's still).
 readme-images: setup
 	$(BIN)/python -m demo.readme_images --config $(CONFIG) --out docs/images
+
+# The README's picture of the playground page (docs/images/playground.png): the browser test (Debian's chromium,
+# headless) on a live server, its screenshot saved there.
+screenshots: setup
+	H3SERVE_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/test_playground.py -k generates $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

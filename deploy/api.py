@@ -4,12 +4,14 @@ Every route is a method under ``@route``, which runs it through ``H3Ingress._cal
 bearer auth, error mapping to OpenAI's error shape (``deploy.errors``), and request
 metrics, in one place. Request bodies are parsed here (not by FastAPI's body binding) so that every
 malformed body gets a 4xx that says what is wrong; the deployment's limits are checked by the body
-models' validators, and ``deploy.openapi`` documents them. Video jobs run in ``deploy.video_jobs``. Only
-``PUBLIC_ROUTES`` answer without the token.
+models' validators, and ``deploy.openapi`` documents them. Video jobs run in ``deploy.video_jobs``, their event
+streams are ``deploy.events``'s, the playground page at ``/`` is ``deploy.playground``'s. Only ``PUBLIC_ROUTES``
+answer without the token.
 
 Backpressure: an ingress replica holds at most ``DeployArgs.generation_slots`` generation requests (what
 the H3 replicas can queue and run together; more get 503 here) plus ``ingress.headroom`` other requests,
-so job polls and /health never wait behind generations; ``ingress_options`` gives Serve those numbers.
+so job polls and /health never wait behind generations, and ``ingress.event_streams`` open event streams (each an
+ongoing request for Serve while it lasts); ``ingress_options`` gives Serve those numbers.
 """
 
 import asyncio
@@ -30,7 +32,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from ray import serve
 from ray.serve.config import BackpressureConfig
@@ -45,19 +47,23 @@ from replicas import MAX_PRIORITY, MIN_PRIORITY
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
 from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
+from .events import follow_record, last_event_id
 from .jobs import JobPolicy, JobStore, epoch_seconds
 from .media_store import MediaStore
-from .metrics import RequestMetrics
+from .metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
 from .openapi import REQUEST_ID, document, redoc_page, swagger_page
+from .playground import playground_page
 from .replica import DRAIN_MARGIN_S, log_through_serve
 from .video_jobs import VideoJobs
 
 logger = logging.getLogger(__name__)
 # Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
 DISTILLED = ("guidance_scale", "negative_prompt")
-# A liveness probe answers without the token; everything else needs it, the API docs included (they
-# list this deployment's limits). Unknown routes answer 404 either way: there is nothing behind them.
-PUBLIC_ROUTES = ("/health",)
+# A liveness probe answers without the token, and so does the playground page (a page a browser opens cannot send
+# one: it holds no data and asks for the key, which its scripts then send as a bearer token); everything else needs
+# it, the API docs included (they list this deployment's limits). Unknown routes answer 404 either way.
+PUBLIC_ROUTES = ("/health", "/")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer an event stream
 MAX_SEED = 2**63 - 1  # GenerationRequest's seed is a signed 64-bit integer
 # a form field carries text: an optional sign and at most a few digits (no int of thousands of digits is built)
 FORM_INTEGER = re.compile(r"[+-]?[0-9]{1,4}")
@@ -428,7 +434,7 @@ def ingress_options(args: DeployArgs) -> dict[str, Any]:
     requests; ``headroom`` more wait at each proxy, and beyond that the proxy answers 503 with Retry-After.
     A stopping ingress gives its open image requests as long as a draining H3 replica gives their generation."""
     return dict(
-        max_ongoing_requests=args.generation_slots + args.ingress.headroom,
+        max_ongoing_requests=args.generation_slots + args.ingress.headroom + args.ingress.event_streams,
         max_queued_requests=args.ingress.headroom,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=float(RETRY_AFTER_S)),
         graceful_shutdown_timeout_s=args.engine.drain_timeout_s + DRAIN_MARGIN_S,
@@ -470,6 +476,7 @@ class H3Ingress:
         )
         self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
         self.generation_slots, self.generations = args.generation_slots, 0
+        self.event_streams, self.streams = args.ingress.event_streams, 0  # at most, and open now
         self._rules: ModelRules | None = None
         self._openapi: dict | None = None
 
@@ -769,6 +776,50 @@ class H3Ingress:
             raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
+    @app.post("/v1/videos/{video_id}/cancel")
+    @route("/v1/videos/{id}/cancel")
+    async def cancel_video(self, request: Request, video_id: str):
+        """sglang's route: a queued job leaves its replica's queue, a running one its pack at the next step
+        boundary; the job reads cancelled (409 once it finished)."""
+        video = await self.videos.cancel(video_id)
+        if video is None:
+            raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+        return video
+
+    @app.get("/v1/videos/{video_id}/events")
+    @route("/v1/videos/{id}/events")
+    async def video_events(self, request: Request, video_id: str):
+        """Server-Sent Events of the job (``deploy.events``), resumed after ``Last-Event-ID`` when it is sent."""
+        after = last_event_id(request.headers.get("last-event-id"))
+        video = await self._job(video_id)
+        if self.streams >= self.event_streams:
+            raise APIError(
+                503,
+                f"this server holds {self.event_streams} open event streams; poll GET /v1/videos/{{id}} or retry later",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        log = self.videos.events.get(video_id)
+        if log is not None and after > log.last_id:
+            raise APIError(
+                400,
+                f"Last-Event-ID {after} is past this job's last event ({log.last_id}); resume from an id it sent",
+                "Last-Event-ID",
+            )
+        if log is not None:
+            events = log.follow(after)
+        else:  # another ingress replica runs it (or ran it): its record, once a second
+            events = follow_record(lambda: self.videos.get(video_id), video)
+        return StreamingResponse(self._counted(events), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def _counted(self, events):
+        """An event stream, counted among the open ones while it lasts (a client that goes away ends it)."""
+        self.streams += 1
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            self.streams -= 1
+
     # -- models, health, docs --------------------------------------------------------------------
     @app.get("/v1/models")
     @route("/v1/models")
@@ -803,6 +854,47 @@ class H3Ingress:
             body = {"status": "unavailable", "error": "no model replica answered"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
         return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
+
+    @app.get("/v1/stats")
+    @route("/v1/stats")
+    async def stats(self, request: Request):
+        """The server's own figures for the playground's live panel: one H3 replica's engine (queue, duty cycle,
+        row-step rate, cancels), this ingress's open jobs and event streams, and admission failures so far."""
+        info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+        try:
+            log = await asyncio.wait_for(admission_recorder().decisions_log.remote(), timeout=RECORD_TIMEOUT_S)
+            admission_failures: int | None = sum(1 for d in log if d.get("outcome") == "rejected")
+        except Exception as e:  # the panel shows what it has
+            logger.warning("request %s: /v1/stats: no admission log: %r", request.state.request_id, e)
+            admission_failures = None
+        return {
+            "object": "stats",
+            "model": self.model_name,
+            "replica": {
+                key: info[key]
+                for key in (
+                    "waiting",
+                    "active",
+                    "duty_cycle",
+                    "row_step_rate",
+                    "forwards",
+                    "preemptions",
+                    "cancelled",
+                    "previews",
+                    "backend",
+                    "policy",
+                )
+            },
+            "admission_failures": admission_failures,
+            "video_jobs_running_here": len(self.videos.tasks),
+            "event_streams_open": self.streams,
+        }
+
+    @app.get("/")
+    @route("/")
+    async def playground(self, request: Request):
+        """The playground page (``deploy/playground/``): plain HTML, CSS and JS, nothing fetched from elsewhere."""
+        return HTMLResponse(playground_page(auth=self.api_key is not None, model=self.model_name))
 
     @app.get("/openapi.json")
     @route("/openapi.json")

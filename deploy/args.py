@@ -90,6 +90,13 @@ class IngressArgs(BaseModel):
         "listings, downloads, /health, POSTs being parsed. It is also the queue in front of each ingress "
         "replica at each proxy (Serve's max_queued_requests); past it the proxy answers HTTP 503 with Retry-After",
     )
+    event_streams: int = Field(
+        default=128,
+        ge=1,
+        description="open event streams (GET /v1/videos/{id}/events) an H3Ingress replica holds beyond the above: each "
+        "is an ongoing request for Serve while it lasts; one more gets HTTP 503 with Retry-After. An idle stream costs "
+        "a waiting coroutine, nothing on the engine",
+    )
 
 
 class JobStoreArgs(BaseModel):

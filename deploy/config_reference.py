@@ -24,8 +24,9 @@ unbounded wait. The builder sizes the ingress from the engine's bounds (`deploy.
   replica's engine (its queue is full), or from the ingress itself once that ingress replica already holds
   this many valid generation requests (an image request counts until it is answered, a video request until
   its job is queued).
-- H3Ingress `max_ongoing_requests` = generation slots + `ingress.headroom`: whatever the generations hold,
-  `headroom` requests more (job polls, listings, downloads, `/health`) are served at once.
+- H3Ingress `max_ongoing_requests` = generation slots + `ingress.headroom` + `ingress.event_streams`: whatever
+  the generations hold, `headroom` requests more (job polls, listings, downloads, `/health`) are served at once,
+  and `event_streams` open event streams besides (each is an ongoing request while it lasts; one more gets 503).
 - H3Ingress `max_queued_requests` = `ingress.headroom`: requests waiting at each Serve proxy for an ingress
   replica; past it the proxy answers 503 with `Retry-After: 2` (a plain-text body, Serve's own).
 

@@ -5,7 +5,9 @@ which rewrites the record on progress and at least every ``lease_s / 4`` (a hear
 reading a record whose heartbeat is older than ``lease_s`` saves it as failed: its runner died. A
 runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict.
 DELETE of a running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write;
-finished jobs have no writer and are removed at once. A sweeper on every replica applies the TTL, the
+finished jobs have no writer and are removed at once. A cancel asked on an ingress that is not the job's runner
+writes ``<id>.cancel``, which the runner sees at its next write (a progress write, at most ``lease_s / 4`` away)
+and answers by stopping the job and recording it ``cancelled``. A sweeper on every replica applies the TTL, the
 byte cap (oldest finished first) and the job count, and clears what crashed writers left behind.
 Timestamps are wall-clock seconds: replicas' clocks must agree to well within ``lease_s``.
 """
@@ -23,7 +25,7 @@ import time
 from .media_store import MediaStore
 
 logger = logging.getLogger(__name__)
-FINISHED = ("completed", "failed")
+FINISHED = ("completed", "failed", "cancelled")
 JOB_ID = re.compile(r"video_[0-9a-f]{32}")
 RUNNER_LOST = "runner_lost"
 
@@ -61,6 +63,10 @@ def job_id_of(name: str, suffix: str) -> str | None:
 
 class JobGone(Exception):
     """The job was deleted: its runner stops generating."""
+
+
+class JobCancelled(Exception):
+    """A cancel was asked on another ingress replica (``<id>.cancel``): the runner stops and records it cancelled."""
 
 
 class LeaseLost(Exception):
@@ -180,9 +186,14 @@ class JobStore:
             self.store.put(f"{job_id}.deleted", json.dumps({"deleted_at": self.clock()}).encode())
         return True
 
+    def request_cancel(self, job_id: str) -> None:
+        """Ask the job's runner, wherever it runs, to cancel it (it sees this at its next write)."""
+        self.store.put(f"{job_id}.cancel", json.dumps({"cancelled_at": self.clock()}).encode())
+
     def _remove(self, job_id: str) -> None:
         self._finished.pop(job_id, None)
-        self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted")  # the record first: 404 at once
+        # the record first: 404 at once
+        self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted", f"{job_id}.cancel")
 
     def list(self) -> list[dict]:
         """Every live job's video object, newest first."""
@@ -302,6 +313,8 @@ class JobRunner:
                 self.gone = True  # the tombstone stays until the sweeper sees no runner can write
                 self.jobs.store.delete(f"{self.job_id}.json", f"{self.job_id}.mp4")
                 raise JobGone(self.job_id)
+            if self.stopping != "cancelled" and self.jobs.store.exists(f"{self.job_id}.cancel"):
+                raise JobCancelled(self.job_id)
             self.record = {**self.record, "updated_at": self.jobs.clock(), "video": {**self.record["video"], **fields}}
             self.jobs._write(self.record)
             self.last_write = started
@@ -317,7 +330,27 @@ class JobRunner:
         self.jobs.store.put(f"{self.job_id}.mp4", mp4)
         self.record = {**self.record, "bytes": len(mp4)}
         now = int(self.jobs.clock())
-        self.update(status="completed", progress=100, completed_at=now, expires_at=int(now + self.jobs.policy.ttl_s))
+        self.update(
+            status="completed",
+            progress=100,
+            completed_at=now,
+            expires_at=int(now + self.jobs.policy.ttl_s),
+            queue_position=None,
+            eta_seconds=None,
+        )
+
+    def cancel(self) -> None:
+        """Record the job cancelled (its request left the engine), then drop the cancel request if one was written."""
+        now = int(self.jobs.clock())
+        self.stopping = "cancelled"
+        self.update(
+            status="cancelled",
+            completed_at=now,
+            expires_at=int(now + self.jobs.policy.ttl_s),
+            queue_position=None,
+            eta_seconds=None,
+        )
+        self.jobs.store.delete(f"{self.job_id}.cancel")
 
     def fail(self, code: str, message: str) -> None:
         now = int(self.jobs.clock())
@@ -326,4 +359,6 @@ class JobRunner:
             completed_at=now,
             expires_at=int(now + self.jobs.policy.ttl_s),
             error={"code": code, "message": message},
+            queue_position=None,
+            eta_seconds=None,
         )

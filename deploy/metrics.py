@@ -17,7 +17,7 @@ import ray
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from pipelines.h3 import STAGE_ROLES
-from replicas import FAILURE_REASONS
+from replicas import CANCEL_STAGES, FAILURE_REASONS
 from replicas import STAGES as ENGINE_STAGES
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,13 @@ FAILED_REQUESTS = MetricDef(
     "Requests the engine failed, by reason: " + ", ".join(FAILURE_REASONS) + ".",
     ("reason",),
 )
+CANCELLED_REQUESTS = MetricDef(
+    "h3serve_cancelled_requests",
+    "counter",
+    "Requests cancelled (POST /v1/videos/{id}/cancel, DELETE of a running job, an image client that went away), by "
+    "where they were: " + ", ".join(CANCEL_STAGES) + " (a running one leaves its pack at the next step boundary).",
+    ("stage",),
+)
 PREEMPTIONS = MetricDef(
     "h3serve_preemptions",
     "counter",
@@ -173,6 +180,7 @@ ALL_METRICS = (
     STAGE_SECONDS,
     FAILED_STEPS,
     FAILED_REQUESTS,
+    CANCELLED_REQUESTS,
     PREEMPTIONS,
     DUTY_CYCLE,
     STEP_CACHE_SKIPPED,
@@ -250,6 +258,7 @@ class EngineMetrics:
             make(FAILED_REQUESTS),
         )
         self.preemptions, self.duty_cycle = make(PREEMPTIONS), make(DUTY_CYCLE)
+        self.cancelled = make(CANCELLED_REQUESTS)
         self.cache_skipped = make(STEP_CACHE_SKIPPED)
         self.stage_retries = make(STAGE_RETRIES)
         self.adapters, self.adapter_documents = make(LORA_ADAPTERS), make(ADAPTER_DOCUMENT_STEPS)
@@ -275,6 +284,12 @@ class EngineMetrics:
 
     def on_failed_request(self, reason: str) -> None:
         self.failed_requests.inc(1, tags={"reason": checked(reason, FAILURE_REASONS, "failed request reason")})
+
+    def on_cancelled(self, stage: str) -> None:
+        self.cancelled.inc(1, tags={"stage": checked(stage, CANCEL_STAGES, "cancel stage")})
+
+    def on_request_event(self, ticket, kind: str, fields: dict) -> None:
+        """Nothing to export: the replica's observer hands each followed request's events to its stream."""
 
     def on_preempted(self, count: int) -> None:
         if count > 0:  # Ray's counters refuse an increment of 0

@@ -35,6 +35,13 @@ REQUEST_ID_HEADER = {
     "answer's X-Request-Id header (one is made when none is sent)",
 }
 BEARER = {"type": "http", "scheme": "bearer"}
+LAST_EVENT_ID = {
+    "name": "Last-Event-ID",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+    "description": "resume after this event of the stream (an EventSource sends it when it reconnects)",
+}
 SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
 SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
 REDOC_JS = "https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"
@@ -61,8 +68,17 @@ VIDEO = {
         "id": {"type": "string"},
         "object": {"const": "video"},
         "model": {"type": "string"},
-        "status": {"enum": ["queued", "in_progress", "completed", "failed"]},
+        "status": {"enum": ["queued", "in_progress", "completed", "failed", "cancelled"]},
         "progress": {"type": "integer"},
+        "queue_position": {
+            "type": ["integer", "null"],
+            "description": "while queued: its place in its replica's queue (1 starts next); null otherwise",
+        },
+        "eta_seconds": {
+            "type": ["number", "null"],
+            "description": "while queued or in progress: seconds until it is decoded, estimated from the replica's "
+            "measured row-step rate; null otherwise",
+        },
         "created_at": {"type": "integer"},
         "completed_at": {"type": ["integer", "null"]},
         "expires_at": {"type": ["integer", "null"]},
@@ -212,6 +228,23 @@ def document(
             doc["paths"][path][method]["responses"]["200"]["content"] = {
                 "application/json": {"schema": {"$ref": "#/components/schemas/Video"}}
             }
+    if "post" in doc["paths"].get("/v1/videos/{video_id}/cancel", {}):
+        doc["paths"]["/v1/videos/{video_id}/cancel"]["post"]["responses"]["200"]["content"] = {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Video"}}
+        }
+    events = doc["paths"].get("/v1/videos/{video_id}/events", {}).get("get")
+    if events is not None:
+        events["parameters"].insert(0, LAST_EVENT_ID)
+        events["responses"]["200"]["content"] = {
+            "text/event-stream": {
+                "schema": {"type": "string"},
+                "description": "events queued, started, step, preview, decoding, then completed, failed or "
+                "cancelled (the stream ends there); each data line is JSON",
+            }
+        }
+    page = doc["paths"].get("/", {}).get("get")
+    if page is not None:
+        page["responses"]["200"]["content"] = {"text/html": {"schema": {"type": "string"}}}
     listing = doc["paths"].get("/v1/videos", {}).get("get")
     if listing is not None:
         listing["parameters"] = [

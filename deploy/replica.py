@@ -164,6 +164,26 @@ def _stage_error(error: ray.exceptions.RayTaskError) -> Exception:
     return cause if isinstance(cause, Exception) else error
 
 
+class ReplicaObserver(EngineMetrics):
+    """The engine's observer in a replica: Prometheus, and each followed request's events (``REQUEST_EVENTS``) queued
+    for the stream that follows it (``H3Replica.generate_video``). Called on the replica's event loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.followers: dict[Ticket, asyncio.Queue[dict[str, Any]]] = {}
+
+    def follow(self, ticket: Ticket) -> asyncio.Queue[dict[str, Any]]:
+        return self.followers.setdefault(ticket, asyncio.Queue())
+
+    def unfollow(self, ticket: Ticket) -> None:
+        self.followers.pop(ticket, None)
+
+    def on_request_event(self, ticket: Ticket, kind: str, fields: dict[str, Any]) -> None:
+        queue = self.followers.get(ticket)
+        if queue is not None:  # an image, or a video whose stream ended: nobody follows it
+            queue.put_nowait({"event": kind, **fields})
+
+
 class DrainWatch:
     """Whether Serve has started stopping this replica, from the controller's view of its deployment.
 
@@ -236,7 +256,7 @@ class H3Replica:
             )
         self.spec = spec
         backend = spec.resolution.backend
-        self.metrics = EngineMetrics()
+        self.metrics = ReplicaObserver()
         self.tickets: dict[str, Ticket] = {}  # request id -> its ticket, while this replica serves it
         self._watch: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
@@ -252,6 +272,13 @@ class H3Replica:
             remote = ServeStages(conditioner, decoder, caller, self.metrics)
         self.stage_client = remote
         self.engine = Engine(self.group, limits, self.metrics, remote)
+        if limits.preview.enabled:  # previews configured and impossible: refuse, as any other build failure
+            try:
+                await self._fit_preview(conditioner)
+            except Exception as e:
+                self._record_build_failure(backend, e, during="fitting the preview map")
+                self.group.shutdown()
+                raise
         if limits.warmup:
             try:
                 seconds = self.engine.warm_up() if remote is None else await self._warm_up_through(remote)
@@ -261,6 +288,18 @@ class H3Replica:
                 raise
             logger.info("H3 replica warmed up: one packed forward on every rank took %.2f s", seconds)
         logger.info("H3 replica ready: %s", spec.resolution.describe())
+
+    async def _fit_preview(self, conditioner: DeploymentHandle | None) -> None:
+        """The latent -> RGB preview map from the checkpoint's video VAE: here, or by the conditioner stage (which
+        holds the VAE when this rank 0 holds none)."""
+        pipeline = self.group.pipeline
+        if conditioner is None:
+            await asyncio.to_thread(pipeline.fit_preview)
+            return
+        caller = serve.get_replica_context().replica_id.unique_id
+        fitted = await asyncio.wait_for(conditioner.fit_preview.remote(caller), STAGE_WARMUP_TIMEOUT_S)
+        pipeline.preview_map = fitted
+        logger.info("preview map from the conditioner stage (fit RMSE %.1f of 255)", fitted.rmse)
 
     async def _warm_up_through(self, remote: ServeStages) -> float:
         """``Engine.warm_up`` for a rank 0 without a text encoder: the conditioner stage prepares the engine's
@@ -308,7 +347,9 @@ class H3Replica:
         self._watch_for_stop()
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "png")
         try:
-            media = await ticket.future
+            # shielded: a caller that goes away (Serve cancels this call when its HTTP client disconnects) must not
+            # cancel the ticket's future itself, so that _release cancels it through the engine, which counts it
+            media = await asyncio.shield(ticket.future)
             return await self._encode(media, "png", ticket.id)
         except EngineDraining:
             logger.info("request %s: handed back unstarted, this replica drains", ticket.id)
@@ -324,21 +365,34 @@ class H3Replica:
         priority: int = 0,
         adapter: str | None = None,
     ):
-        """Stream {"queued": True, "progress": [0, total]} once the engine accepted the request (QueueFull,
-        EngineDraining, RequestError... raise before it), {"progress": [done, total]} per step, then {"mp4": bytes}.
+        """Stream {"queued": True, "event": "queued", "position", "eta_s", "progress": [0, total]} once the engine
+        accepted the request (QueueFull, EngineDraining, RequestError... raise before it), then the engine's events
+        for it ({"event": kind, **fields, "progress": [done, total]}: ``replicas.REQUEST_EVENTS``: queue position
+        changes, started, each step, previews as PNG bytes, decoding), then {"mp4": bytes}.
         """
         self._watch_for_stop()
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "mp4")
+        ticket.preview = True  # followed: previews under engine.preview
+        events = self.metrics.follow(ticket)
         try:
-            yield {"queued": True, "progress": list(ticket.progress)}
+            position, eta_s = self.engine.queue_position(ticket), self.engine.eta_s(ticket)
+            yield {
+                "queued": True,
+                "event": "queued",
+                "position": position,
+                "eta_s": eta_s,
+                "progress": list(ticket.progress),
+            }
             while not ticket.future.done():
-                changed = asyncio.ensure_future(ticket.changed.wait())
-                waiters: list[asyncio.Future[Any]] = [changed, ticket.future]
+                event = asyncio.ensure_future(events.get())
+                waiters: list[asyncio.Future[Any]] = [event, ticket.future]
                 await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                changed.cancel()
-                ticket.changed.clear()
-                if not ticket.future.done():
-                    yield {"progress": list(ticket.progress)}
+                if not event.done():
+                    event.cancel()  # a cancelled Queue.get takes nothing
+                    break
+                yield {**event.result(), "progress": list(ticket.progress)}
+            while not events.empty():  # what the engine reported before the end (decoding)
+                yield {**events.get_nowait(), "progress": list(ticket.progress)}
             try:
                 media = await ticket.future
             except EngineDraining:
@@ -346,7 +400,8 @@ class H3Replica:
                 raise
             yield {"progress": list(ticket.progress)}
             yield {"mp4": await self._encode(media, "mp4", ticket.id)}
-        finally:  # the consumer went away (job deleted, ingress gone), or it finished: leave the pack
+        finally:  # the consumer went away (job deleted or cancelled, ingress gone), or it finished: leave the pack
+            self.metrics.unfollow(ticket)
             self._release(ticket)
 
     def _submit(
@@ -440,6 +495,9 @@ class H3Replica:
             "policy": self.engine.limits.policy,
             "preemptions": self.engine.stats.preemptions,
             "duty_cycle": self.engine.stats.duty_cycle,
+            "row_step_rate": self.engine.row_step_rate,  # rows of packed forward per second: what ETAs divide by
+            "cancelled": dict(self.engine.stats.cancelled),
+            "previews": self.engine.stats.previews,
             "draining": self.draining,
             # what this replica serves now: request id -> how far it got (forwards 0: not started), its priority
             "requests": {

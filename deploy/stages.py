@@ -29,6 +29,7 @@ from typing import Any
 from ray import serve
 
 from pipelines.h3 import DecodeHandoff, EncodedMedia, GeneratedMedia, GenerationRequest, H3StageModels, PreparedState
+from pipelines.h3.preview import PreviewMap
 from replicas.allocator import cuda_allocator_defaults
 
 from .args import DeployArgs, StageDeploymentArgs
@@ -96,6 +97,10 @@ class H3Conditioner(StageReplica):
 
     async def prepare(self, request: GenerationRequest, shift: float | None, caller: str) -> PreparedState:
         return await self._run(caller, "prepare", self.models.prepare, request, shift)
+
+    async def fit_preview(self, caller: str) -> PreviewMap:
+        """The video VAE's latent -> RGB preview map, for a denoiser (which holds no VAE) when it loads."""
+        return await self._run(caller, "preview map fit", self.models.fit_preview)
 
 
 class H3Decoder(StageReplica):

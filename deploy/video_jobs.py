@@ -1,5 +1,6 @@
-"""The video jobs one ingress replica runs: the replica's progress stream into the job's record and its
-MP4 into the store, a heartbeat per job, the sweeper, and stopping jobs on DELETE or shutdown.
+"""The video jobs one ingress replica runs: the replica's stream into the job's record, its event log
+(``events``: what ``GET /v1/videos/{id}/events`` streams) and its MP4 into the store, a heartbeat per job,
+the sweeper, and stopping jobs on cancel, DELETE or shutdown.
 
 What a record holds and how replicas share the store without a lock is ``jobs``'s; this module is the
 asyncio side of it. Store calls block, so they run on a thread pool.
@@ -17,8 +18,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from pipelines.h3 import GenerationRequest
 from replicas import DeadlineExceeded, EngineDraining
 
-from .errors import QUEUE_FULL, UNAVAILABLE, http_error, root_cause
-from .jobs import JobGone, JobRunner, JobStore, LeaseLost
+from .errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
+from .events import TERMINAL, JobEvents, event_data
+from .jobs import FINISHED, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,11 @@ JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 RETRYABLE = QUEUE_FULL + UNAVAILABLE
 RESUBMIT_BACKOFF_S = (0.5, 5.0)
 RESUBMIT_FOR_S = 600.0
+
+
+def rounded(seconds: float | None) -> float | None:
+    """An ETA as the API shows it: tenths of a second."""
+    return None if seconds is None else round(seconds, 1)
 
 
 def caused_by(error: BaseException, kinds) -> bool:
@@ -42,6 +49,7 @@ class VideoJobs:
         self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")
         self.tasks: dict[str, asyncio.Task] = {}  # video id -> its job, for the jobs this replica runs
         self.runners: dict[str, JobRunner] = {}
+        self.events = JobEvents()  # the event logs of the jobs this replica runs
         self._sweeper: asyncio.Task | None = None
 
     async def _io(self, fn: Callable, *args) -> Any:
@@ -66,7 +74,8 @@ class VideoJobs:
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
         queued job that fails later."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        stream = await self._start(request, request_id, deadline_s, priority, adapter)
+        stream, first = await self._start(request, request_id, deadline_s, priority, adapter)
+        video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
         try:
             runner = await self._io(self.store.create, video, request_id, priority)
         except BaseException:
@@ -77,14 +86,15 @@ class VideoJobs:
             return False
         logger.info("video job %s (request %s) queued", runner.job_id, request_id)
         self.runners[runner.job_id] = runner
+        self.events.start(runner.job_id).publish(*event_data(first))
         job = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
         self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
         return True
 
     async def _start(
         self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int, adapter: str | None
-    ) -> DeploymentResponseGenerator:
-        """The replica's progress stream, once its first event ({"queued": True, ...}) has arrived."""
+    ) -> tuple[DeploymentResponseGenerator, dict]:
+        """The replica's event stream and its first event ({"queued": True, ...}), once that has arrived."""
         stream = self.replica.options(stream=True).generate_video.remote(
             request, request_id, deadline_s, priority, adapter
         )
@@ -98,7 +108,7 @@ class VideoJobs:
         if not first.get("queued"):
             stream.cancel()
             raise RuntimeError(f"request {request_id}: the replica's first event was {sorted(first)}, not queued")
-        return stream
+        return stream, first
 
     async def get(self, video_id: str) -> dict | None:
         return await self._io(self.store.get, video_id)
@@ -118,6 +128,36 @@ class VideoJobs:
             runner.stopping = "deleted"
             task.cancel()
         return True
+
+    async def cancel(self, video_id: str) -> dict | None:
+        """Cancel a queued or running job and return its video object, ``cancelled``; None when there is no such job,
+        a 409 APIError when it has finished. Here, its request leaves the engine (the queue at once, the pack at the
+        next step boundary) before this returns; on another ingress replica, its runner sees the request at its next
+        write and this waits for the record to say so (at most ``lease_s``: a runner that never answers loses its
+        lease, and the record then reads failed)."""
+        video = await self.get(video_id)
+        if video is None:
+            return None
+        if video["status"] in FINISHED:
+            raise APIError(
+                409,
+                f"video {video_id} is {video['status']}: only a queued or in_progress job can be cancelled",
+                "video_id",
+            )
+        task, runner = self.tasks.get(video_id), self.runners.get(video_id)
+        if task is not None and runner is not None:
+            runner.stopping = "cancelled"
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return runner.record["video"]
+        await self._io(self.store.request_cancel, video_id)
+        give_up = time.monotonic() + self.store.policy.lease_s
+        while time.monotonic() < give_up:
+            video = await self.get(video_id)
+            if video is None or video["status"] in FINISHED:
+                return video
+            await asyncio.sleep(0.25)
+        return await self.get(video_id)
 
     # -- the sweeper -------------------------------------------------------------------------------
     def start_sweeper(self) -> None:
@@ -169,14 +209,26 @@ class VideoJobs:
                     )
                     stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
             code = 200
+            self.events.finish(runner.job_id, "completed", runner.record["video"])
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
+        except JobCancelled:  # asked on another ingress replica
+            code = 499
+            stream.cancel()
+            await self._cancelled(runner)
         except (JobGone, LeaseLost) as e:
             code = 499  # deleted, or this runner lost its lease: stop generating
             logger.info("video job %s (request %s) stopped: %r", runner.job_id, request_id, e)
             stream.cancel()
+            if isinstance(e, JobGone):
+                self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
         except asyncio.CancelledError:
             code = 499
-            stream.cancel()
+            stream.cancel()  # the replica's stream ends: its request leaves the engine (engine.cancel)
+            if runner.stopping == "cancelled":
+                await self._cancelled(runner)
+                return  # this replica cancelled it on purpose: the task ends normally
+            if runner.stopping == "deleted":
+                self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
             if runner.stopping == "shutdown":
                 await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
             raise
@@ -192,16 +244,34 @@ class VideoJobs:
             self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
 
     async def _follow(self, runner: JobRunner, stream: DeploymentResponseGenerator) -> None:
-        """The replica's progress into the record, then its MP4 into the store."""
-        written = 0.0
+        """The replica's events into the job's event log and (at most every PROGRESS_EVERY_S, and at once when it
+        starts) its record, then its MP4 into the store."""
+        written, status = 0.0, runner.record["video"]["status"]
         async for event in stream:
             if "mp4" in event:
                 await self._io(runner.complete, event["mp4"])
                 return
+            if "event" not in event:
+                continue
+            kind, data = event_data(event)
+            if kind not in TERMINAL:
+                self.events.publish(runner.job_id, kind, data)
+            started = status == "queued" and kind in ("started", "step")
+            if kind == "preview" or (time.monotonic() - written < PROGRESS_EVERY_S and not started):
+                continue
+            written = time.monotonic()
             done, total = event["progress"]
-            if time.monotonic() - written >= PROGRESS_EVERY_S:
-                written = time.monotonic()
-                await self._write(runner, status="in_progress", progress=int(100 * done / max(total, 1)))
+            if kind == "queued":
+                fields = dict(queue_position=data.get("position"), eta_seconds=rounded(data.get("eta_s")))
+            else:
+                status = "in_progress"
+                fields = dict(
+                    status=status,
+                    progress=int(100 * done / max(total, 1)),
+                    queue_position=None,
+                    eta_seconds=rounded(data.get("eta_s")),
+                )
+            await self._write(runner, **fields)
         raise RuntimeError("the replica's stream ended without a video")
 
     async def _resubmit(
@@ -221,7 +291,7 @@ class VideoJobs:
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
             try:
-                stream = await self._start(request, request_id, remaining, priority, adapter)
+                stream, first = await self._start(request, request_id, remaining, priority, adapter)
             except Exception as e:
                 if not caused_by(e, RETRYABLE) or time.monotonic() + wait > give_up:
                     raise
@@ -234,6 +304,7 @@ class VideoJobs:
             except BaseException:
                 stream.cancel()
                 raise
+            self.events.publish(runner.job_id, *event_data(first))  # its place in the new replica's queue
             return stream
 
     async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
@@ -266,6 +337,18 @@ class VideoJobs:
             pass
         except Exception:  # the lease will fail it for readers
             logger.exception("recording the failure of video job %s failed", runner.job_id)
+        self.events.finish(runner.job_id, "failed", runner.record["video"])
+
+    async def _cancelled(self, runner: JobRunner) -> None:
+        """Record the job cancelled (its request has left the engine) and say so on its event stream."""
+        logger.info("video job %s cancelled", runner.job_id)
+        try:
+            await self._io(runner.cancel)
+        except (JobGone, LeaseLost):
+            pass
+        except Exception:
+            logger.exception("recording the cancel of video job %s failed", runner.job_id)
+        self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
 
     async def close(self) -> None:
         """Serve stops this replica: fail its running jobs now rather than after their lease."""

@@ -600,7 +600,7 @@ class Engine:
     ) -> GeneratedMedia:
         ticket = self.submit(request, request_id, deadline_s, priority, adapter)
         try:
-            media = await ticket.future
+            media = await asyncio.shield(ticket.future)  # a caller that goes away cancels through cancel(), counted
             assert isinstance(media, GeneratedMedia)  # no output asked: never encoded by a decoder stage
             return media
         except asyncio.CancelledError:  # the caller went away: leave the pack

@@ -92,6 +92,26 @@ def _flood_apps(inputs: Inputs) -> list[dict]:
     return [flood]
 
 
+# test_events_http's: one request in the pack at a time (queue positions), a preview every 2 steps
+EVENTS_ENGINE = {"max_active": 1, "max_queue": 8, "preview": {"every_steps": 2}}
+
+
+def _events_apps(inputs: Inputs) -> list[dict]:
+    events = _app(inputs, "events", "/events")
+    events["args"]["engine"] = {**events["args"]["engine"], **EVENTS_ENGINE}
+    return [events]
+
+
+def _playground_apps(inputs: Inputs) -> list[dict]:
+    """test_playground's: the default config with one request in the pack at a time (the second job waits, then runs
+    while the first is shown), and a token-locked copy (the page asks for the key)."""
+    page = _app(inputs, "playground", "/playground")
+    page["args"]["engine"] = {**page["args"]["engine"], "max_active": 1}
+    locked = _app(inputs, "playground-locked", "/playground-locked", api_key_env="H3_TEST_KEY")
+    locked["runtime_env"] = {"env_vars": {"H3_TEST_KEY": KEY}}
+    return [page, locked]
+
+
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
@@ -100,7 +120,9 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
         _app(inputs, "foreign", "/foreign", checkpoint=str(library_checkpoint(inputs)), model="auto")
     ],
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
+    "test_events_http": _events_apps,
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
+    "test_playground": _playground_apps,
 }
 
 

@@ -28,10 +28,11 @@ VIDEO = {"prompt": "flood", "seconds": 14, "num_inference_steps": 24}  # the lon
 
 # -- the rule, without Ray ---------------------------------------------------------------------------
 def test_the_ingress_is_sized_from_the_engine_bounds_and_the_replica_count():
-    args = DeployArgs.model_validate({"engine": ENGINE, "ingress": {"h3_replicas": 3, "headroom": 10}})
+    ingress = {"h3_replicas": 3, "headroom": 10, "event_streams": 7}
+    args = DeployArgs.model_validate({"engine": ENGINE, "ingress": ingress})
     assert args.generation_slots == 3 * CAPACITY
     options = ingress_options(args)
-    assert options["max_ongoing_requests"] == 3 * CAPACITY + 10
+    assert options["max_ongoing_requests"] == 3 * CAPACITY + 10 + 7  # open event streams are ongoing requests too
     assert options["max_queued_requests"] == 10
     assert (options["backpressure_config"].status_code, options["backpressure_config"].retry_after_s) == (503, 2.0)
     # an image request open at a stopping ingress gets the time a draining H3 replica gives its generation

@@ -223,9 +223,13 @@ def test_every_route_needs_the_token_but_health(server):
             ("GET", "/v1/videos"): ("/v1/videos", {}, 200),
             ("GET", "/v1/videos/{video_id}"): (f"/v1/videos/{video_id}", {}, 200),
             ("GET", "/v1/videos/{video_id}/content"): (f"/v1/videos/{video_id}/content", {}, 200),
+            ("GET", "/v1/videos/{video_id}/events"): (f"/v1/videos/{video_id}/events", {}, 200),
+            ("POST", "/v1/videos/{video_id}/cancel"): (f"/v1/videos/{video_id}/cancel", {}, 409),  # it completed
             ("DELETE", "/v1/videos/{video_id}"): (f"/v1/videos/{video_id}", {}, 200),
             ("GET", "/v1/models"): ("/v1/models", {}, 200),
             ("GET", "/health"): ("/health", {}, 200),
+            ("GET", "/v1/stats"): ("/v1/stats", {}, 200),
+            ("GET", "/"): ("/", {}, 200),  # the playground page: public, it asks for the key itself
             ("GET", "/openapi.json"): ("/openapi.json", {}, 200),
             ("GET", "/docs"): ("/docs", {}, 200),
             ("GET", "/redoc"): ("/redoc", {}, 200),
@@ -244,7 +248,7 @@ def test_every_route_needs_the_token_but_health(server):
                     assert response.headers["www-authenticate"] == "Bearer", (method, route)
             response = http.request(method, f"/locked{path}", headers=AUTH, **kwargs)
             assert response.status_code == status, (method, route, response.status_code, response.text[:300])
-        assert PUBLIC_ROUTES == ("/health",)
+        assert PUBLIC_ROUTES == ("/health", "/")
         # nothing there, with or without a token
         error_of(http.get("/locked/v1/nothing"), 404)
 
@@ -467,7 +471,7 @@ def test_the_docs_pages_carry_the_document_so_they_work_with_auth_on(server):
     assert locked["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     operations = {(method, path): op for path, methods in locked["paths"].items() for method, op in methods.items()}
     unsecured = {key for key, op in operations.items() if op.get("security") != [{"bearer": []}]}
-    assert unsecured == {("get", "/health")}
+    assert unsecured == {("get", "/health"), ("get", "/")}
     assert "securitySchemes" not in open_doc["components"]
     assert all("security" not in op for methods in open_doc["paths"].values() for op in methods.values())
     # every operation takes an X-Request-Id; the POSTs take timeout_s up to max_timeout_s
