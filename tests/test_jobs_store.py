@@ -281,3 +281,27 @@ def test_a_record_keeps_its_request_id_and_counts_its_submissions(url):
     clock.now += POLICY.lease_s + 1
     assert b.get(lost["id"])["status"] == "failed"  # expired by another replica: the id stays with it
     assert record(lost["id"])["request_id"] == "client-id:2"
+
+
+def test_a_cancel_asked_on_another_replica_reaches_the_runner_at_its_next_write(url):
+    """Ingress A runs the job; B is asked to cancel it: B writes the request, A's next write raises JobCancelled, A
+    records it cancelled (finished: its record never changes again, the request file is gone) and B reads that."""
+    from deploy.jobs import FINISHED, JobCancelled
+
+    clock, (a, b) = replicas(url)
+    runner = a.create(video(), "req-1")
+    job_id = runner.job_id
+    runner.update(status="in_progress", progress=10)
+    b.request_cancel(job_id)
+    with pytest.raises(JobCancelled):
+        runner.update(progress=20)
+    assert b.get(job_id)["progress"] == 10  # nothing was written past the request
+    runner.cancel()
+    for store in (a, b):
+        record = store.get(job_id)
+        assert record["status"] == "cancelled" and "cancelled" in FINISHED
+        assert record["queue_position"] is None and record["completed_at"] == int(clock.now)
+    assert not a.store.exists(f"{job_id}.cancel")
+    runner.update(progress=99)  # a late heartbeat changes nothing: the record is final
+    assert b.get(job_id)["progress"] == 10
+    assert b.delete(job_id) and b.get(job_id) is None  # a finished job: removed at once
