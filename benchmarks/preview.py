@@ -71,8 +71,10 @@ def cpu_costs(group: WorkerGroup, requests: int, steps: int, reps: int) -> dict:
     ]
     step, capture, render = [], [], []
     for _ in range(reps):
-        for state in states:
-            state.step_index = 0  # the same first step again: same rows, same cost
+        for state in states:  # the same first step again: same rows, same cost
+            state.step_index = 0
+            for scheduler in (state.video_scheduler, state.audio_scheduler):
+                scheduler.set_timesteps(steps, device=state.video_rows.device)
         started = time.thread_time()
         ((group_states, pack),) = pipe.packs(states)
         out = pipe.forward(pack)

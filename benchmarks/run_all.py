@@ -3,7 +3,7 @@
     python -m benchmarks.run_all [--smoke] [--json-dir DIR]
 
 packing, admission, serving, sp, trace, default_clip, step_cache, lora (``--smoke``: its co-batching trace), stages
-(the one-replica app against the staged app);
+(the one-replica app against the staged app), preview (its cost to the step loop);
 then gpu_kernels and gpu_pipeline when CUDA is visible (otherwise their commands, and the one-command GPU session
 script, are printed). Exits
 non-zero if any benchmark's correctness check failed.
@@ -21,7 +21,18 @@ import torch
 
 from .common import say, table
 
-CPU_BENCHMARKS = ("packing", "admission", "serving", "sp", "trace", "default_clip", "step_cache", "lora", "stages")
+CPU_BENCHMARKS = (
+    "packing",
+    "admission",
+    "serving",
+    "sp",
+    "trace",
+    "default_clip",
+    "step_cache",
+    "lora",
+    "stages",
+    "preview",
+)
 GPU_BENCHMARKS = ("gpu_kernels", "gpu_pipeline")
 
 
