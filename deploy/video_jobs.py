@@ -20,7 +20,7 @@ from replicas import DeadlineExceeded, EngineDraining
 
 from .errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
 from .events import TERMINAL, JobEvents, event_data
-from .jobs import FINISHED, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
+from .jobs import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
 from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -219,18 +219,17 @@ class VideoJobs:
             code = 499  # deleted, or this runner lost its lease: stop generating
             logger.info("video job %s (request %s) stopped: %r", runner.job_id, request_id, e)
             stream.cancel()
-            if isinstance(e, JobGone):
-                self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
+            self._stopped(runner, "deleted" if isinstance(e, JobGone) else "lease lost")
         except asyncio.CancelledError:
             code = 499
             stream.cancel()  # the replica's stream ends: its request leaves the engine (engine.cancel)
             if runner.stopping == "cancelled":
                 await self._cancelled(runner)
                 return  # this replica cancelled it on purpose: the task ends normally
-            if runner.stopping == "deleted":
-                self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
             if runner.stopping == "shutdown":
                 await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
+            else:
+                self._stopped(runner, runner.stopping)
             raise
         except Exception as e:
             error = http_error(e, f"video job {runner.job_id} (request {request_id})")
@@ -338,6 +337,19 @@ class VideoJobs:
         except Exception:  # the lease will fail it for readers
             logger.exception("recording the failure of video job %s failed", runner.job_id)
         self.events.finish(runner.job_id, "failed", runner.record["video"])
+
+    def _stopped(self, runner: JobRunner, why: str | None) -> None:
+        """The final event of a job stopped without a record write: deleted reads cancelled; a lost lease reads
+        failed, as the store's readers will fail it (without this its live readers would wait forever)."""
+        video = runner.record["video"]
+        if why == "deleted":
+            self.events.finish(runner.job_id, "cancelled", {**video, "status": "cancelled"})
+            return
+        error = {
+            "code": RUNNER_LOST,
+            "message": f"the runner of this job stopped ({why or 'cancelled'}); resubmit the request",
+        }
+        self.events.finish(runner.job_id, "failed", {**video, "status": "failed", "error": error})
 
     async def _cancelled(self, runner: JobRunner) -> None:
         """Record the job cancelled (its request has left the engine) and say so on its event stream."""
