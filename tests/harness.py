@@ -5,14 +5,17 @@ import copy
 import functools
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
+import pytest
 import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
@@ -255,3 +258,49 @@ def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", tim
         return status if status is not None and status.status == "DEPLOY_FAILED" else None
 
     return wait_for(failed, timeout=timeout, what="DEPLOY_FAILED")
+
+
+# -- the playground's browser (test_playground, test_api_http) -----------------------------------------------
+CHROMIUM = ("chromium", "chromium-browser")
+CHROMEDRIVER = "chromedriver"
+
+
+def missing(reason: str) -> NoReturn:
+    """A skip that says what is missing; a failure where the browser is required (CI: .ci/run installs it and sets
+    H3SERVE_REQUIRE_BROWSER=1, so the browser test can never pass there by skipping)."""
+    if os.environ.get("H3SERVE_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"H3SERVE_REQUIRE_BROWSER=1 and {reason}")
+    pytest.skip(reason)
+
+
+def browser_or_skip():
+    """A headless chromium under selenium (Debian's chromium and chromium-driver: playwright's own browser download
+    cannot work here), or a skip that says what is missing (CI installs both: .ci/run)."""
+    try:
+        from selenium import webdriver
+    except ImportError as e:
+        missing(f"selenium is not installed ({e}): pip install -e '.[test]'")
+    binary = next((path for name in CHROMIUM if (path := shutil.which(name))), None)
+    driver = shutil.which(CHROMEDRIVER)
+    if binary is None or driver is None:
+        missing("Debian's chromium and chromium-driver are not installed: apt-get install chromium chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root
+        "--disable-dev-shm-usage",
+        "--window-size=1280,900",
+        "--autoplay-policy=no-user-gesture-required",  # play() with sound, as a click would allow
+        "--mute-audio",
+    ):
+        options.add_argument(flag)
+    from selenium.webdriver.chrome.service import Service
+
+    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
+
+
+def wait(driver, condition, timeout: float = 120, what: str = "condition"):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), message=what)

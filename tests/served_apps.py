@@ -104,12 +104,10 @@ def _events_apps(inputs: Inputs) -> list[dict]:
 
 def _playground_apps(inputs: Inputs) -> list[dict]:
     """test_playground's: the default config with one request in the pack at a time (the second job waits, then runs
-    while the first is shown), and a token-locked copy (the page asks for the key)."""
+    while the first is shown). The page of a locked server is test_api_http's, on its "locked" application."""
     page = _app(inputs, "playground", "/playground")
     page["args"]["engine"] = {**page["args"]["engine"], "max_active": 1}
-    locked = _app(inputs, "playground-locked", "/playground-locked", api_key_env="H3_TEST_KEY")
-    locked["runtime_env"] = {"env_vars": {"H3_TEST_KEY": KEY}}
-    return [page, locked]
+    return [page]
 
 
 # test module -> its applications (the first is the one its ``server`` fixture hands out)

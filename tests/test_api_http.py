@@ -14,11 +14,13 @@ from deploy.openapi import REQUEST_ID
 from tests.harness import (
     SCHEMATHESIS,
     bomb_png,
+    browser_or_skip,
     client,
     error_of,
     requests_counted,
     scrape,
     truncated_png,
+    wait,
     wait_for,
     wait_video,
 )
@@ -552,3 +554,26 @@ def test_schema_fuzz_finds_no_5xx(server, tmp_path):
         assert " passed" in result.stdout and "Tested: 0" not in result.stdout, result.stdout[-3000:]
     with client(server.url) as http:  # and the server is still fine
         assert http.get("/health").status_code == 200
+
+
+def test_the_playground_page_of_a_locked_server_asks_for_the_key_and_sends_it_as_a_bearer_token(server):
+    """The locked application's page in a real browser (test_playground drives the rest of the page; this one is
+    here so that no application is started for it alone): it asks for the key, asks nothing without it, says so
+    when a wrong key is refused, then loads the models with the right one, never putting the key in its URL."""
+    from selenium.webdriver.common.by import By
+
+    browser = browser_or_skip()
+    try:
+        browser.get(server.root + "/locked/")
+        state = browser.find_element(By.ID, "auth-state")
+        wait(browser, lambda d: state.text == "this server needs an API key", 30, "the page to ask for the key")
+        assert not browser.find_elements(By.CSS_SELECTOR, "#model option")  # nothing was asked without it
+        browser.find_element(By.ID, "key").send_keys("wrong")
+        browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait(browser, lambda d: "refused" in d.find_element(By.ID, "form-error").text, 30, "a wrong key refused")
+        browser.find_element(By.ID, "key").send_keys(KEY)
+        browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"), 30, "the models")
+        assert state.text == "key set" and KEY not in browser.current_url
+    finally:
+        browser.quit()

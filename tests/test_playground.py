@@ -1,48 +1,19 @@
 """The playground page at / in a real browser: Debian's chromium, headless, driven by selenium through Debian's
-chromium-driver, against the session's `h3serve serve` ("playground": the default config; "playground-locked": the
-same with a bearer token, ``served_apps``).
+chromium-driver, against the session's `h3serve serve` ("playground": the default config, one request in the pack
+at a time, ``served_apps``). A token-locked server's page is tested in test_api_http, on its "locked" application:
+no application is started for that alone.
 
 `make screenshots` runs this module alone with H3SERVE_SCREENSHOTS=docs/images, where the README's picture goes."""
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO
-from tests.served_apps import KEY
+from tests.harness import REPO, browser_or_skip, wait
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 PROMPT = "a red circle moving left with a high beep"  # the README's
-CHROMIUM = ("chromium", "chromium-browser")
-CHROMEDRIVER = "chromedriver"
-
-
-def browser_or_skip():
-    """A headless chromium under selenium, or a skip that says what is missing (CI installs both: .ci/run)."""
-    try:
-        from selenium import webdriver
-    except ImportError as e:
-        pytest.skip(f"selenium is not installed ({e}): pip install -e '.[test]'")
-    binary = next((path for name in CHROMIUM if (path := shutil.which(name))), None)
-    driver = shutil.which(CHROMEDRIVER)
-    if binary is None or driver is None:
-        pytest.skip("Debian's chromium and chromium-driver are not installed: apt-get install chromium chromium-driver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",  # CI runs as root
-        "--disable-dev-shm-usage",
-        "--window-size=1280,900",
-        "--autoplay-policy=no-user-gesture-required",  # play() with sound, as a click would allow
-        "--mute-audio",
-    ):
-        options.add_argument(flag)
-    from selenium.webdriver.chrome.service import Service
-
-    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +27,6 @@ def browser(server):
     driver = browser_or_skip()
     yield driver
     driver.quit()
-
-
-def wait(driver, condition, timeout: float = 120, what: str = "condition"):
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), message=what)
 
 
 def card(driver, index: int = 0):
@@ -123,20 +88,3 @@ def test_the_page_generates_shows_previews_plays_the_clip_and_cancels(server, br
     screenshots = Path(os.environ.get("H3SERVE_SCREENSHOTS", REPO / "tests" / ".screenshots"))
     screenshots.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(screenshots / "playground.png"))
-
-
-def test_with_a_token_the_page_asks_for_the_key_and_sends_it_as_a_bearer_token(served, browser):
-    from selenium.webdriver.common.by import By
-
-    locked = served.app("playground-locked")
-    browser.get(locked.url + "/")
-    state = browser.find_element(By.ID, "auth-state")
-    wait(browser, lambda d: state.text == "this server needs an API key", 30, "the page to ask for the key")
-    assert not browser.find_elements(By.CSS_SELECTOR, "#model option")  # nothing was asked without it
-    browser.find_element(By.ID, "key").send_keys("wrong")
-    browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
-    wait(browser, lambda d: "refused" in d.find_element(By.ID, "form-error").text, 30, "a wrong key refused")
-    browser.find_element(By.ID, "key").send_keys(KEY)
-    browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
-    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"), 30, "models, with the key")
-    assert state.text == "key set" and KEY not in browser.current_url
