@@ -115,12 +115,16 @@ def released_capture(reps: int) -> dict:
     return {"rows": int(rows.shape[0]), "captured_rows": int(index.numel()), "seconds": statistics.median(times)}
 
 
-def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dict:
+def run(smoke: bool = False, rounds: int | None = None, threads: int = 1, group: WorkerGroup | None = None) -> dict:
+    """The benchmark on ``group`` (the test's sp=1 group: its smoke starts no worker of its own) or on a new sp=1
+    group of the built-in tiny checkpoint."""
     rounds = rounds or (1 if smoke else 7)
     requests, steps = (2, 4) if smoke else (4, 16)
     own_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(BUILT_IN_TINY)))
+    own_group = group is None
+    if group is None:
+        group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(BUILT_IN_TINY)))
     try:
         fit = group.pipeline.fit_preview()
         say(f"machine: {machine()}, torch threads {threads}")
@@ -134,7 +138,8 @@ def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dic
         cpu = cpu_costs(group, requests, steps, 3 if smoke else 20)
     finally:
         torch.set_num_threads(own_threads)
-        group.shutdown()
+        if own_group:
+            group.shutdown()
     median = {mode: statistics.median(x["rows_per_s"] for x in runs) for mode, runs in results.items()}
     # previews per step of the pack: each request shows one every ``every_steps`` (at least every step)
     per_preview = cpu["capture_cpu_s"] + cpu["render_cpu_s"]

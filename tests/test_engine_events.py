@@ -139,3 +139,18 @@ def test_cancel_leaves_the_queue_at_once_and_the_pack_at_the_next_step_boundary(
     assert sorted(observer.cancelled) == ["running", "waiting"]
     assert engine.stats.cancelled == {"running": 1, "waiting": 1}
     assert media.frames.shape[0] > 0
+
+
+def test_the_preview_benchmark_smoke_counts_previews_by_mode(solo, capsys):
+    """``benchmarks.preview --smoke`` on this module's worker group (the benchmarks' smokes live in test_benchmarks;
+    this one is here to start no worker of its own): counts and shares, never timings."""
+    from benchmarks import preview
+
+    result = preview.run(smoke=True, group=solo)
+    runs = result["runs"]
+    assert [r["previews"] for r in runs["off"]] == [0]
+    # 2 requests of 3 evaluations: every step shows 3 each; the config's every 2 steps (or second) at least 2 each
+    assert [r["previews"] for r in runs["every step"]] == [6] and 4 <= runs["config"][0]["previews"] <= 6
+    assert all(3 <= r["forwards"] <= 6 and r["rows_per_s"] > 0 for mode in runs.values() for r in mode)  # packed or not
+    assert result["cpu_share"]["off"] == 0.0 and 0 < result["cpu_share"]["config"] <= result["cpu_share"]["every step"]
+    assert result["released_capture"]["captured_rows"] == 4 * 48 * 84 // 4 and "CPU share" in capsys.readouterr().out
