@@ -60,7 +60,7 @@ readme-images: setup
 # The README's picture of the playground page (docs/images/playground.png): the browser test (Debian's chromium,
 # headless) on a live server, its screenshot saved there.
 screenshots: setup
-	H3SERVE_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/test_playground.py -k generates $(PYTEST_ARGS)
+	H3SERVE_SCREENSHOTS=docs/images $(BIN)/python -m pytest tests/test_events_http.py -k playground $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run_all

@@ -260,7 +260,7 @@ def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", tim
     return wait_for(failed, timeout=timeout, what="DEPLOY_FAILED")
 
 
-# -- the playground's browser (test_playground, test_api_http) -----------------------------------------------
+# -- the playground's browser (test_events_http, test_api_http) -----------------------------------------------
 CHROMIUM = ("chromium", "chromium-browser")
 CHROMEDRIVER = "chromedriver"
 

@@ -92,7 +92,8 @@ def _flood_apps(inputs: Inputs) -> list[dict]:
     return [flood]
 
 
-# test_events_http's: one request in the pack at a time (queue positions), a preview every 2 steps
+# test_events_http's: one request in the pack at a time (queue positions), a preview every 2 steps; its playground
+# page's test runs on it too
 EVENTS_ENGINE = {"max_active": 1, "max_queue": 8, "preview": {"every_steps": 2}}
 
 
@@ -100,14 +101,6 @@ def _events_apps(inputs: Inputs) -> list[dict]:
     events = _app(inputs, "events", "/events")
     events["args"]["engine"] = {**events["args"]["engine"], **EVENTS_ENGINE}
     return [events]
-
-
-def _playground_apps(inputs: Inputs) -> list[dict]:
-    """test_playground's: the default config with one request in the pack at a time (the second job waits, then runs
-    while the first is shown). The page of a locked server is test_api_http's, on its "locked" application."""
-    page = _app(inputs, "playground", "/playground")
-    page["args"]["engine"] = {**page["args"]["engine"], "max_active": 1}
-    return [page]
 
 
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
@@ -120,7 +113,6 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
     "test_events_http": _events_apps,
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
-    "test_playground": _playground_apps,
 }
 
 

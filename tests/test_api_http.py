@@ -557,7 +557,7 @@ def test_schema_fuzz_finds_no_5xx(server, tmp_path):
 
 
 def test_the_playground_page_of_a_locked_server_asks_for_the_key_and_sends_it_as_a_bearer_token(server):
-    """The locked application's page in a real browser (test_playground drives the rest of the page; this one is
+    """The locked application's page in a real browser (test_events_http drives the rest of the page; this one is
     here so that no application is started for it alone): it asks for the key, asks nothing without it, says so
     when a wrong key is refused, then loads the models with the right one, never putting the key in its URL."""
     from selenium.webdriver.common.by import By

@@ -1,22 +1,26 @@
-"""Event streams, queue position and ETA, and cancel, against the session's `h3serve serve` (the "events" application:
-one request in the pack at a time, a preview every 2 steps; ``served_apps.EVENTS_ENGINE``)."""
+"""Event streams, queue position and ETA, cancel, and the playground page in a real browser, against the session's
+`h3serve serve` (the "events" application: one request in the pack at a time, a preview every 2 steps;
+``served_apps.EVENTS_ENGINE``). The page's test shares this module's application rather than starting one of its
+own (each costs the suite's server start ~18 s on CI); `make screenshots` runs it alone."""
 
 import asyncio
 import base64
 import io
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from PIL import Image
 from ray import serve
 
-from tests.harness import client, error_of, scrape, wait_for
+from tests.harness import REPO, browser_or_skip, client, error_of, scrape, wait, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
-PROMPT = "a red circle moving left with a high beep"
+PROMPT = "a red circle moving left with a high beep"  # the README's
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +63,73 @@ def video(http: httpx.Client, steps: int, prompt: str = PROMPT, **fields) -> dic
 def cancelled_counted(metrics_port: int, stage: str) -> float:
     samples = scrape(metrics_port).get("ray_h3serve_cancelled_requests_total", [])
     return sum(s.value for s in samples if s.labels.get("stage") == stage and s.labels.get("application") == "events")
+
+
+def submit(driver, prompt: str, steps: int, seconds: str = "") -> str:
+    """Fill the form and submit; the new card's video id."""
+    from selenium.webdriver.common.by import By
+
+    before = {e.get_attribute("id") for e in driver.find_elements(By.CSS_SELECTOR, "#jobs .card")}
+    for field, value in (("prompt", prompt), ("steps", str(steps)), ("seconds", seconds)):
+        element = driver.find_element(By.ID, field)
+        element.clear()
+        if value:
+            element.send_keys(value)
+    driver.find_element(By.ID, "submit").click()
+
+    def new_card(d):
+        ids = {e.get_attribute("id") for e in d.find_elements(By.CSS_SELECTOR, "#jobs .card")} - before
+        return next(iter(ids), None)
+
+    return wait(driver, new_card, 60, "a card for the new job").removeprefix("job-")
+
+
+def test_the_playground_page_generates_shows_previews_plays_the_clip_and_cancels(server):
+    """The page at / in a real browser (Debian's chromium, headless, selenium through chromium-driver), first in this
+    module so that it finds the application idle: the README's prompt's previews change, its clip loads with the
+    right duration and plays; a second job shows its queue position, then is cancelled from its card while it
+    runs; the live panel reads the server's figures. Its screenshot is the README's picture under `make screenshots`
+    (H3SERVE_SCREENSHOTS=docs/images). A locked server's page: test_api_http, on its "locked" application."""
+    browser = browser_or_skip()
+    try:
+        page_flow(server, browser)
+    finally:
+        browser.quit()
+
+
+def page_flow(server, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url + "/")
+    assert browser.title == "h3serve playground"
+    wait(browser, lambda d: d.find_element(By.ID, "auth-state").text == "open server: no key needed", 30, "auth state")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"), 30, "models and jobs")
+    assert [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#cache option")][0].startswith("off")
+
+    first = submit(browser, PROMPT, 16)
+    second = submit(browser, "a blue square moving up", 50, "14")  # waits behind the first, then runs long
+    el = browser.find_element(By.ID, f"job-{second}")
+    wait(browser, lambda d: "position" in el.find_element(By.CLASS_NAME, "detail").text, 60, "a queue position")
+    mine = browser.find_element(By.ID, f"job-{first}")
+    wait(browser, lambda d: int(mine.get_attribute("data-previews")) >= 3, 120, "three distinct previews")
+    video = mine.find_element(By.CSS_SELECTOR, "video.clip")
+    wait(browser, lambda d: d.execute_script("return arguments[0].readyState >= 1", video), 120, "the clip to load")
+    duration = browser.execute_script("return arguments[0].duration", video)
+    assert abs(duration - 124 / 24) < 0.1, duration  # the shortest clip: 124 frames at 24 fps
+    browser.execute_script("arguments[0].play()", video)
+    wait(browser, lambda d: d.execute_script("return arguments[0].currentTime", video) > 0.2, 30, "the clip to play")
+    link = mine.find_element(By.CLASS_NAME, "download")
+    assert link.get_attribute("download") == f"{first}.mp4" and link.get_attribute("href").startswith("blob:")
+    # the second one, running now: cancel it from its card
+    wait(browser, lambda d: "step" in el.find_element(By.CLASS_NAME, "detail").text, 120, "the second job to run")
+    el.find_element(By.CLASS_NAME, "cancel").click()
+    wait(browser, lambda d: el.get_attribute("data-status") == "cancelled", 60, "the second job cancelled")
+    assert el.find_element(By.CLASS_NAME, "status").text == "cancelled"
+    wait(browser, lambda d: d.find_element(By.ID, "stat-queue").text.startswith("0 waiting"), 30, "the live panel")
+    assert browser.find_element(By.ID, "stat-admission").text == "0"
+    screenshots = Path(os.environ.get("H3SERVE_SCREENSHOTS", REPO / "tests" / ".screenshots"))
+    screenshots.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(screenshots / "playground.png"))
 
 
 def test_a_job_streams_its_queue_position_steps_previews_decoding_and_its_record(server):
