@@ -33,6 +33,9 @@ from .metrics import RECORD_TIMEOUT_S, admission_recorder
 logger = logging.getLogger(__name__)
 
 
+DRIVER = "the driver"  # CheckpointConfigs.read_on when the driver read them
+
+
 class PlatformProbeError(RuntimeError):
     reason = "probe_failed"
 
@@ -83,7 +86,7 @@ def read_checkpoint_here(args: DeployArgs) -> CheckpointConfigs | None:
         directory = resolve_checkpoint(args.checkpoint)
         if not directory.exists():
             return None
-        return CheckpointConfigs.read(directory, "the driver")
+        return CheckpointConfigs.read(directory, DRIVER)
     except (CheckpointError, OSError) as e:
         raise CheckpointMismatch(f"checkpoint {args.checkpoint or 'the built-in tiny'}: {e}") from None
 

@@ -43,9 +43,10 @@ from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.checkpoint import cache_dir
 from pipelines.h3.lora import asked_steps, check_request_steps
 from pipelines.h3.stages import image_problem
-from replicas import MAX_PRIORITY, MIN_PRIORITY
+from replicas import MAX_PRIORITY, MIN_PRIORITY, EngineDraining
 
 from .args import DeployArgs, JobStoreArgs, RequestLimits
+from .cold_start import ColdStart
 from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
 from .events import follow_record, last_event_id
 from .jobs import JobPolicy, JobStore, epoch_seconds
@@ -54,7 +55,7 @@ from .metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
 from .openapi import REQUEST_ID, document, redoc_page, swagger_page
 from .playground import playground_page
 from .replica import DRAIN_MARGIN_S, log_through_serve
-from .video_jobs import VideoJobs
+from .video_jobs import RESUBMIT_BACKOFF_S, RESUBMIT_FOR_S, VideoJobs, caused_by
 
 logger = logging.getLogger(__name__)
 # Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
@@ -457,7 +458,9 @@ def route(name: str):
 @serve.deployment(name="H3Ingress")
 @serve.ingress(app)
 class H3Ingress:
-    def __init__(self, replica: DeploymentHandle, args: DeployArgs):
+    def __init__(self, replica: DeploymentHandle, args: DeployArgs, rules: ModelRules | None = None):
+        """``rules``: the checkpoint's, read by the driver (given when the replicas scale to zero, so that a video job
+        is checked and accepted while none runs); None: asked of a replica when first needed."""
         log_through_serve()  # the ingress's own lines (request ids, job hand-backs) into Serve's replica log
         self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
         self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
@@ -477,8 +480,18 @@ class H3Ingress:
         self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
         self.generation_slots, self.generations = args.generation_slots, 0
         self.event_streams, self.streams = args.ingress.event_streams, 0  # at most, and open now
-        self._rules: ModelRules | None = None
+        self._rules: ModelRules | None = rules
         self._openapi: dict | None = None
+        autoscaling = args.autoscaling
+        self.cold: ColdStart | None = None  # with min_replicas 0: whether a replica runs, and waking one
+        if autoscaling is not None and autoscaling.min_replicas == 0:
+            app_name = serve.get_replica_context().app_name
+            self.cold = ColdStart(app_name, replica, autoscaling.expected_load_s)
+            self.cold_images = autoscaling.cold_images
+
+    async def _scaled_to_zero(self) -> bool:
+        """Whether the H3 replicas scale to zero and none runs now."""
+        return self.cold is not None and await self.cold.running() == 0
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds from the start: the sweeper runs without waiting for traffic."""
@@ -587,7 +600,9 @@ class H3Ingress:
         return fields
 
     async def rules(self) -> ModelRules:
-        if self._rules is None:
+        if self._rules is None and self.cold is not None and self.cold.rules is not None:
+            self._rules = self.cold.rules
+        if self._rules is None:  # while no replica runs, this waits for one (the call itself starts it)
             self._rules = await self.replica.rules.remote()
         return self._rules
 
@@ -651,16 +666,22 @@ class H3Ingress:
         body = await self._parse(request, ImagesBody)
         adapter = self._adapter(request, body)
         base = self._fields(body, adapter)
-        request_id, deadline_s = request.state.request_id, self._deadline_s(request, body.timeout_s)
+        self._deadline_s(request, body.timeout_s)  # 504 before anything runs when it already passed
+        if await self._scaled_to_zero():
+            assert self.cold is not None
+            self.cold.wake()  # a replica starts for this request, whether it waits for it or not
+            if self.cold_images == "refuse":
+                retry = self.cold.retry_after_s()
+                raise APIError(
+                    503,
+                    f"no model replica is running (scaled to zero); one is starting, expected in about {retry} s",
+                    headers={"Retry-After": str(retry)},
+                )
         with self._generation(request):
             # n images are n clips: the engine packs them into the same forwards
             calls = [
-                self.replica.generate_image.remote(
-                    GenerationRequest(**{**base, "seed": body.seed + i}),
-                    f"{request_id}-{i}",
-                    deadline_s,
-                    body.priority,
-                    adapter,
+                asyncio.ensure_future(
+                    self._image(request, body, GenerationRequest(**{**base, "seed": body.seed + i}), i, adapter)
                 )
                 for i in range(body.n)
             ]
@@ -675,11 +696,37 @@ class H3Ingress:
             "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
         }
 
+    async def _image(
+        self, request: Request, body: ImagesBody, generation: GenerationRequest, i: int, adapter: str | None
+    ) -> bytes:
+        """Image i's PNG; one a draining replica hands back unstarted (a scale-down) is sent again, to another."""
+        give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
+        while True:
+            deadline_s = self._deadline_s(request, body.timeout_s)
+            call = self.replica.generate_image.remote(
+                generation, f"{request.state.request_id}-{i}", deadline_s, body.priority, adapter
+            )
+            try:
+                return await call
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except Exception as e:
+                if not caused_by(e, EngineDraining) or time.monotonic() + wait > give_up:
+                    raise
+                logger.info("request %s-%d: handed back by a draining replica; again", request.state.request_id, i)
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, RESUBMIT_BACKOFF_S[1])
+
     # -- videos --------------------------------------------------------------------------------
     @app.post("/v1/videos")
     @route("/v1/videos")
     async def create_video(self, request: Request):
         body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
+        cold = await self._scaled_to_zero()  # then the job is accepted now, and runs once a replica serves
+        if cold and self._rules is None:
+            assert self.cold is not None
+            self.cold.wake()  # no rules from the driver: this request waits for the first replica's
         rules = await self.rules()
         if body.fps is not None and body.fps != rules.fps:
             raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
@@ -693,7 +740,8 @@ class H3Ingress:
             last_frame=body.last_reference,
             references=tuple(body.references),
         )
-        await self.replica.validate.remote(generation_request, adapter)  # refuse now, not in a failed job later
+        if not cold:  # refuse now, not in a failed job later (cold: the replica refuses it, and the job fails as 400)
+            await self.replica.validate.remote(generation_request, adapter)
         num_frames = generation_request.num_frames or rules.min_frames
         width, height = generation_request.width, generation_request.height
         if not width:
@@ -716,7 +764,7 @@ class H3Ingress:
         with self._generation(request):
             # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
             accepted = await self.videos.submit(
-                video, generation_request, request.state.request_id, deadline_s, body.priority, adapter
+                video, generation_request, request.state.request_id, deadline_s, body.priority, adapter, not cold
             )
         if not accepted:
             raise APIError(
@@ -847,6 +895,8 @@ class H3Ingress:
     @app.get("/health")
     @route("/health")
     async def health(self, request: Request):
+        if await self._scaled_to_zero():  # asking a replica would start one: an idle deployment stays at zero
+            return {"status": "ok", "model": self.model_name, "replicas": 0}
         try:
             info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
         except Exception as e:  # what went wrong is for the log: this route answers without a token

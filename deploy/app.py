@@ -10,7 +10,9 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
-from .admission import ADMISSION_ERRORS, admit
+from pipelines.h3 import ModelRules, checkpoint_rules
+
+from .admission import ADMISSION_ERRORS, DRIVER, Admission, admit
 from .api import H3Ingress, ingress_options
 from .args import DeployArgs
 from .replica import H3Replica
@@ -39,4 +41,16 @@ def build_app(args: DeployArgs) -> Application:
     replica = replica.bind(args.replica_spec(admission.resolution, admission.geometry), args.engine, *stages)
     # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations
     ingress = H3Ingress.options(**ingress_options(args))  # type: ignore[attr-defined]  # a Serve deployment
-    return ingress.bind(replica, args)
+    return ingress.bind(replica, args, cold_start_rules(args, admission))
+
+
+def cold_start_rules(args: DeployArgs, admission: Admission) -> ModelRules | None:
+    """The checkpoint's model rules for an ingress whose H3 replicas scale to zero (it accepts video jobs while none
+    runs), read here from the configs where the driver holds the checkpoint; None otherwise (the ingress asks the
+    first replica, and a video job sent while none runs waits for it to load)."""
+    if args.autoscaling is None or args.autoscaling.min_replicas > 0:
+        return None
+    if admission.checkpoint is None or admission.checkpoint.read_on != DRIVER:
+        logger.warning("the driver cannot read the checkpoint: video jobs sent while no replica runs wait for one")
+        return None
+    return checkpoint_rules(admission.checkpoint.directory)

@@ -14,6 +14,8 @@ from pipelines.h3.stages import MAX_UPLOAD_PIXELS
 from pipelines.h3.step_cache import OFF, StepCacheTiers
 from replicas import EngineLimits, ReplicaSpec
 
+from .autoscaling import POLICY_PATH
+
 
 def default_served_name(model: str, checkpoint: str | None) -> str:
     """The model id a deployment serves unless named: the preset's, or for ``auto`` the checkpoint's folder name."""
@@ -78,10 +80,11 @@ class IngressArgs(BaseModel):
     h3_replicas: int = Field(
         default=1,
         ge=1,
-        description="the most H3Replica replicas this application runs: num_replicas, or "
-        "autoscaling_config.max_replicas, of H3Replica under the serve config's deployments: (the builder cannot "
-        "read that section, so it is repeated here; `h3serve admit` and `h3serve serve` refuse a config where the "
-        "two disagree). With the engine's bounds it sets how many generations an ingress replica holds",
+        description="the most H3Replica replicas this application runs: autoscaling.max_replicas when args.autoscaling "
+        "is set (then it follows it by default); else num_replicas, or autoscaling_config.max_replicas, of H3Replica "
+        "under the serve config's deployments: (the builder cannot read that section, so it is repeated here; "
+        "`h3serve admit` and `h3serve serve` refuse a config where the two disagree). With the engine's bounds it sets "
+        "how many generations an ingress replica holds",
     )
     headroom: int = Field(
         default=32,
@@ -177,6 +180,115 @@ class StagesArgs(BaseModel):
     )
 
 
+class AutoscalingArgs(BaseModel):
+    """H3Replica scaled on its backlog (``deploy/autoscaling.py``): the builder sets the deployment's Serve
+    ``autoscaling_config`` from these, with the backlog policy. Choosing ``target_wait_s``: docs/OPERATIONS.md#scale.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        description="fewest H3Replica replicas; 0 scales to zero when idle: a video job is then accepted and queued "
+        "while the first replica loads, an image request gets `cold_images`",
+    )
+    max_replicas: int = Field(
+        ge=1, description="most H3Replica replicas (args.ingress.h3_replicas follows it, and must equal it if given)"
+    )
+    initial_replicas: int | None = Field(
+        default=None, ge=0, description="replicas started with the deployment; None: min_replicas"
+    )
+    target_wait_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="the longest the summed backlog (rows x steps left of every request held) may take to drain "
+        "at the replicas' measured row-step rate: the fewest replicas that keep to it run",
+    )
+    downscale_below: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="hysteresis: scale down only when one replica fewer would drain the backlog within this "
+        "fraction of target_wait_s (and no request has waited that long without starting)",
+    )
+    deadline_boost_max: float = Field(
+        default=4.0,
+        ge=1,
+        description="a replica holding a request whose deadline is closer than target_wait_s counts its backlog "
+        "target_wait_s / slack times, at most this many",
+    )
+    upscale_delay_s: float = Field(default=10.0, ge=0, description="Serve's: a scale-up must be asked for this long")
+    downscale_delay_s: float = Field(
+        default=300.0, ge=0, description="Serve's: a scale-down must be asked for this long"
+    )
+    downscale_to_zero_delay_s: float | None = Field(
+        default=None, ge=0, description="Serve's: the wait before going from 1 to 0 replicas; None: downscale_delay_s"
+    )
+    metrics_interval_s: float = Field(
+        default=2.0, gt=0, description="how often each replica sends its backlog to Serve's controller"
+    )
+    look_back_period_s: float = Field(
+        default=10.0, gt=0, description="Serve's window of reports kept per replica (the policy reads the newest)"
+    )
+    cold_images: Literal["refuse", "wait"] = Field(
+        default="refuse",
+        description="an image request while no H3Replica runs (min_replicas 0): 'refuse' answers HTTP 503 with "
+        "Retry-After from the expected load time (the request starts one); 'wait' holds it until one serves",
+    )
+    expected_load_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="seconds from asking for a replica to its serving, for Retry-After until the ingress has "
+        "measured one start (then its measured time)",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}: min_replicas must be "
+                "at most max_replicas"
+            )
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas={self.initial_replicas} must be between min_replicas={self.min_replicas} and "
+                f"max_replicas={self.max_replicas}"
+            )
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"look_back_period_s={self.look_back_period_s:g} must exceed metrics_interval_s="
+                f"{self.metrics_interval_s:g} (Serve keeps the reports of one look-back period)"
+            )
+        return self
+
+    def policy_kwargs(self) -> dict[str, float]:
+        """``deploy.autoscaling.BacklogPolicy``'s keyword arguments."""
+        return {
+            "target_wait_s": self.target_wait_s,
+            "downscale_below": self.downscale_below,
+            "deadline_boost_max": self.deadline_boost_max,
+        }
+
+    def serve_config(self) -> dict[str, Any]:
+        """H3Replica's Serve ``autoscaling_config``: these bounds and delays, the backlog policy."""
+        config = self.model_dump(
+            include={
+                "min_replicas",
+                "max_replicas",
+                "initial_replicas",
+                "upscale_delay_s",
+                "downscale_delay_s",
+                "downscale_to_zero_delay_s",
+                "metrics_interval_s",
+                "look_back_period_s",
+            },
+            exclude_none=True,
+        )
+        config["policy"] = {"policy_function": POLICY_PATH, "policy_kwargs": self.policy_kwargs()}
+        return config
+
+
 class DeployArgs(BaseModel):
     """Everything the driver needs to admit and build one MiniMax-H3 application."""
 
@@ -246,6 +358,13 @@ class DeployArgs(BaseModel):
     ingress: IngressArgs = Field(
         default_factory=IngressArgs, description="how much one H3Ingress replica holds at once (backpressure)"
     )
+    autoscaling: AutoscalingArgs | None = Field(
+        default=None,
+        description="scale H3Replica on its backlog (rows x steps left) against target_wait_s, between min_replicas "
+        "(0: scale to zero) and max_replicas; the H3Replica entry under the serve config's deployments: then sets "
+        "neither num_replicas nor autoscaling_config. null (the default): the replica count is Serve's, under "
+        "deployments:",
+    )
     jobs: JobStoreArgs = Field(default_factory=JobStoreArgs, description="where video jobs and their MP4s are kept")
     served_model_name: str = Field(
         default_factory=lambda fields: default_served_name(fields["model"], fields["checkpoint"]),
@@ -293,6 +412,15 @@ class DeployArgs(BaseModel):
                 f"checkpoint is required for model {self.model!r}: a directory holding the released "
                 "MiniMax-H3 layout (only tiny has a built-in checkpoint)"
             )
+        if self.autoscaling is not None:
+            most = self.autoscaling.max_replicas
+            if "h3_replicas" not in self.ingress.model_fields_set:  # sized for the most replicas the policy runs
+                self.ingress = self.ingress.model_copy(update={"h3_replicas": most})
+            elif self.ingress.h3_replicas != most:
+                raise ValueError(
+                    f"ingress.h3_replicas={self.ingress.h3_replicas} but autoscaling.max_replicas={most}: set them "
+                    "equal, or leave ingress.h3_replicas out (it follows autoscaling.max_replicas)"
+                )
         step_cache = self.engine.step_cache
         if self.sp_degree > 1 and "tiers" not in step_cache.model_fields_set:
             # Under Ulysses every rank holds every caching row's residuals and the rows gathered at the cache's
@@ -365,6 +493,14 @@ class DeployArgs(BaseModel):
                 "derives from the engine's bounds and args.ingress.h3_replicas; set args.ingress.headroom instead"
             )
         entry = next((d for d in deployments if d.get("name") == "H3Replica"), {})
+        if self.autoscaling is not None:
+            overridden = sorted({"num_replicas", "autoscaling_config"} & set(entry))
+            if overridden:
+                raise ValueError(
+                    f"H3Replica sets {', '.join(overridden)} under deployments:, which replaces the backlog "
+                    "autoscaling of args.autoscaling; set its bounds and delays there instead"
+                )
+            return
         autoscaling = entry.get("autoscaling_config") or {}
         declared, where = entry.get("num_replicas", 1), "num_replicas"
         if autoscaling or declared == "auto":

@@ -31,11 +31,12 @@ unbounded wait. The builder sizes the ingress from the engine's bounds (`deploy.
   replica; past it the proxy answers 503 with `Retry-After: 2` (a plain-text body, Serve's own).
 
 Each H3Ingress replica gets the full count, since Serve may route every generation to one of them.
-`ingress.h3_replicas` must equal the H3Replica's `num_replicas` (or `autoscaling_config.max_replicas`)
-under `deployments:` (the builder cannot read that section): `h3serve admit` and `h3serve serve` refuse a
-config where they differ, or where H3Ingress sets `max_ongoing_requests` or `max_queued_requests` there
-(which would replace the derived values). A 503 from the API carries a generic message; what caused it
-is in the log under the request's `X-Request-Id`.
+`ingress.h3_replicas` must equal the most H3Replica replicas: `autoscaling.max_replicas` with
+`args.autoscaling` (it follows it when left out), else the H3Replica's `num_replicas` (or
+`autoscaling_config.max_replicas`) under `deployments:` (the builder cannot read that section): `h3serve admit`
+and `h3serve serve` refuse a config where they differ, or where H3Ingress sets `max_ongoing_requests` or
+`max_queued_requests` there (which would replace the derived values). A 503 from the API carries a generic
+message; what caused it is in the log under the request's `X-Request-Id`.
 """
 
 

@@ -17,7 +17,7 @@ import ray
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from pipelines.h3 import STAGE_ROLES
-from replicas import CANCEL_STAGES, FAILURE_REASONS
+from replicas import CANCEL_STAGES, FAILURE_REASONS, EngineLoad
 from replicas import STAGES as ENGINE_STAGES
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,31 @@ ADAPTER_DOCUMENT_STEPS = MetricDef(
     ("adapter",),
 )
 
+# the work a replica holds, refreshed every GAUGE_REFRESH_S (and what it reports to Serve's autoscaler,
+# deploy/autoscaling.py); beside ray_serve_autoscaling_target_replicas it shows why the replica count moves
+BACKLOG_ROW_STEPS = MetricDef(
+    "h3serve_backlog_row_steps",
+    "gauge",
+    "Rows x denoising steps left over every request a replica holds, waiting or running (LoRA adapters' own step "
+    "counts included): its work in hand.",
+)
+ROW_STEP_RATE = MetricDef(
+    "h3serve_row_step_rate",
+    "gauge",
+    "Row-steps a replica gets through per second of busy time, measured (smoothed); backlog / rate is its projected "
+    "drain time.",
+)
+OLDEST_WAIT = MetricDef(
+    "h3serve_oldest_wait_seconds",
+    "gauge",
+    "How long the longest-waiting request a replica holds and has not started has waited (0: none waits).",
+)
+DEADLINE_SLACK = MetricDef(
+    "h3serve_deadline_slack_seconds",
+    "gauge",
+    "Seconds left to the closest deadline among the requests a replica holds; no series while none has one.",
+)
+
 ALL_METRICS = (
     ADMISSION_DECISIONS,
     ADMISSION_FAILURES,
@@ -187,6 +212,10 @@ ALL_METRICS = (
     STAGE_RETRIES,
     LORA_ADAPTERS,
     ADAPTER_DOCUMENT_STEPS,
+    BACKLOG_ROW_STEPS,
+    ROW_STEP_RATE,
+    OLDEST_WAIT,
+    DEADLINE_SLACK,
 )
 
 
@@ -262,6 +291,8 @@ class EngineMetrics:
         self.cache_skipped = make(STEP_CACHE_SKIPPED)
         self.stage_retries = make(STAGE_RETRIES)
         self.adapters, self.adapter_documents = make(LORA_ADAPTERS), make(ADAPTER_DOCUMENT_STEPS)
+        self.backlog, self.rate = make(BACKLOG_ROW_STEPS), make(ROW_STEP_RATE)
+        self.oldest_wait, self.slack = make(OLDEST_WAIT), make(DEADLINE_SLACK)
         self.served_adapters: tuple[str, ...] = ()  # the adapter label's values, the base model's "" besides
         self._adapters_refresher: threading.Thread | None = None
 
@@ -297,6 +328,13 @@ class EngineMetrics:
 
     def on_duty_cycle(self, fraction: float) -> None:
         self.duty_cycle.set(fraction)
+
+    def on_load(self, load: EngineLoad) -> None:  # deploy.replica.H3Replica, every GAUGE_REFRESH_S
+        self.backlog.set(load.backlog_row_steps)
+        self.rate.set(load.row_step_rate)
+        self.oldest_wait.set(load.oldest_wait_s)
+        if load.deadline_slack_s is not None:
+            self.slack.set(load.deadline_slack_s)
 
     def on_stage_retry(self, stage: str) -> None:  # deploy.replica.ServeStages: a stage replica died under a call
         self.stage_retries.inc(1, tags={"stage": checked(stage, STAGE_ROLES, "stage role")})

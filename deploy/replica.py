@@ -56,8 +56,9 @@ from pipelines.h3 import (
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 
 from .args import DeployArgs
+from .autoscaling import replica_stats
 from .errors import StageUnavailable
-from .metrics import RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
+from .metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is being stopped
@@ -235,6 +236,8 @@ class H3Replica:
             graceful_shutdown_timeout_s=args.engine.drain_timeout_s + DRAIN_MARGIN_S,
             # Serve re-checks for ongoing requests this often once stopping: the replica goes soon after its last
             graceful_shutdown_wait_loop_s=1.0,
+            # scaled on its backlog (record_autoscaling_stats below) when args.autoscaling is set
+            **({"autoscaling_config": args.autoscaling.serve_config()} if args.autoscaling is not None else {}),
         )
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor (a staged warm-up awaits a stage)
@@ -259,6 +262,7 @@ class H3Replica:
         self.metrics = ReplicaObserver()
         self.tickets: dict[str, Ticket] = {}  # request id -> its ticket, while this replica serves it
         self._watch: asyncio.Task | None = None
+        self._load_gauges: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
         try:
             # builds exactly the driver's backend; fails closed if it is incapable or this node cannot run it
@@ -435,11 +439,25 @@ class H3Replica:
         logger.info("request %s: %s of %d bytes encoded in %.2f s", request_id, kind, len(data), seconds)
         return data
 
+    # -- load: Serve's autoscaler and the gauges -------------------------------------------------
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (args.autoscaling, ``deploy/autoscaling.py``): backlog in row-steps,
+        the measured row-step rate, the oldest wait of a request not started, the tightest deadline slack."""
+        load = self.engine.load()
+        return replica_stats(load.backlog_row_steps, load.row_step_rate, load.oldest_wait_s, load.deadline_slack_s)
+
+    async def _report_load_forever(self) -> None:
+        while True:  # Ray exports a gauge only while it is set again within each export interval
+            self.metrics.on_load(self.engine.load())
+            await asyncio.sleep(GAUGE_REFRESH_S)
+
     # -- drain ---------------------------------------------------------------------------------
     def _watch_for_stop(self) -> None:
-        """Start the drain watch on the serving event loop (there is none in ``__init__``)."""
+        """Start the drain watch and the load gauges on the serving event loop (there is none in ``__init__``)."""
         if self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_forever())
+        if self._load_gauges is None:
+            self._load_gauges = asyncio.get_running_loop().create_task(self._report_load_forever())
 
     async def _watch_forever(self) -> None:
         watch = DrainWatch()
@@ -515,8 +533,9 @@ class H3Replica:
         """Serve stops this replica once no request is ongoing: end the drain, release the SP workers."""
         engine, group = getattr(self, "engine", None), getattr(self, "group", None)
         if engine is not None:
-            if self._watch is not None:
-                self._watch.cancel()
+            for task in (self._watch, self._load_gauges):
+                if task is not None:
+                    task.cancel()
             await self._start_drain("the replica is shutting down")
         if group is not None:
             group.shutdown()

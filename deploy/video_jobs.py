@@ -64,25 +64,32 @@ class VideoJobs:
         deadline_s: float | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        queue_now: bool = True,
     ) -> bool:
         """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
-        holds too many unfinished jobs. ``priority`` goes with it to every replica it is submitted to (a
-        re-submission after a drain keeps it) and is kept in the record; so does ``adapter`` (the LoRA adapter
-        it runs on, None: the base model).
+        holds too many unfinished jobs. ``queue_now`` False (no replica runs: they scaled to zero): record it as
+        queued at once, and queue it on a replica once one serves (waiting at the handle starts one). ``priority``
+        goes with it to every replica it is submitted to (a re-submission after a drain keeps it) and is kept in the
+        record; so does ``adapter`` (the LoRA adapter it runs on, None: the base model).
 
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
         queued job that fails later."""
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        stream, first = await self._start(request, request_id, deadline_s, priority, adapter)
-        video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
+        if queue_now:
+            stream, first = await self._start(request, request_id, deadline_s, priority, adapter)
+            video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
+        else:  # no replica runs: queued here; its place in a replica's queue comes once one serves (_resubmit)
+            stream, first = None, {"queued": True, "event": "queued"}
         try:
             runner = await self._io(self.store.create, video, request_id, priority)
         except BaseException:
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             raise
         if runner is None:
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             return False
         logger.info("video job %s (request %s) queued", runner.job_id, request_id)
         self.runners[runner.job_id] = runner
@@ -184,16 +191,19 @@ class VideoJobs:
         request_id: str,
         deadline: float | None,
         priority: int,
-        stream: DeploymentResponseGenerator,
+        stream: DeploymentResponseGenerator | None,
         adapter: str | None = None,
         model: str = "",
     ) -> None:
-        """Follow the job to its MP4; a replica that hands it back unstarted (it drains) gets it re-submitted."""
+        """Follow the job to its MP4; a replica that hands it back unstarted (it drains) gets it re-submitted.
+        ``stream`` None: not queued on a replica yet (none ran at submit); queued here first."""
         started, code = time.perf_counter(), 500
         job = asyncio.current_task()
         assert job is not None  # submit's task
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, job))
         try:
+            if stream is None:
+                stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter, again=False)
             while True:
                 try:
                     await self._follow(runner, stream)
@@ -213,16 +223,19 @@ class VideoJobs:
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
         except JobCancelled:  # asked on another ingress replica
             code = 499
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             await self._cancelled(runner)
         except (JobGone, LeaseLost) as e:
             code = 499  # deleted, or this runner lost its lease: stop generating
             logger.info("video job %s (request %s) stopped: %r", runner.job_id, request_id, e)
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             self._stopped(runner, "deleted" if isinstance(e, JobGone) else "lease lost")
         except asyncio.CancelledError:
             code = 499
-            stream.cancel()  # the replica's stream ends: its request leaves the engine (engine.cancel)
+            if stream is not None:  # None: still waiting for a first replica
+                stream.cancel()  # the replica's stream ends: its request leaves the engine (engine.cancel)
             if runner.stopping == "cancelled":
                 await self._cancelled(runner)
                 return  # this replica cancelled it on purpose: the task ends normally
@@ -281,9 +294,12 @@ class VideoJobs:
         deadline: float | None,
         priority: int,
         adapter: str | None = None,
+        again: bool = True,
     ) -> DeploymentResponseGenerator:
         """Queue a handed-back job on another replica with the same priority, waiting out full queues and draining
-        replicas for up to RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease)."""
+        replicas for up to RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease).
+        ``again`` False: its first submission (none ran when it was accepted), not counted as a re-submission; the
+        wait for a replica to load is the stream's first event, not a retry."""
         give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -299,7 +315,8 @@ class VideoJobs:
                 wait = min(2 * wait, RESUBMIT_BACKOFF_S[1])
                 continue
             try:
-                await self._io(runner.resubmitted)
+                if again:
+                    await self._io(runner.resubmitted)
             except BaseException:
                 stream.cancel()
                 raise

@@ -280,11 +280,30 @@ class EngineStats:
     handoff_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     cancelled: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # by CANCEL_STAGES
     previews: int = 0  # previews rendered
+    row_steps: int = 0  # rows (padding not counted) x denoising steps advanced by successful forwards
 
     @property
     def duty_cycle(self) -> float:
         """The share of busy time the model spent in forwards (0.0 before any work)."""
         return self.forward_s / self.busy_s if self.busy_s > 0 else 0.0
+
+
+# the row-step rate is sampled over at least this many busy seconds (a GPU step of a released clip takes seconds),
+# each sample weighing this much against the rate before it
+RATE_WINDOW_S, RATE_SMOOTHING = 5.0, 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """The work one engine holds at one instant, and how fast it gets through it: what the replica reports to
+    Serve's autoscaler (``deploy/autoscaling.py``) and to Prometheus."""
+
+    backlog_row_steps: int  # rows x denoising steps left, over every request held, waiting or running
+    row_step_rate: float  # row-steps per second of busy time, measured (0.0 before the warm-up or any step)
+    oldest_wait_s: float  # how long the longest-waiting request that has not started has waited (0.0: none)
+    deadline_slack_s: float | None  # the least time left to its deadline of a request held (None: none has one)
+    waiting: int  # requests held that have not started
+    active: int  # requests held that have
 
 
 class Ticket:
@@ -470,6 +489,10 @@ class Engine:
         self.row_step_rate: float | None = None
         self._pack_rows = 0
         self._decode_s: float | None = None
+        # the backlog row-step rate (``load``: over busy time, prepares and decodes too), and the busy seconds and
+        # row-steps it was sampled at
+        self.backlog_rate = 0.0
+        self._backlog_rate_mark = (0.0, 0)
         self._device = self.pipeline.denoiser.device
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
@@ -629,6 +652,36 @@ class Engine:
         started = sum(t.started for t in held)
         return len(held) - started, started
 
+    def load(self) -> EngineLoad:
+        """The backlog (rows x steps left of every request held, an adapter's own step count included), the
+        measured row-step rate, the oldest wait of a request not started and the tightest deadline slack."""
+        now = time.monotonic()
+        held = self._held_tickets()
+        backlog = sum(t.rows * (t.progress[1] - t.progress[0]) for t in held)
+        waits = [now - t.submitted for t in held if not t.started]
+        slacks = [t.submitted + t.deadline_s - now for t in held if t.deadline_s is not None]
+        started = sum(t.started for t in held)
+        return EngineLoad(
+            backlog_row_steps=backlog,
+            row_step_rate=self._measure_backlog_rate(),
+            oldest_wait_s=max(waits, default=0.0),
+            deadline_slack_s=min(slacks, default=None),
+            waiting=len(held) - started,
+            active=started,
+        )
+
+    def _measure_backlog_rate(self) -> float:
+        """Row-steps done per busy second since the last sample, once the sample spans ``RATE_WINDOW_S`` busy seconds
+        and some steps; smoothed. Busy time counts prepares and decodes too: what a replica gets through in practice."""
+        busy = self.stats.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+        busy_at, rows_at = self._backlog_rate_mark
+        if busy - busy_at >= RATE_WINDOW_S and self.stats.row_steps > rows_at:
+            sample = (self.stats.row_steps - rows_at) / (busy - busy_at)
+            rate = self.backlog_rate
+            self.backlog_rate = sample if rate == 0 else (1 - RATE_SMOOTHING) * rate + RATE_SMOOTHING * sample
+            self._backlog_rate_mark = (busy, self.stats.row_steps)
+        return self.backlog_rate
+
     def _held_tickets(self) -> list[Ticket]:
         """Every request the engine holds, whatever its stage, that has not finished."""
         tickets = [*self._waiting, *self._resident, *self._decoding]
@@ -665,6 +718,8 @@ class Engine:
         self.expected_step_s = seconds
         self.row_step_rate = pack.total_rows / seconds if seconds > 0 else None
         self.warmup_s = {None: seconds}
+        if seconds > 0:  # the backlog rate's seed, until steps are measured
+            self.backlog_rate = (pack.total_rows - pack.padding_rows) / seconds
         logger.info(
             "warm-up: prepare %.2f s, one packed forward of %d rows on %d ranks %.2f s",
             prepared - started,
@@ -919,6 +974,7 @@ class Engine:
         self.stats.forwards += 1
         self.stats.rows += stats.rows
         self.stats.padding_rows += stats.padding_rows
+        self.stats.row_steps += stats.rows - stats.padding_rows
         self.stats.forward_s += seconds
         self._observe("on_step", stats, seconds)
         self._observe("on_adapter_documents", collections.Counter(t.adapter for t in tickets))

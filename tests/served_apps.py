@@ -103,6 +103,30 @@ def _events_apps(inputs: Inputs) -> list[dict]:
     return [events]
 
 
+# test_scale_from_zero's: H3Replica at zero until a request comes, back to zero 3 s after its work is done
+COLD_AUTOSCALING = {
+    "min_replicas": 0,
+    "max_replicas": 1,
+    "target_wait_s": 30,
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 3,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+    "expected_load_s": 45,
+}
+
+
+def _cold_apps(inputs: Inputs) -> list[dict]:
+    """Two applications scaled on the backlog from zero: image requests refused while cold (the default), or held."""
+    apps = []
+    for name, images in (("coldstart", "refuse"), ("coldwait", "wait")):
+        app = _app(inputs, name, f"/{name}", autoscaling={**COLD_AUTOSCALING, "cold_images": images})
+        app["args"].pop("ingress")  # sized for autoscaling.max_replicas
+        app["deployments"] = [d for d in app["deployments"] if d["name"] != "H3Replica"]  # the builder's
+        apps.append(app)
+    return apps
+
+
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
@@ -113,6 +137,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
     "test_events_http": _events_apps,
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
+    "test_scale_from_zero": _cold_apps,
 }
 
 

@@ -28,8 +28,12 @@ def test_the_shipped_configs_size_the_ingress_for_their_h3_replicas(name):
     for app in config["applications"]:
         args = DeployArgs.model_validate(app["args"])
         args.check_deployments(app["deployments"])
-        h3 = next(d for d in app["deployments"] if d["name"] == "H3Replica")
-        assert args.ingress.h3_replicas == h3.get("autoscaling_config", {}).get("max_replicas", h3.get("num_replicas"))
+        if args.autoscaling is not None:  # the backlog policy's bounds live in args (the GPU configs)
+            assert args.ingress.h3_replicas == args.autoscaling.max_replicas
+        else:
+            h3 = next(d for d in app["deployments"] if d["name"] == "H3Replica")
+            most = h3.get("autoscaling_config", {}).get("max_replicas", h3.get("num_replicas"))
+            assert args.ingress.h3_replicas == most
         assert args.generation_slots == args.ingress.h3_replicas * (args.engine.max_queue + args.engine.max_active)
 
 

@@ -411,6 +411,17 @@ def test_label_value_extraction():
     assert label_values(expr, "reason") == {"draining"}
 
 
+def test_the_dashboard_shows_the_backlog_against_the_replicas():
+    """The autoscaling panel: the summed backlog and, in the same panel, the healthy H3Replica count and Serve's
+    target for it, so an operator sees why the count moved."""
+    board = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in board["panels"] if p.get("title", "").startswith("Backlog (row-steps) against H3Replica")]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert any("ray_h3serve_backlog_row_steps" in e for e in exprs), exprs
+    assert any("ray_serve_deployment_replica_healthy" in e and 'deployment="H3Replica"' in e for e in exprs), exprs
+    assert any("ray_serve_autoscaling_target_replicas" in e and 'deployment="H3Replica"' in e for e in exprs), exprs
+
+
 def test_drain_fits_in_serves_and_kuberays_grace_periods(manifest):
     """Serve kills a stopping replica graceful_shutdown_timeout_s after it asked it to stop, and KubeRay deletes the
     old cluster of an upgrade rayClusterDeletionDelaySeconds after the switch: both must leave the drain its time."""
@@ -436,6 +447,9 @@ def test_rules_and_dashboard_name_the_served_application():
 
 # -- 6. GPU arithmetic --------------------------------------------------------------------
 def serve_replica_bounds(deployment_name: str, name: str = RAYSERVICE.name) -> tuple[int, int]:
+    args = deploy_args(name)
+    if deployment_name == "H3Replica" and args.autoscaling is not None:  # the builder sets its autoscaling_config
+        return args.autoscaling.min_replicas, args.autoscaling.max_replicas
     config = deployment(deployment_name, name)
     autoscaling = config.get("autoscaling_config")
     if autoscaling:

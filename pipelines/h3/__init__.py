@@ -15,6 +15,7 @@ from .pipeline import (
     PreparedState,
     RequestState,
     StepStats,
+    checkpoint_rules,
 )
 from .request import GenerationRequest, ModelRules, Reference, RequestError
 
@@ -44,6 +45,7 @@ __all__ = [
     "TransformerGeometry",
     "VisionUnavailable",
     "checkpoint_geometry",
+    "checkpoint_rules",
     "default_dtype",
     "preset",
     "validate_deployment",

@@ -306,6 +306,21 @@ def _config_only(index: ckpt.CheckpointIndex, name: str) -> torch.nn.Module:
         return cls.from_config(config)
 
 
+def checkpoint_rules(checkpoint: str | Path | None) -> ModelRules:
+    """A checkpoint's model rules from its configs alone (config-only VAEs on ``meta``, its tokenizer, processor and
+    schedulers; no weights): what an ingress checks video jobs against before any replica has loaded the model."""
+    _quiet_libraries()
+    index = ckpt.CheckpointIndex(ckpt.resolve_checkpoint(checkpoint))
+    components: dict[str, Any] = dict(
+        vae=_config_only(index, "vae"),
+        audio_vae=_config_only(index, "audio_vae"),
+        tokenizer=ckpt.load_tokenizer(index),
+        processor=ckpt.load_processor(index),
+        **{name: ckpt.load_scheduler(index, name) for name in ("scheduler", "audio_scheduler")},
+    )
+    return H3Stages(components, index.pipeline_config).rules().model_copy(update={"partitions": index.partitions()})
+
+
 def _held_modules(value: Any) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in vars(value).items() if isinstance(module, torch.nn.Module)}
 
