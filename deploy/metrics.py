@@ -261,9 +261,18 @@ class AdmissionRecorder:
 RECORD_TIMEOUT_S = 120
 
 
+# the head node's own resource: a detached actor placed on a worker node keeps that node busy for good, so Ray's
+# autoscaler never removes it (a GPU pod held after its replica scaled down)
+ON_THE_HEAD = {"node:__internal_head__": 0.001}
+
+
 def admission_recorder():
     return AdmissionRecorder.options(  # type: ignore[attr-defined]  # a Ray actor class
-        name=RECORDER_NAME, namespace=RECORDER_NAMESPACE, lifetime="detached", get_if_exists=True
+        name=RECORDER_NAME,
+        namespace=RECORDER_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        resources=ON_THE_HEAD,
     ).remote()
 
 
