@@ -8,6 +8,7 @@ themselves, the test never stops or reconfigures the server."""
 
 import base64
 import io
+import json
 
 import pytest
 from PIL import Image
@@ -54,6 +55,14 @@ def test_a_video_job_is_queued_while_the_first_replica_loads_and_an_image_gets_5
         assert done["status"] == "completed", done
         info = probe_media(http.get(f"/v1/videos/{video['id']}/content").content)
         assert (info.frames, info.width, info.height) == (124, 128, 64)
+        # its live events (replayed, the job done): queued while no replica ran (no place yet), then its place in the
+        # first replica's queue once that served, then its steps, and completed
+        with http.stream("GET", f"/v1/videos/{video['id']}/events") as response:
+            lines = response.read().decode().splitlines()
+        kinds = [line.partition(": ")[2] for line in lines if line.startswith("event: ")]
+        data = [json.loads(line.partition(": ")[2]) for line in lines if line.startswith("data: ")]
+        assert kinds[:2] == ["queued", "queued"] and "step" in kinds and kinds[-1] == "completed", kinds
+        assert "position" not in data[0] and "position" in data[1], data[:2]
 
         served = http.post("/v1/images/generations", json=IMAGE)  # a replica runs now: served at once
         assert served.status_code == 200, served.text
