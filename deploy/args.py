@@ -421,6 +421,13 @@ class DeployArgs(BaseModel):
                     f"ingress.h3_replicas={self.ingress.h3_replicas} but autoscaling.max_replicas={most}: set them "
                     "equal, or leave ingress.h3_replicas out (it follows autoscaling.max_replicas)"
                 )
+        if self.sp_degree > 1 and self.engine.step_timeout_min_s >= self.collective_timeout_s:
+            # the engine's step bound must end a hung step (abort, replace the group) before the collective's own
+            # timeout does (on NCCL its watchdog: the step then still fails, but later and less cleanly)
+            raise ValueError(
+                f"engine.step_timeout_min_s={self.engine.step_timeout_min_s:g} must be below "
+                f"collective_timeout_s={self.collective_timeout_s:g} with sp_degree={self.sp_degree}"
+            )
         step_cache = self.engine.step_cache
         if self.sp_degree > 1 and "tiers" not in step_cache.model_fields_set:
             # Under Ulysses every rank holds every caching row's residuals and the rows gathered at the cache's

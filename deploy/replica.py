@@ -266,7 +266,7 @@ class H3Replica:
         self._drain: asyncio.Task | None = None
         try:
             # builds exactly the driver's backend; fails closed if it is incapable or this node cannot run it
-            self.group = WorkerGroup.create(spec)
+            group = WorkerGroup.create(spec)
         except Exception as e:
             self._record_build_failure(backend, e)
             raise
@@ -275,20 +275,21 @@ class H3Replica:
             caller = serve.get_replica_context().replica_id.unique_id
             remote = ServeStages(conditioner, decoder, caller, self.metrics)
         self.stage_client = remote
-        self.engine = Engine(self.group, limits, self.metrics, remote)
+        # the engine owns the group from here: it replaces it when a step breaks it (``replicas.supervisor``)
+        self.engine = Engine(group, limits, self.metrics, remote)
         if limits.preview.enabled:  # previews configured and impossible: refuse, as any other build failure
             try:
                 await self._fit_preview(conditioner)
             except Exception as e:
                 self._record_build_failure(backend, e, during="fitting the preview map")
-                self.group.shutdown()
+                group.shutdown()
                 raise
         if limits.warmup:
             try:
                 seconds = self.engine.warm_up() if remote is None else await self._warm_up_through(remote)
             except Exception as e:
                 self._record_build_failure(backend, e, during="its warm-up forward")
-                self.group.shutdown()
+                group.shutdown()
                 raise
             logger.info("H3 replica warmed up: one packed forward on every rank took %.2f s", seconds)
         logger.info("H3 replica ready: %s", spec.resolution.describe())
@@ -296,7 +297,7 @@ class H3Replica:
     async def _fit_preview(self, conditioner: DeploymentHandle | None) -> None:
         """The latent -> RGB preview map from the checkpoint's video VAE: here, or by the conditioner stage (which
         holds the VAE when this rank 0 holds none)."""
-        pipeline = self.group.pipeline
+        pipeline = self.engine.pipeline
         if conditioner is None:
             await asyncio.to_thread(pipeline.fit_preview)
             return
@@ -321,7 +322,7 @@ class H3Replica:
             time.perf_counter() - started,
             prepared.nbytes,
         )
-        return self.engine.warm_up(self.group.pipeline.admit(request, prepared))
+        return self.engine.warm_up(self.engine.pipeline.admit(request, prepared))
 
     @staticmethod
     def _record_build_failure(backend: str, error: Exception, during: str = "build") -> None:
@@ -331,7 +332,7 @@ class H3Replica:
 
     def rules(self) -> ModelRules:
         """What the served checkpoint generates (the ingress validates requests against it)."""
-        return self.group.pipeline.rules
+        return self.engine.pipeline.rules
 
     def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
         """Check a request without queueing it (video jobs are validated before they are accepted)."""
@@ -505,13 +506,15 @@ class H3Replica:
             # the models rank 0 holds and their parameters: the transformer partition(s) alone with stages
             "rank0_models": {
                 name: sum(p.numel() for p in model.parameters())
-                for name, model in self.group.pipeline.held_models().items()
+                for name, model in self.engine.pipeline.held_models().items()
             },
             "handoff_bytes": dict(self.engine.stats.handoff_bytes),
             # stage calls made again because the stage replica died under them, by stage
             "stage_retries": dict(self.stage_client.retries) if self.stage_client is not None else {},
             "policy": self.engine.limits.policy,
             "preemptions": self.engine.stats.preemptions,
+            # SP groups replaced after a step broke them (a rank failed past the step's agreement, died or hung)
+            "group_replacements": self.engine.stats.group_replacements,
             "duty_cycle": self.engine.stats.duty_cycle,
             "row_step_rate": self.engine.row_step_rate,  # rows of packed forward per second: what ETAs divide by
             "cancelled": dict(self.engine.stats.cancelled),
@@ -530,12 +533,12 @@ class H3Replica:
         }
 
     async def __del__(self):
-        """Serve stops this replica once no request is ongoing: end the drain, release the SP workers."""
-        engine, group = getattr(self, "engine", None), getattr(self, "group", None)
+        """Serve stops this replica once no request is ongoing: end the drain, release the SP workers (the group now
+        serving: a replacement's, after a step broke the first)."""
+        engine = getattr(self, "engine", None)
         if engine is not None:
             for task in (self._watch, self._load_gauges):
                 if task is not None:
                     task.cancel()
             await self._start_drain("the replica is shutting down")
-        if group is not None:
-            group.shutdown()
+            engine.group.shutdown()

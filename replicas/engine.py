@@ -31,14 +31,19 @@ policy (``pipelines/h3/step_cache.py``), or to a RequestError("cache") naming th
 and when it fails or is cancelled at the next step boundary (never under a forward that may still read it).
 Under Ulysses every worker rank holds the same states (``worker_group``), freed before the next pack.
 
-Failures stay with the requests that cause them. A pack whose data fails (``PackFailed``: every rank
-finished, the group is healthy) is retried in halves, down to single requests, so only a request that
-fails on its own fails, and every other request of the pack still advances that step exactly once;
-the other partition's pack and the waiting requests never see it. A failed prepare or decode fails its
-request alone. A broken worker group stops the engine and fails everything with ``EngineStopped``. A
-watchdog (``check_health``) reports a stall when work is active and nothing completed (no step, no
-prepare, no decode) for many expected step times; ``drain`` hands back what never started (waiting,
-being prepared, or prepared but never stepped) and lets the rest (running, paused, decoding) finish.
+Failures stay with the requests that cause them. A pack whose data fails (``PackFailed``: every rank left the step
+at its agreement, the group is healthy) is retried in halves, down to single requests, so only a request that fails
+on its own fails, and every other request of the pack still advances that step exactly once; the other partition's
+pack and the waiting requests never see it. A failed attempt keeps only a description of its error, so its pack and
+activations are freed before the halves run. A step that breaks the SP group (a rank failed past the agreement,
+died, or the step outlived its bound ``step_bound_s``: ``WorkerGroupBroken``, every communicator aborted) gets a
+new group (``replicas.supervisor``), and its requests run that step again on it, each alone: a request in the steps
+of two groups that broke in a row fails naming the cause, the others go on. Only a group that cannot be replaced
+(rank 0 stuck, or the replacement failed) stops the engine and fails everything with ``EngineStopped``. A failed
+prepare or decode fails its request alone. A watchdog (``check_health``) reports a stall when work is active and
+nothing completed (no step, no prepare, no decode) for many expected step times; ``drain`` hands back what never
+started (waiting, being prepared, or prepared but never stepped) and lets the rest (running, paused, decoding)
+finish.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -76,7 +82,8 @@ from pipelines.h3.step_cache import StepCachePolicy, StepCacheTiers, skipped_blo
 from . import scheduler
 from .scheduler import POLICIES as POLICIES  # the policies, re-exported where EngineLimits names them
 from .scheduler import Budget, Policy, RequestView
-from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
+from .supervisor import GroupSupervisor
+from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken, describe, formatted
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +181,19 @@ class EngineLimits(BaseModel):
         "max(stall_min_s, stall_factor * expected step time)",
     )
     stall_min_s: float = Field(default=120.0, gt=0, description="the shortest stall window, in seconds")
+    step_timeout_factor: float = Field(
+        default=10.0,
+        gt=1,
+        description="under Ulysses (sp_degree > 1) a step that has not finished on every rank within "
+        "max(step_timeout_min_s, step_timeout_factor * expected step time) breaks the SP group: every rank's "
+        "communicator is aborted, the group is replaced and the step's requests are run again on it",
+    )
+    step_timeout_min_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="the shortest step bound, in seconds (see step_timeout_factor); below collective_timeout_s, "
+        "so that this bound, not the collective's own timeout (NCCL's watchdog), ends a hung step",
+    )
     warmup: bool = Field(default=True, description="one warm-up forward before the replica reports ready")
     policy: Policy = Field(
         default="fcfs",
@@ -275,6 +295,7 @@ class EngineStats:
     forward_s: float = 0.0  # seconds spent in packed forwards
     skipped_block_rows: int = 0  # rows x transformer blocks step caching skipped
     busy_s: float = 0.0  # seconds with any work submitted and not finished
+    group_replacements: int = 0  # SP groups replaced after a step broke them (replicas.supervisor)
     # with stages of their own (``StageClient``): bytes handed over, by direction: "prepared" (conditioner ->
     # denoiser), "latents" (denoiser -> decoder), "media" (decoder -> replica, encoded or raw)
     handoff_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -339,6 +360,7 @@ class Ticket:
         self.pending_preview: tuple[torch.Tensor, int, int] | None = None  # the newest capture waiting for that one
         self.last_preview: tuple[int, float] = (0, 0.0)  # (step, time.monotonic()) of its last capture
         self.reported: tuple[int, float, float] | None = None  # queued: (position, eta_s, when) last reported
+        self.breaks = 0  # SP groups broken in a row by steps it was in (reset by a step that succeeds)
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -462,7 +484,8 @@ class Engine:
         """``remote``: conditioner and decoder stages of their own; None: prepare and decode run here.
         ``gate``: which prepared requests may join each step's batch (``StepGate``); None: every one, by the policy.
         """
-        self.group, self.pipeline, self.observer, self.remote = group, group.pipeline, observer, remote
+        self.supervisor = GroupSupervisor(group)  # replaces the SP group when a step breaks it
+        self.pipeline, self.observer, self.remote = group.pipeline, observer, remote
         self.gate = gate
         self.limits = limits or EngineLimits()
         self.stats = EngineStats()
@@ -499,6 +522,17 @@ class Engine:
         self._stages = StageWorker(self._device)
         self._check_step_cache()
         self._observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
+
+    @property
+    def group(self) -> WorkerGroup:
+        """The current SP group (a new one after a replacement)."""
+        return self.supervisor.group
+
+    @property
+    def step_bound_s(self) -> float:
+        """How long one step may take on every rank before it breaks the SP group (sp_degree > 1)."""
+        expected = self.expected_step_s or 0.0
+        return max(self.limits.step_timeout_min_s, self.limits.step_timeout_factor * expected)
 
     def _check_step_cache(self) -> None:
         """Refuse tiers this replica cannot run (the deploy args refuse them earlier, from the preset)."""
@@ -779,7 +813,7 @@ class Engine:
                 )
                 logger.error("engine stalled: %s", message)
                 raise EngineStalled(message)
-        self.group.check_health()
+        self.supervisor.check_health()
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop taking work, hand back what never started, let the started requests finish, then close.
@@ -837,10 +871,8 @@ class Engine:
                 continue
             try:
                 await self._step_once()
-            except WorkerGroupBroken as e:
+            except WorkerGroupBroken as e:  # it could not be replaced (counted there): only a new replica helps
                 self._stop_reason = f"SP worker group failed: {e}"
-                self.stats.failed_steps += 1
-                self._observe("on_failed_step", "worker_group")
                 self._fail_all(EngineStopped(self._stop_reason), "worker_group")
                 self._stage_wake.set()  # the stage worker sees the stop
                 return
@@ -903,6 +935,8 @@ class Engine:
         return [t for t in boundary.prepared if id(t) in allowed]
 
     async def _step_once(self) -> None:
+        if self.group.broken_reason:  # broken outside a step (a health check found a rank gone): no request's doing
+            await self._replace_group(WorkerGroupBroken(self.group.broken_reason, recoverable=True))
         batch = self._schedule()
         if self.gate is not None:
             if not batch:  # the gate held every prepared request back: sleep until the engine's state changes
@@ -929,42 +963,92 @@ class Engine:
         self._report_queue()
 
     async def _advance(self, tickets: list[Ticket]) -> None:
-        """One step for ``tickets``; a pack whose data fails is retried in halves down to single requests."""
+        """One step for ``tickets``; a pack whose data fails is retried in halves down to single requests; a step that
+        breaks the SP group is run again on its replacement, each request alone."""
         tickets = [t for t in tickets if not t.future.done()]
         if not tickets:
             return
-        error = await self._try_step(tickets)
+        try:
+            error = await self._try_step(tickets)
+        except WorkerGroupBroken as broken:  # every communicator aborted; raised on when it cannot be replaced
+            await self._replace_group(broken)
+            await self._after_break(tickets, broken.reason)
+            return
         if error is None:
             return
         self.stats.failed_steps += 1
         self._observe("on_failed_step", "pack")
         ids = [t.id for t in tickets]
+        await self._run_blocking(self._release_failed_attempt)  # before the retry: the failed forward's memory
         if len(tickets) == 1:
             (ticket,) = tickets
-            logger.error("request %s failed on its own: %s", ticket.id, error, exc_info=error)
+            logger.error("request %s failed on its own: %s", ticket.id, error)
             self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
             return
-        logger.warning("a pack of requests %s failed (%s); retrying them in halves", ids, error, exc_info=error)
+        logger.warning("a pack of requests %s failed (%s); retrying them in halves", ids, error)
         half = len(tickets) // 2
         await self._advance(tickets[:half])
         await self._advance(tickets[half:])
 
-    async def _try_step(self, tickets: list[Ticket]) -> Exception | None:
-        """Pack, forward and advance ``tickets`` by one step; the data failure, or None. Raises WorkerGroupBroken."""
+    async def _after_break(self, tickets: list[Ticket], reason: str) -> None:
+        """The requests of a step that broke the SP group: each runs the step again alone, on the new group, so a
+        request that breaks a second group in a row is the cause and fails naming it; the others go on."""
+        for ticket in tickets:
+            ticket.breaks += 1
+            if ticket.breaks >= 2:
+                self._fail(
+                    ticket,
+                    RuntimeError(
+                        f"request {ticket.id} failed: steps it was in broke {ticket.breaks} SP groups in a row "
+                        f"(last: {reason})"
+                    ),
+                    "worker_group",
+                )
+        for ticket in tickets:
+            await self._advance([ticket])
+
+    async def _replace_group(self, broken: WorkerGroupBroken) -> None:
+        """A new SP group in place of the broken one (the engine's model thread builds it); raises WorkerGroupBroken
+        when it cannot (rank 0 stuck, or the replacement failed to build): the engine then stops."""
+        self.stats.failed_steps += 1
+        self._observe("on_failed_step", "worker_group")
+        await self._run_blocking(self.supervisor.replace, broken)
+        # The lost communicator's ranks held every caching request's residuals too; the new ones start without:
+        # each caching request computes its next step in full (no request is ever fed a residual one rank lacks).
+        for ticket in [*self._resident, *self._decoding]:
+            if ticket.state is not None:
+                ticket.state.free_step_cache()
+        self.stats.group_replacements += 1
+        self._progress_at = time.monotonic()
+
+    def _release_failed_attempt(self) -> None:
+        """On the model thread, after a failed attempt: its pack and activations go before any retry runs (cycles
+        through its frames included); on CUDA the cached blocks go back too, so an attempt that ran out of memory
+        does not leave its halves less room than it had."""
+        gc.collect()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def _try_step(self, tickets: list[Ticket]) -> str | None:
+        """Pack, forward and advance ``tickets`` by one step; what failed (a description: the exception's traceback
+        would hold the failed forward's frames, pack and activations), or None. Raises WorkerGroupBroken."""
+        states = [t.prepared for t in tickets]
         try:
-            ((states, pack),) = self.pipeline.packs([t.prepared for t in tickets])
+            ((states, pack),) = await self._run_blocking(self.pipeline.packs, states)  # on the model thread
         except Exception as e:  # the documents do not even pack together: their data
-            return e
+            logger.warning("requests %s do not pack together\n%s", [t.id for t in tickets], formatted(e))
+            return describe(e)
         started = time.perf_counter()
         try:
-            out = await self.group.forward_async(pack, self._run_blocking)
+            out = await self.group.forward_async(pack, self._run_blocking, self.step_bound_s)
             errors = await self._run_blocking(self._apply, states, pack, out)
         except PackFailed as e:
-            return e
+            return str(e)
         except WorkerGroupBroken:
             raise
         except Exception as e:
-            return e
+            logger.warning("requests %s: their step failed\n%s", [t.id for t in tickets], formatted(e))
+            return describe(e)
         seconds = time.perf_counter() - started
         self._progress_at = time.monotonic()
         self.expected_step_s = seconds if self.expected_step_s is None else 0.8 * self.expected_step_s + 0.2 * seconds
@@ -980,10 +1064,11 @@ class Engine:
         self._observe("on_adapter_documents", collections.Counter(t.adapter for t in tickets))
         self._stage("step", seconds)
         for ticket, error in zip(tickets, errors, strict=True):
+            ticket.breaks = 0
             if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
                 continue
             if error is not None:  # each request applies its own velocities: one bad output never half-advances another
-                logger.error("request %s: applying its step failed", ticket.id, exc_info=error)
+                logger.error("request %s: applying its step failed: %s", ticket.id, describe(error))
                 self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
                 continue
             ticket.forwards += 1

@@ -304,3 +304,22 @@ def wait(driver, condition, timeout: float = 120, what: str = "condition"):
     from selenium.webdriver.support.ui import WebDriverWait
 
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), message=what)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed child of the raylet lingers until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def gone(pid: int, timeout_s: float = 5.0) -> bool:
+    """Whether process ``pid`` ends within ``timeout_s`` (a killed process takes a moment to release its memory)."""
+    deadline = time.monotonic() + timeout_s
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -52,3 +52,12 @@ def test_the_gpu_configs_run_the_stages_and_the_cpu_default_does_not(name, stage
     for role, stage in stages.items():
         options = stage.ray_actor_options
         assert options["num_gpus"] == 1 and options["resources"] == {"h3serve_stage": 1}, (role, options)
+
+
+def test_the_step_bound_must_end_a_hung_step_before_the_collective_timeout():
+    """Under Ulysses the engine's step bound aborts and replaces a hung group; at or past the collective's own timeout
+    (NCCL's watchdog) it would come second. One rank has no collective, so nothing to order."""
+    with pytest.raises(ValueError, match="engine.step_timeout_min_s=60 must be below collective_timeout_s=60"):
+        DeployArgs.model_validate({"sp_degree": 2, "collective_timeout_s": 60, "engine": {"step_timeout_min_s": 60}})
+    DeployArgs.model_validate({"sp_degree": 2, "collective_timeout_s": 60, "engine": {"step_timeout_min_s": 59}})
+    DeployArgs.model_validate({"sp_degree": 1, "collective_timeout_s": 10, "engine": {"step_timeout_min_s": 30}})

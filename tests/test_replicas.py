@@ -9,7 +9,7 @@ import torch
 
 from attention import AdmissionError, Platform, Resolution, resolve
 from pipelines.h3 import REQUIREMENTS, GenerationRequest
-from replicas import Engine, EngineLimits, EngineStopped, QueueFull, ReplicaSpec, WorkerGroup, WorkerGroupBroken
+from replicas import Engine, EngineLimits, QueueFull, ReplicaSpec, WorkerGroup, WorkerGroupBroken
 from replicas.sequence_parallel import UlyssesGroup
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
@@ -225,36 +225,27 @@ def test_a_placement_group_that_never_fits_is_removed(tiny_checkpoint):
 # --- faults ---------------------------------------------------------------------------
 
 
-def test_a_dead_worker_fails_health_and_in_flight_requests_then_a_fresh_group_serves(tiny_checkpoint):
-    group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=5.0))
+def test_a_worker_killed_mid_request_is_replaced_and_the_request_completes_as_alone(solo, tiny_checkpoint):
+    group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=30.0))
+    want = solo.pipeline.generate(request("long", 8))
 
     async def in_flight():
-        engine = Engine(group, EngineLimits())
-        ticket = engine.submit(request("long", 200))
+        engine = Engine(group, EngineLimits(step_timeout_min_s=5.0))
+        ticket = engine.submit(request("long", 8))
         await ticket.changed.wait()
         ray.kill(group.workers[0])
-        killed = time.perf_counter()
-        with pytest.raises(EngineStopped, match="SP worker"):
-            await ticket.future
-        failed_after = time.perf_counter() - killed
-        with pytest.raises(EngineStopped):
-            engine.submit(request("after"))
-        return failed_after
+        return engine, await ticket.future
 
-    failed_after = asyncio.run(in_flight())
-    assert failed_after < 5.0, failed_after
-    started = time.perf_counter()
-    with pytest.raises(WorkerGroupBroken):
-        group.check_health(timeout_s=2.0)
-    assert time.perf_counter() - started < 2.5
-    group.shutdown()
-
-    fresh = WorkerGroup.create(spec(2, tiny_checkpoint))
+    engine, media = asyncio.run(in_flight())
     try:
-        fresh.check_health()
-        assert fresh.pipeline.generate(request("again", 2)).frames.shape == (124, 64, 64, 3)
+        assert engine.group is not group and engine.stats.group_replacements == 1
+        assert [r.started for r in engine.supervisor.history] == [(1,)]  # the dead rank got a new actor
+        assert engine.stats.failed_requests == {}
+        engine.group.check_health()
+        pixel_diff = abs(media.frames.astype(int) - want.frames.astype(int))
+        assert media.frames.shape == want.frames.shape and pixel_diff.max() <= 1
     finally:
-        fresh.shutdown()
+        engine.group.shutdown()
 
 
 def test_health_check_notices_a_killed_idle_worker(tiny_checkpoint):

@@ -152,7 +152,8 @@ def test_threshold_zero_is_off_exactly_over_two_ranks(pair):
 
 
 def test_a_failed_step_commits_no_rank_and_the_retry_decides_the_same(pair):
-    """A pack whose data fails on every rank (PackFailed) leaves every rank's state as it was: the retry runs."""
+    """A pack whose data fails on every rank before the agreement (PackFailed) leaves every rank's state as it was:
+    the retry decides the same. (A failure past the agreement breaks the group: tests/test_sp_fault_matrix.py.)"""
     from replicas import PackFailed
 
     request = GenerationRequest(prompt="a red kite", width=64, height=64, num_inference_steps=5, seed=1)
@@ -160,10 +161,11 @@ def test_a_failed_step_commits_no_rank_and_the_retry_decides_the_same(pair):
     pair.pipeline.step([state])
     ((_, pack),) = pair.pipeline.packs([state])
     assert isinstance(pack, CachedPack)
-    # AdaLN rows that do not exist: every rank fails in its first block, after the gather of the block input
-    broken = dataclasses.replace(pack, timestep_indices=pack.timestep_indices + 10**6)
-    with pytest.raises(PackFailed):
+    # prompt embeddings one column short: every rank's context embedder refuses them, and all leave at the agreement
+    broken = dataclasses.replace(pack, prompt_embeds=pack.prompt_embeds[:, :-1])
+    with pytest.raises(PackFailed) as failed:
         pair(broken)
+    assert set(failed.value.errors) == {0, 1}, failed.value.errors
     assert state.step_cache.steps == 1 and state.step_cache.skipped == [False]
     pair.pipeline.step([state])  # rank 1 agrees with rank 0's state, or it would refuse the pack
     assert state.step_cache.skipped == [False, True]

@@ -42,6 +42,15 @@ class SequenceParallel(Protocol):
         """[n, ...] on every rank -> [W*n, ...], every rank's rows in rank order, on every rank (step caching)."""
         ...
 
+    def agree(self, error: BaseException | None) -> None:
+        """After the row-local prologue: raise on every rank if any rank failed so far (``error`` here), so every
+        rank leaves the step at the same collective."""
+        ...
+
+    def follow_rank0(self, skips: list[bool]) -> list[bool]:
+        """Rank 0's step-cache decisions on every rank (one per deciding document): every rank runs the same rows."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Documents:

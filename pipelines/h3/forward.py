@@ -55,14 +55,8 @@ def packed_forward(
         return _packed_forward(model, pack, sp, cache)
 
 
-def _packed_forward(
-    model, pack: Pack, sp: SequenceParallel | None, cache: PackCache | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
-    if pack.total_rows % world:
-        raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
-    lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
-
+def _prologue(model, pack: Pack, lo: int, hi: int):
+    """Everything before the blocks, on this rank's rows [lo, hi): row-local, no collective."""
     # 1. Text: context embedder, then the token refiner with attention within each request's prompt.
     # Every rank refines all prompts: text is a few hundred rows against tens of thousands of media rows.
     text = model.context_embedder(pack.prompt_embeds.to(get_parameter_dtype(model.context_embedder)))[None]
@@ -86,6 +80,27 @@ def _packed_forward(
     timestep_indices = pack.timestep_indices[lo:hi]  # [T/W]
     adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags[lo:hi]  # video 0, text 1, audio 2
     rotary_emb = model.rope(pack.position_ids[lo:hi])  # cos, sin: [T/W, 6 * rope_freq_dim]
+    return hidden, temb, timestep_indices, adaln_indices, rotary_emb, video_at, audio_at
+
+
+def _packed_forward(
+    model, pack: Pack, sp: SequenceParallel | None, cache: PackCache | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
+    if pack.total_rows % world:
+        raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
+    lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
+
+    if sp is None or world == 1:
+        prologue = _prologue(model, pack, lo, hi)
+    else:  # a data error here (a bad row, an OOM) reaches every rank at the agreement: they all leave the step there
+        failure: Exception | None = None
+        try:
+            prologue = _prologue(model, pack, lo, hi)
+        except Exception as e:
+            failure = e
+        sp.agree(failure)  # one collective, before any that depends on the data; raises on every rank on a failure
+    hidden, temb, timestep_indices, adaln_indices, rotary_emb, video_at, audio_at = prologue
 
     with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
         if cache is None:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import torch
+
+FLAT_ALIGN = 16  # bytes: every tensor of a flat pack starts on this boundary, so a byte view can take any dtype
 
 
 @dataclasses.dataclass
@@ -169,3 +172,67 @@ def pack_documents(
         text_max_seqlen=max(text_lengths),
         document_slots=document_slots,
     )
+
+
+# --- a pack as host metadata and one flat buffer: how it reaches the other Ulysses ranks ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor field of a pack lies in its flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "float32"
+    offset: int  # bytes, a multiple of FLAT_ALIGN
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PackLayout:
+    """A pack's host fields (document lengths, counts, slots: O(documents)) and its tensors' places in one flat
+    buffer; with the buffer, ``unflatten`` rebuilds the pack. No tensor data: what crosses Ray per step."""
+
+    fields: dict[str, Any]
+    tensors: tuple[TensorSlot, ...]
+    nbytes: int
+
+    def unflatten(self, flat: torch.Tensor) -> Pack:
+        """The pack whose tensors are views of ``flat`` ([nbytes] uint8, on any device)."""
+        if flat.dtype != torch.uint8 or flat.numel() != self.nbytes:
+            raise ValueError(f"a flat pack needs {self.nbytes} uint8 bytes, got {flat.numel()} {flat.dtype}")
+        tensors = {
+            slot.name: flat[slot.offset : slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape)
+            for slot in self.tensors
+        }
+        return Pack(**self.fields, **tensors)  # type: ignore[arg-type]  # the fields dataclasses.fields(Pack) names
+
+
+def _pack_tensors(pack: Pack) -> dict[str, torch.Tensor]:
+    return {f.name: t for f in dataclasses.fields(Pack) if isinstance(t := getattr(pack, f.name), torch.Tensor)}
+
+
+def pack_layout(pack: Pack) -> PackLayout:
+    """``pack``'s layout (host work only: shapes and dtypes, no device sync)."""
+    slots, offset = [], 0
+    for name, tensor in _pack_tensors(pack).items():
+        nbytes = tensor.numel() * tensor.element_size()
+        slots.append(TensorSlot(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes))
+        offset += -(-nbytes // FLAT_ALIGN) * FLAT_ALIGN
+    fields = {
+        f.name: getattr(pack, f.name)
+        for f in dataclasses.fields(Pack)
+        if not isinstance(getattr(pack, f.name), torch.Tensor)
+    }
+    return PackLayout(fields, tuple(slots), offset)
+
+
+def flatten_pack(pack: Pack) -> tuple[PackLayout, torch.Tensor]:
+    """``pack``'s layout and its tensors' bytes in one [nbytes] uint8 buffer on the pack's device (one copy)."""
+    layout = pack_layout(pack)
+    tensors = _pack_tensors(pack)
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=pack.position_ids.device)
+    for slot in layout.tensors:
+        source = tensors[slot.name].contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+        flat[slot.offset : slot.offset + slot.nbytes].copy_(source)
+    return layout, flat

@@ -24,14 +24,16 @@ LoRA adapters (``lora.adapting``) follow their documents' rows into a sub-pack: 
 documents.
 
 Under Ulysses (sp_degree W > 1) a document's rows move between ranks from step to step (the pack changes as
-requests join and leave), so no rank can keep the residuals of "its" rows. Instead every rank holds every
-caching document's full-row residuals, as at sp_degree 1: at each transition (the block input, a decision
-block, the end of a document's middle, a change of the running documents) the rows are gathered onto every
-rank (``all_gather_rows``), and every rank measures, decides and keeps residuals with the same arithmetic on
-the same bits, so the ranks agree without another collective. Blocks that every document runs still run on
-the rank's own T/W rows; a sub-pack of the computing documents is padded to a multiple of W and each rank
-runs its share under Ulysses. Ranks 1..W-1 keep their states in a ``RankCaches``, in step with rank 0's by the
-``CacheMirror`` each pack carries (``replicas/worker_group.py``). The cost: two [T, hidden] gathered tensors
+requests join and leave), so no rank can keep the residuals of "its" rows. Instead every rank holds every caching
+document's full-row residuals, as at sp_degree 1: at each transition (the block input, a decision block, the end of
+a document's middle, a change of the running documents) the rows are gathered onto every rank
+(``all_gather_rows``), and every rank measures and keeps residuals with the same arithmetic on the same bits; at
+each decision every rank then follows rank 0's decision vector (``follow_rank0``, one broadcast of a byte per
+deciding document), so a rank whose arithmetic disagrees (a NaN, a non-deterministic reduction) can neither run
+other sub-packs than its peers (mismatched all-to-alls: a hang) nor keep other rows. Blocks that every document
+runs still run on the rank's own T/W rows; a sub-pack of the computing documents is padded to a multiple of W and
+each rank runs its share under Ulysses. Ranks 1..W-1 keep their states in a ``RankCaches``, in step with rank 0's
+by the ``CacheMirror`` each pack carries (``replicas/worker_group.py``). The cost: two [T, hidden] gathered tensors
 per rank beside a block (``memory.STEP_CACHE_GATHERED_ROWS``) and an all-gather of the rows out on the ranks at
 each transition; so over several ranks a deployment offers only the tiers it lists (``deploy.args``).
 
@@ -296,24 +298,30 @@ def cached_blocks(
     return add_cached_middle([i for i in range(n_docs) if tails[i] == num_blocks and computes[i] is False], hidden)
 
 
-def _decide(deciding, cache: PackCache, hidden, inputs, rows, computes, head_outputs) -> None:
-    """Each document in ``deciding`` (its head just ran) decides: compute its middle blocks or skip them."""
+def _decide(deciding, cache: PackCache, hidden, inputs, rows, computes, head_outputs, follow=None) -> None:
+    """Each document in ``deciding`` (its head just ran) decides: compute its middle blocks or skip them.
+
+    ``follow`` (under Ulysses, ``SequenceParallel.follow_rank0``) replaces this rank's decisions by rank 0's."""
+    residuals: dict[int, torch.Tensor] = {}
     measures: dict[int, torch.Tensor] = {}
     for i in deciding:
         entry = cache.documents[i]
         assert entry is not None  # a document without a policy never reaches a decision (its head is every block)
-        residual = rows(i, hidden) - rows(i, inputs)  # [S_i, hidden] h_Fn - h_0
+        residuals[i] = rows(i, hidden) - rows(i, inputs)  # [S_i, hidden] h_Fn - h_0
         if not entry.must_compute():
-            measures[i] = _relative_l1(residual, entry.first_residual)
-        cache._pending[i] = _Pending(skip=False, first_residual=residual)
+            measures[i] = _relative_l1(residuals[i], entry.first_residual)
     values = torch.stack(list(measures.values())).tolist() if measures else []  # one host sync for all of them
+    skip = dict.fromkeys(deciding, False)
     for i, value in zip(measures, values, strict=True):
         entry = cache.documents[i]
         assert entry is not None
-        if value <= entry.policy.threshold:  # diffusers computes when over the threshold
-            cache._pending[i] = _Pending(skip=True)  # r_prev stays the last computed step's (as diffusers)
+        skip[i] = value <= entry.policy.threshold  # diffusers computes when over the threshold
+    if follow is not None:  # every rank runs rank 0's choice, whatever its own arithmetic said
+        skip = dict(zip(deciding, follow([skip[i] for i in deciding]), strict=True))
     for i in deciding:
-        computes[i] = not cache._pending[i].skip
+        # a skip keeps r_prev at the last computed step's (as diffusers); a compute keeps its new residual
+        cache._pending[i] = _Pending(skip=True) if skip[i] else _Pending(skip=False, first_residual=residuals.pop(i))
+        computes[i] = not skip[i]
         if computes[i]:  # its middle residual is taken against h_Fn: a copy of its rows, not a view holding the pack's
             head_outputs[i] = rows(i, hidden).clone()  # [S_i, hidden]
 
@@ -343,8 +351,8 @@ def _sharded_cached_blocks(
     of "its" rows: every rank holds every caching document's full-row residuals, as at sp_degree 1. At each
     transition (the block input, a decision block, a document's middle ending, a change of the running documents)
     the rows out on the ranks are gathered (``all_gather_rows``) into ``full`` [1, T, hidden], the same bits on
-    every rank; every rank then measures, decides and keeps residuals with the same arithmetic on the same
-    rows, so the ranks agree without another collective. Between transitions a block runs on the rank's own
+    every rank; every rank then measures and keeps residuals with the same arithmetic on the same rows, and
+    follows rank 0's decisions (``SequenceParallel.follow_rank0``). Between transitions a block runs on the rank's own
     [lo, hi) rows when every document runs it (as without a cache), else on the rank's share of a sub-pack of
     the running documents' rows, padded to a multiple of W (``_ShardedSubPack``).
     """
@@ -399,7 +407,7 @@ def _sharded_cached_blocks(
             middles_end(b)
             if deciding:
                 assert inputs is not None
-                _decide(deciding, cache, full, inputs, rows, computes, head_outputs)
+                _decide(deciding, cache, full, inputs, rows, computes, head_outputs, sp.follow_rank0)
                 if all(c is not None for c in computes):
                     inputs = None  # no decision left: h_0 is not needed any more
         active = tuple(i for i in range(n_docs) if b < heads[i] or b >= tails[i] or computes[i])

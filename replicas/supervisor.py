@@ -1,0 +1,103 @@
+"""Rank 0's SP group across failures: a broken group is replaced in this process, on the same placement group.
+
+A step that breaks the group (``WorkerGroupBroken``) has already aborted every rank's communicator and waited for
+every rank's side of the step; ``replace`` builds the next group: the workers whose step came back are kept (their
+models stay loaded: on a GPU that saves reloading the transformer; they only join a new communicator), the lost ones
+(dead, or stuck past the abort) are killed and new actors start in their bundles, and every rank meets on a new port.
+Rank 0's pipeline (its models, its requests' states) stays. A group whose rank 0 did not come back cannot be replaced
+here, nor one whose replacement fails to build: the engine then stops, health fails and Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import ray
+
+from .worker_group import WorkerGroup, WorkerGroupBroken, describe
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """One broken group and how it was replaced."""
+
+    reason: str
+    broken_after_s: float  # from the broken step's start to every rank aborted and back (or declared lost)
+    kept: tuple[int, ...]  # worker ranks whose actors joined the new group
+    started: tuple[int, ...]  # worker ranks given new actors
+    seconds: float  # from the start of the replacement to the new group's rendezvous
+
+
+class GroupSupervisor:
+    """Holds the replica's current ``WorkerGroup`` and replaces it when it breaks."""
+
+    ping_timeout_s = 5.0  # a kept worker must answer this fast, or it is replaced too
+
+    def __init__(self, group: WorkerGroup, startup_timeout_s: float = 600.0):
+        self.group = group
+        self.startup_timeout_s = startup_timeout_s  # building new workers (loading the checkpoint) and rendezvous
+        self.history: list[Replacement] = []
+        self.replacing_since: float | None = None
+
+    def replace(self, broken: WorkerGroupBroken) -> WorkerGroup:
+        """The next group (blocking: builds actors and rendezvous); WorkerGroupBroken when it cannot be built."""
+        old = self.group
+        if not broken.recoverable or old.placement is None:
+            raise broken
+        started = time.monotonic()
+        self.replacing_since = started
+        placement, old.placement = old.placement, None  # the new group owns it from here
+        try:
+            old.abort()  # a step that broke it aborted it already; a group a health check broke is aborted here
+            lost = set(broken.lost) | self._unreachable(old, broken.lost)
+            for rank in sorted(lost):
+                old.kill(rank)
+            kept = {rank: w for rank, w in enumerate(old.workers, start=1) if rank not in lost}
+            old.workers = []
+            new = WorkerGroup.start(old.spec, old.pipeline, placement, self.startup_timeout_s, kept, old.steps)
+        except Exception as e:
+            placement.release()
+            raise WorkerGroupBroken(f"{broken.reason}; building its replacement failed: {describe(e)}") from None
+        finally:
+            self.replacing_since = None
+        new.abort_grace_s = old.abort_grace_s
+        replacement = Replacement(
+            broken.reason, broken.after_s, tuple(sorted(kept)), tuple(sorted(lost)), time.monotonic() - started
+        )
+        self.history.append(replacement)
+        self.group = new
+        logger.warning(
+            "SP group replaced in %.2f s, %.2f s after its step began (workers kept %s, started %s) after: %s",
+            replacement.seconds,
+            replacement.broken_after_s,
+            list(replacement.kept),
+            list(replacement.started),
+            broken.reason,
+        )
+        return new
+
+    def _unreachable(self, group: WorkerGroup, known: frozenset[int]) -> set[int]:
+        """Worker ranks (beyond ``known``) whose actors do not answer a ping: they are replaced, not kept."""
+        pings = {rank: w.ping.remote() for rank, w in enumerate(group.workers, start=1) if rank not in known}
+        unreachable = set()
+        for rank, ref in pings.items():
+            try:
+                ray.get(ref, timeout=self.ping_timeout_s)
+            except Exception:
+                unreachable.add(rank)
+        return unreachable
+
+    def check_health(self) -> None:
+        """The current group's health; healthy while a replacement builds within its bound."""
+        since = self.replacing_since
+        if since is not None:
+            if time.monotonic() - since > self.startup_timeout_s + self.ping_timeout_s:
+                raise WorkerGroupBroken(
+                    f"the SP group's replacement has been building for over {self.startup_timeout_s:g} s"
+                )
+            return
+        self.group.check_health()
