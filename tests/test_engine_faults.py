@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+import weakref
 
 import pytest
 import torch
@@ -133,6 +134,59 @@ def test_one_poisoned_request_among_eight_fails_alone_and_the_others_match_alone
     assert engine.stats.failed_steps >= 2
     assert recorder.failed_steps == {"pack": engine.stats.failed_steps}
     assert recorder.failed_requests == {"error": 1}
+
+
+def test_a_failed_attempt_s_pack_and_activations_are_gone_before_its_halves_run(solo, monkeypatch):
+    """A pack of two fails in its last block (as an out-of-memory there would); when the first half's forward starts,
+    no weak reference to the failed attempt's pack or to any of its blocks' outputs is alive: the engine kept a
+    description of the error, not the exception whose traceback holds the forward's frames."""
+    blocks = solo.pipeline.denoiser.transformers["transformer"].transformer_blocks
+    attempt: dict = {"pack": [], "outputs": []}  # weak references to the forward now running
+    seen: dict = {"armed": False, "failed": None, "alive_at_retry": None}
+    packs = solo.pipeline.packs
+
+    def recording_packs(states):  # the real method; the test keeps weak references to what it made
+        made = packs(states)
+        attempt["pack"] = [weakref.ref(pack) for _, pack in made]
+        return made
+
+    def first_block_starts(module, args):
+        if seen["failed"] is not None and seen["alive_at_retry"] is None:
+            seen["alive_at_retry"] = [ref() is not None for ref in seen["failed"]]
+        attempt["outputs"] = []
+
+    def block_ran(module, args, output):
+        attempt["outputs"].append(weakref.ref(output))
+
+    def last_block_fails(module, args, output):
+        if seen["armed"]:
+            seen["armed"] = False
+            seen["failed"] = [*attempt["pack"], *attempt["outputs"]]
+            raise RuntimeError("out of memory in the last block (injected)")
+
+    monkeypatch.setattr(solo.pipeline, "packs", recording_packs)
+    hooks = [blocks[0].register_forward_pre_hook(first_block_starts)]
+    hooks += [block.register_forward_hook(block_ran) for block in blocks]
+    hooks.append(blocks[-1].register_forward_hook(last_block_fails))
+
+    async def scenario():
+        engine = Engine(solo, EngineLimits(max_active=2))
+        tickets = [engine.submit(request(f"clip {i}", 8, seed=i)) for i in range(2)]
+        while not all(t.forwards for t in tickets):  # both share the pack (each has steps left)
+            await asyncio.sleep(0.01)
+        assert not any(t.future.done() for t in tickets)
+        seen["armed"] = True
+        return engine, await asyncio.gather(*(t.future for t in tickets))
+
+    try:
+        engine, media = asyncio.run(scenario())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen["failed"] is not None and len(seen["failed"]) == 1 + len(blocks)  # the pack, each block's output
+    assert seen["alive_at_retry"] == [False] * len(seen["failed"])  # all gone before the first half ran
+    assert engine.stats.failed_steps == 1 and engine.stats.completed == 2  # both halves then went on
+    assert all(m.frames.shape == (124, 64, 64, 3) for m in media)
 
 
 # --- deadlines ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
 from pipelines.h3.step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, StepCacheTiers
 from replicas import Engine, EngineLimits, WorkerGroup
+from replicas.faults import Fault
 from tests import test_lora_serving
 from tests.test_engine_faults import assert_same_media
 from tests.test_h3_forward import DOCUMENTS, document
@@ -149,6 +150,39 @@ def test_threshold_zero_is_off_exactly_over_two_ranks(pair):
     for a, b in zip(off, zero, strict=True):
         assert torch.equal(a.video_rows, b.video_rows) and torch.equal(a.audio_rows, b.audio_rows)
     assert zero[0].step_cache.skipped == [False] * len(zero[0].step_cache.skipped)
+
+
+def test_every_rank_follows_rank_0s_decisions_when_one_rank_decides_otherwise(pair, tiny_pipeline):
+    """A disagreement injected into one rank's own decisions (as a NaN or a non-deterministic reduction there would
+    make): that rank follows rank 0 (its states record rank 0's choices, no sub-pack differs, nothing hangs), and the
+    output is sp=1's. Injected into rank 0's, every rank follows rank 0's inverted choice alike."""
+    request = GenerationRequest(prompt="a red kite", width=64, height=64, num_inference_steps=6, seed=1)
+    policy = HIGH
+
+    def run(fault):
+        state = pair.pipeline.prepare(request, policy)
+        disagreed = ray.get(pair.workers[0].disagreements.remote())
+        for step in range(state.steps):
+            if step == policy.warmup_steps:  # the first step whose decision a measure makes
+                pair.arm(fault)
+            pair.pipeline.step([state])
+        held = ray.get(pair.workers[0].step_cache_skipped.remote())  # rank 1's states (freed ones: gone)
+        return state, ray.get(pair.workers[0].disagreements.remote()) - disagreed, held
+
+    alone = tiny_pipeline.prepare(request, policy)
+    while not alone.done:
+        tiny_pipeline.step([alone])
+    worker, disagreements, held = run(Fault(1, "step_cache_decision", "disagree"))
+    assert disagreements == 1  # rank 1 decided otherwise once, and followed rank 0
+    assert held[worker.step_cache.key] == worker.step_cache.skipped == alone.step_cache.skipped
+    assert any(worker.step_cache.skipped)
+    assert_same_latents(worker, alone)
+
+    leader, disagreements, held = run(Fault(0, "step_cache_decision", "disagree"))
+    assert disagreements == 1  # rank 0 inverted its own: rank 1's arithmetic disagreed with it, and it followed
+    assert held[leader.step_cache.key] == leader.step_cache.skipped  # every rank ran rank 0's choice
+    at = policy.warmup_steps
+    assert leader.step_cache.skipped[at] != alone.step_cache.skipped[at]  # the inverted one
 
 
 def test_a_failed_step_commits_no_rank_and_the_retry_decides_the_same(pair):
