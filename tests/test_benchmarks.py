@@ -479,3 +479,14 @@ def test_stages_released_bytes_follow_the_model_geometry():
 def test_stages_gpu_mode_refuses_at_once_without_cuda(capsys):
     assert stages.main(["--gpu", "--checkpoint", str(REPO), "--rate", "0.1"]) == 2
     assert "CUDA is not available here" in capsys.readouterr().out
+
+
+def test_step_path_smoke_sends_workers_metadata_only(capsys):
+    """benchmarks.step_path's bytes: a worker's step order is a few KB whatever the pack's rows (its tensors go by a
+    broadcast), where the old path put the whole pack in the object store."""
+    from benchmarks.step_path import step_bytes
+
+    result = step_bytes(smoke=True)
+    assert result["ok"]
+    assert max(result["after_ray_bytes_per_worker"].values()) < 4096
+    assert result["before_object_store_bytes"]["no caching"] > result["after_broadcast_bytes"] > 100 * 4096

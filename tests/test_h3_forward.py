@@ -193,3 +193,34 @@ def test_mixed_precision_matches_diffusers_in_bfloat16(tmp_path):
     assert packed_video.dtype == video.dtype == torch.float32  # the fp32 output heads
     torch.testing.assert_close(packed_video, video, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(packed_audio, audio, atol=2e-2, rtol=2e-2)
+
+
+def test_a_pack_is_rebuilt_bit_for_bit_from_its_layout_and_flat_buffer_and_the_layout_does_not_grow_with_rows():
+    """What an SP worker receives of a step: the layout through Ray (host metadata: O(documents), whatever the rows),
+    the tensors as one flat byte buffer by a broadcast; together they are the pack, every dtype and shape kept."""
+    import dataclasses
+    import pickle
+
+    from pipelines.h3.packing import Pack, flatten_pack, pack_layout
+
+    small = pack_documents([document(**DOCUMENTS[0]), document(**DOCUMENTS[1])], row_multiple=4)
+    layout, flat = flatten_pack(small)
+    assert flat.dtype == torch.uint8 and flat.numel() == layout.nbytes
+    rebuilt = layout.unflatten(flat)
+    for field in dataclasses.fields(Pack):
+        want, got = getattr(small, field.name), getattr(rebuilt, field.name)
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and torch.equal(got, want), field.name
+        else:
+            assert got == want, field.name
+    taller = pack_documents(
+        [document(**{**d, "frames": 4 * d["frames"], "n_audio": 4 * d["n_audio"]}) for d in DOCUMENTS[:2]],
+        row_multiple=4,
+    )
+    assert taller.total_rows > 2 * small.total_rows
+    assert abs(len(pickle.dumps(pack_layout(taller))) - len(pickle.dumps(layout))) <= 16  # the same, bigger ints
+    more = pack_documents([document(**d) for d in DOCUMENTS[:2]] * 4, row_multiple=4)
+    per_document = (len(pickle.dumps(pack_layout(more))) - len(pickle.dumps(layout))) / 6
+    assert per_document < 64, per_document  # a few ints a document; the rows' bytes never cross Ray
+    with pytest.raises(ValueError, match="needs"):
+        layout.unflatten(flat[:-1])
