@@ -1012,6 +1012,8 @@ class Engine:
         when it cannot (rank 0 stuck, or the replacement failed to build): the engine then stops."""
         self.stats.failed_steps += 1
         self._observe("on_failed_step", "worker_group")
+        if not broken.recoverable:  # rank 0's thread is stuck in the step: the model thread will not take the work
+            self.supervisor.fail(broken)
         await self._run_blocking(self.supervisor.replace, broken)
         # The lost communicator's ranks held every caching request's residuals too; the new ones start without:
         # each caching request computes its next step in full (no request is ever fed a residual one rank lacks).

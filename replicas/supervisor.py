@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import NoReturn
 
 import ray
 
@@ -42,12 +43,13 @@ class GroupSupervisor:
         self.startup_timeout_s = startup_timeout_s  # building new workers (loading the checkpoint) and rendezvous
         self.history: list[Replacement] = []
         self.replacing_since: float | None = None
+        self.failed: str | None = None  # why the last broken group could not be replaced
 
     def replace(self, broken: WorkerGroupBroken) -> WorkerGroup:
         """The next group (blocking: builds actors and rendezvous); WorkerGroupBroken when it cannot be built."""
         old = self.group
         if not broken.recoverable or old.placement is None:
-            raise broken
+            self.fail(broken)
         started = time.monotonic()
         self.replacing_since = started
         placement, old.placement = old.placement, None  # the new group owns it from here
@@ -59,17 +61,18 @@ class GroupSupervisor:
             kept = {rank: w for rank, w in enumerate(old.workers, start=1) if rank not in lost}
             old.workers = []
             new = WorkerGroup.start(old.spec, old.pipeline, placement, self.startup_timeout_s, kept, old.steps)
+            new.abort_grace_s = old.abort_grace_s
+            self.group = new  # before the replacement ends: a health check never sees the old group unattended
         except Exception as e:
             placement.release()
-            raise WorkerGroupBroken(f"{broken.reason}; building its replacement failed: {describe(e)}") from None
+            self.failed = f"{broken.reason}; building its replacement failed: {describe(e)}"
+            raise WorkerGroupBroken(self.failed) from None
         finally:
             self.replacing_since = None
-        new.abort_grace_s = old.abort_grace_s
         replacement = Replacement(
             broken.reason, broken.after_s, tuple(sorted(kept)), tuple(sorted(lost)), time.monotonic() - started
         )
         self.history.append(replacement)
-        self.group = new
         logger.warning(
             "SP group replaced in %.2f s, %.2f s after its step began (workers kept %s, started %s) after: %s",
             replacement.seconds,
@@ -79,6 +82,12 @@ class GroupSupervisor:
             broken.reason,
         )
         return new
+
+    def fail(self, broken: WorkerGroupBroken) -> NoReturn:
+        """``broken`` cannot be replaced in this process (rank 0's own side of the step is stuck): health fails from
+        now on, so Serve replaces the replica."""
+        self.failed = broken.reason
+        raise broken
 
     def _unreachable(self, group: WorkerGroup, known: frozenset[int]) -> set[int]:
         """Worker ranks (beyond ``known``) whose actors do not answer a ping: they are replaced, not kept."""
@@ -92,12 +101,26 @@ class GroupSupervisor:
         return unreachable
 
     def check_health(self) -> None:
-        """The current group's health; healthy while a replacement builds within its bound."""
+        """The current group's health. Healthy while a group a step broke is aborted and replaced, within bounds
+        (Serve replaces a replica after three failed checks: a recovery in progress must not look like a dead one)."""
+        if self.failed:
+            raise WorkerGroupBroken(self.failed)
+        now, group = time.monotonic(), self.group
         since = self.replacing_since
         if since is not None:
-            if time.monotonic() - since > self.startup_timeout_s + self.ping_timeout_s:
+            if now - since > self.startup_timeout_s + self.ping_timeout_s:
                 raise WorkerGroupBroken(
                     f"the SP group's replacement has been building for over {self.startup_timeout_s:g} s"
                 )
             return
-        self.group.check_health()
+        if group.broken_in_step and group.broken_at is not None:
+            # the step's abort waits up to twice the grace for its ranks, then the engine starts the replacement
+            if now - group.broken_at > 2 * group.abort_grace_s + 2 * self.ping_timeout_s:
+                raise WorkerGroupBroken(f"{group.broken_reason}; no replacement started")
+            return
+        try:
+            group.check_health()
+        except WorkerGroupBroken:
+            if group.broken_in_step or self.group is not group:  # a step broke it meanwhile: it is being replaced
+                return
+            raise

@@ -355,6 +355,8 @@ class WorkerGroup:
     ):
         self.spec, self.pipeline, self.workers, self.sp, self.placement = spec, pipeline, workers, sp, placement
         self.broken_reason: str | None = None
+        self.broken_at: float | None = None  # time.monotonic() of the break
+        self.broken_in_step = False  # a step broke it: the caller is aborting it and will replace it
         self.steps = steps  # steps launched; every rank numbers them alike
         self.step_cache_mirror = CacheMirrorWriter()  # what the workers hold of the requests' step caches
         self.master = ""  # the rendezvous address of this group's communicator
@@ -519,6 +521,7 @@ class WorkerGroup:
         """Abort every rank's communicator, then wait for every rank's side of the step to come back: the workers'
         within ``abort_grace_s`` (one that does not is killed: a dead peer's sockets close, which is what releases
         rank 0 from a gloo collective), then rank 0's within ``abort_grace_s`` more. The error says who did not."""
+        self.broken_in_step = True  # first: a health check from now on knows the break is being handled
         self.mark_broken(reason)
         await asyncio.get_running_loop().run_in_executor(None, self.abort)  # its gc.collect stays off the loop
         done: set[asyncio.Future] = set()
@@ -581,7 +584,7 @@ class WorkerGroup:
 
     def mark_broken(self, reason: str) -> None:
         if not self.broken_reason:
-            self.broken_reason = reason
+            self.broken_reason, self.broken_at = reason, time.monotonic()
             logger.error("SP group broken: %s", reason)
 
     # -- tests ----------------------------------------------------------------------------

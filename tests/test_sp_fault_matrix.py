@@ -93,19 +93,32 @@ LIMITS = EngineLimits(step_timeout_min_s=STEP_BOUND_S, max_active=4)
 
 
 async def serve(group: WorkerGroup, fault: Fault | None = None):
-    """The pair (with ``fault`` armed), then the next request alone: the engine, the pair's results, seconds from
-    the pair's submit to both answers, and the next request's media (None when the engine stopped)."""
+    """The pair (with ``fault`` armed), then the next request alone, Serve's health check polled meanwhile: the
+    engine, the pair's results, seconds from the pair's submit to both answers, the next request's media (None when
+    the engine stopped), and what the health checks raised."""
     engine = Engine(group, LIMITS, gate=Together())
     if fault is not None:
         group.arm(fault)
+    unhealthy: list[str] = []
+
+    async def health():  # as Serve calls it (H3Replica.check_health: on a thread), more often
+        while True:
+            try:
+                await asyncio.to_thread(engine.check_health)
+            except Exception as e:
+                unhealthy.append(f"{type(e).__name__}: {e}")
+            await asyncio.sleep(0.2)
+
+    checks = asyncio.ensure_future(health())
     started = time.monotonic()
     tickets = [engine.submit(r, request_id=f"pair-{i}") for i, r in enumerate(PAIR)]
     results = await asyncio.gather(*(t.future for t in tickets), return_exceptions=True)
     answered = time.monotonic() - started
     stopped = any(isinstance(r, EngineStopped) for r in results)
     following = None if stopped else await engine.generate(NEXT, request_id="next")
+    checks.cancel()
     await engine.close()
-    return engine, results, answered, following
+    return engine, results, answered, following, unhealthy
 
 
 def live_workers(expected: int | None = None, timeout_s: float = 5.0) -> list:
@@ -133,7 +146,7 @@ def matrix(tiny_checkpoint):
     before = set(ray.util.placement_group_table())
     group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=COLLECTIVE_TIMEOUT_S))
     group.abort_grace_s = ABORT_GRACE_S
-    _, results, _, following = asyncio.run(serve(group))
+    _, results, _, following, _ = asyncio.run(serve(group))
     state = {"group": group, "pair": results, "next": following, "before": before, "times": []}
     yield state
     state["group"].shutdown()
@@ -146,7 +159,7 @@ def matrix(tiny_checkpoint):
 def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case):
     group: WorkerGroup = matrix["group"]
     old_pid, _ = group.processes[1]
-    engine, results, answered, following = asyncio.run(serve(group, case.fault))
+    engine, results, answered, following, unhealthy = asyncio.run(serve(group, case.fault))
     matrix["group"] = new = engine.group
     replaced = engine.supervisor.history
     matrix["times"].append(
@@ -159,6 +172,7 @@ def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case)
         assert not isinstance(got, BaseException), got
         assert_same_media(got, want)
     assert engine.stats.failed_requests == {}
+    assert not unhealthy, unhealthy  # healthy throughout: Serve never sees a replica whose group is being replaced
     # the next request, on the group now serving, gives the same output as before the fault
     assert np.array_equal(following.frames, matrix["next"].frames)
     assert np.array_equal(following.audio, matrix["next"].audio)
@@ -184,13 +198,13 @@ def test_rank0_stuck_past_the_abort_stops_the_engine_naming_the_cause_and_leaves
     group: WorkerGroup = matrix["group"]
     old_pid, _ = group.processes[1]
     fault = Fault(0, "between_all_to_alls", "freeze", block=1, hang_s=2 * STEP_BOUND_S + 3 * ABORT_GRACE_S)
-    engine, results, answered, _ = asyncio.run(serve(group, fault))
+    engine, results, answered, _, unhealthy = asyncio.run(serve(group, fault))
     matrix["times"].append(f"{Case(fault, 'stopped')} {answered:.1f}")
     assert answered < ANSWER_BOUND_S, answered
     for result in results:
         assert isinstance(result, EngineStopped), result
         assert re.search(r"SP worker group failed: step \d+ did not finish within its bound", str(result)), result
-    with pytest.raises(EngineStopped):
+    with pytest.raises(EngineStopped):  # Serve sees it, and replaces the replica
         engine.check_health()
     group.shutdown()  # what the replica's teardown does
     assert gone(old_pid) and not live_workers(expected=0) and not live_groups(matrix["before"])
