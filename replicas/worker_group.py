@@ -547,6 +547,7 @@ class WorkerGroup:
         """One step, blocking (the pipeline's forward, warm-up, tests): ``forward_async`` with rank 0 on a thread of
         this group's own. Raises PackFailed or WorkerGroupBroken as it does."""
         if not self.workers:  # one rank: nothing to wait for but this thread
+            self.launch(pack, self.default_bound_s)  # numbers the step
             try:
                 return self.forward_rank0(pack)
             except Exception as e:
