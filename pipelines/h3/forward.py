@@ -55,34 +55,6 @@ def packed_forward(
         return _packed_forward(model, pack, sp, cache)
 
 
-def _prologue(model, pack: Pack, lo: int, hi: int):
-    """Everything before the blocks, on this rank's rows [lo, hi): row-local, no collective."""
-    # 1. Text: context embedder, then the token refiner with attention within each request's prompt.
-    # Every rank refines all prompts: text is a few hundred rows against tens of thousands of media rows.
-    text = model.context_embedder(pack.prompt_embeds.to(get_parameter_dtype(model.context_embedder)))[None]
-    with attending(Documents(pack.text_cu_seqlens, pack.text_max_seqlen)):
-        text = model.token_refiner(text)  # [1, N_text, hidden]
-
-    # 2. This rank's rows of the packed buffer, each modality through its own (fp32) input projection.
-    hidden = text.new_zeros((1, hi - lo, text.shape[-1]))  # [1, T/W, hidden]; padding rows stay zero
-    text_at, text_rows = _local(pack.text_indices, text[0], lo, hi, pack.total_rows)
-    video_at, video_rows = _local(pack.video_indices, pack.video_rows, lo, hi, pack.total_rows)
-    audio_at, audio_rows = _local(pack.audio_indices, pack.audio_rows, lo, hi, pack.total_rows)
-    video = model.proj_in(video_rows.to(get_parameter_dtype(model.proj_in)))
-    audio = model.audio_proj_in(audio_rows.to(get_parameter_dtype(model.audio_proj_in)))
-    hidden = hidden.index_copy(1, text_at, text_rows[None])
-    hidden = hidden.index_copy(1, video_at, video.to(text.dtype)[None])
-    hidden = hidden.index_copy(1, audio_at, audio.to(text.dtype)[None])
-
-    # 3. One embedding per distinct timestep of the pack; each row picks its AdaLN table row.
-    temb = model.time_proj(pack.timestep)
-    temb = model.time_embedder(temb.to(get_parameter_dtype(model.time_embedder)))  # [K, time_embed_dim]
-    timestep_indices = pack.timestep_indices[lo:hi]  # [T/W]
-    adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags[lo:hi]  # video 0, text 1, audio 2
-    rotary_emb = model.rope(pack.position_ids[lo:hi])  # cos, sin: [T/W, 6 * rope_freq_dim]
-    return hidden, temb, timestep_indices, adaln_indices, rotary_emb, video_at, audio_at
-
-
 def _packed_forward(
     model, pack: Pack, sp: SequenceParallel | None, cache: PackCache | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -91,16 +63,40 @@ def _packed_forward(
         raise ValueError(f"a pack of {pack.total_rows} rows does not split over {world} ranks")
     lo, hi = rank * pack.total_rows // world, (rank + 1) * pack.total_rows // world
 
-    if sp is None or world == 1:
-        prologue = _prologue(model, pack, lo, hi)
-    else:  # a data error here (a bad row, an OOM) reaches every rank at the agreement: they all leave the step there
-        failure: Exception | None = None
-        try:
-            prologue = _prologue(model, pack, lo, hi)
-        except Exception as e:
-            failure = e
+    # The prologue (1-3) is row-local: no collective. Under Ulysses its error (a bad row, an OOM) is carried to the
+    # agreement below, so every rank leaves the step there. Inline, not a helper: its tensors stay live through the
+    # blocks as before, which the memory plan (ACTIVATION_FORMULA) and its meta-device check count.
+    failure: Exception | None = None
+    try:
+        # 1. Text: context embedder, then the token refiner with attention within each request's prompt.
+        # Every rank refines all prompts: text is a few hundred rows against tens of thousands of media rows.
+        text = model.context_embedder(pack.prompt_embeds.to(get_parameter_dtype(model.context_embedder)))[None]
+        with attending(Documents(pack.text_cu_seqlens, pack.text_max_seqlen)):
+            text = model.token_refiner(text)  # [1, N_text, hidden]
+
+        # 2. This rank's rows of the packed buffer, each modality through its own (fp32) input projection.
+        hidden = text.new_zeros((1, hi - lo, text.shape[-1]))  # [1, T/W, hidden]; padding rows stay zero
+        text_at, text_rows = _local(pack.text_indices, text[0], lo, hi, pack.total_rows)
+        video_at, video_rows = _local(pack.video_indices, pack.video_rows, lo, hi, pack.total_rows)
+        audio_at, audio_rows = _local(pack.audio_indices, pack.audio_rows, lo, hi, pack.total_rows)
+        video = model.proj_in(video_rows.to(get_parameter_dtype(model.proj_in)))
+        audio = model.audio_proj_in(audio_rows.to(get_parameter_dtype(model.audio_proj_in)))
+        hidden = hidden.index_copy(1, text_at, text_rows[None])
+        hidden = hidden.index_copy(1, video_at, video.to(text.dtype)[None])
+        hidden = hidden.index_copy(1, audio_at, audio.to(text.dtype)[None])
+
+        # 3. One embedding per distinct timestep of the pack; each row picks its AdaLN table row.
+        temb = model.time_proj(pack.timestep)
+        temb = model.time_embedder(temb.to(get_parameter_dtype(model.time_embedder)))  # [K, time_embed_dim]
+        timestep_indices = pack.timestep_indices[lo:hi]  # [T/W]
+        adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags[lo:hi]  # video 0, text 1, audio 2
+        rotary_emb = model.rope(pack.position_ids[lo:hi])  # cos, sin: [T/W, 6 * rope_freq_dim]
+    except Exception as e:
+        if sp is None or world == 1:
+            raise
+        failure = e
+    if sp is not None and world > 1:
         sp.agree(failure)  # one collective, before any that depends on the data; raises on every rank on a failure
-    hidden, temb, timestep_indices, adaln_indices, rotary_emb, video_at, audio_at = prologue
 
     with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
         if cache is None:
