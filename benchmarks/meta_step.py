@@ -224,7 +224,7 @@ def measure(replica: MetaReplica, asks: Sequence[Ask], sp_degree: int = 1, rank:
     prepared = [_prepared("full", ask.clip, seed) for seed, ask in enumerate(asks)]
     replica.impl.dtypes.clear()
     with fake_group(rank, sp_degree) if sp_degree > 1 else _nothing(), run:
-        sp = UlyssesGroup(sp_degree, rank, heads) if sp_degree > 1 else None
+        sp = UlyssesGroup(sp_degree, rank, heads, device="meta") if sp_degree > 1 else None
         pipeline.row_multiple = sp_degree
         forward = _forward_for(replica, sp)
         run.live = run.peak = 0
@@ -372,10 +372,16 @@ SYNC_BUDGET: dict[str, dict[str, int]] = {
     },
     "ulysses": {  # this rank's text, video and audio rows, by boolean masks (their nonzero): 3 indices, 3 row sets
         "boolean mask at pipelines/h3/forward.py (_local)": 6,
+        # mid-forward: the agreement's per-rank flags read back (every rank leaves a failed prologue there together)
+        "device-to-host copy at replicas/sequence_parallel.py (agree)": 1,
     },
     "step cache": {  # mid-forward: the decisions read back, the computing documents' sub-pack bounds sent
         "device-to-host copy at pipelines/h3/step_cache.py (_decide)": 1,
         "host-to-device copy at pipelines/h3/step_cache.py (of)": 1,
+    },
+    "ulysses step cache": {  # mid-forward: each decision's vector sent to rank 0's broadcast and read back
+        "host-to-device copy at replicas/sequence_parallel.py (follow_rank0)": 1,
+        "device-to-host copy at replicas/sequence_parallel.py (follow_rank0)": 1,
     },
     "lora": {  # before the forward: each row's slot, the slot groups, and each stream's runs of one slot
         "host-to-device copy at pipelines/h3/lora.py (pack_slots)": 2,
@@ -416,7 +422,7 @@ PATHS: dict[str, StepPath] = {
     "(e) LoRA, 2 adapters": StepPath(tuple(ADAPTED), parts=("pack", "lora")),
     "(c) sp=4, rank 0": StepPath(tuple(PACKS["budget"]), 4, 0, ("pack", "ulysses")),
     "(c) sp=4, rank 3": StepPath(tuple(PACKS["budget"]), 4, 3, ("pack", "ulysses")),
-    "(d) sp=4, rank 0": StepPath(tuple(CACHED), 4, 0, ("pack", "ulysses", "step cache")),
+    "(d) sp=4, rank 0": StepPath(tuple(CACHED), 4, 0, ("pack", "ulysses", "step cache", "ulysses step cache")),
 }
 TOLERANCE = 0.10  # measured / planned memory, and FLOPs counted / formula (1%: FLOP_TOLERANCE)
 FLOP_TOLERANCE = 0.01

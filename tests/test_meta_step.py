@@ -44,9 +44,12 @@ def test_every_tensor_of_every_path_is_on_the_models_device(measured):
     for name, result in measured.items():
         assert result["violations"] == [], name
     ulysses = measured["(c) sp=4, rank 0"]["collectives"]
-    # every block exchanges q, k and v for heads and the output back; rank 0 gathers the projected rows once
-    assert ulysses == {"alltoall_base_.default": 4 * 50, "gather_.default": 1}
-    assert "_allgather_base_.default" in measured["(d) sp=4, rank 0"]["collectives"]  # the cache's transitions
+    # every block exchanges q, k and v for heads and the output back; rank 0 gathers the projected rows once; the
+    # ranks agree once after the prologue
+    assert ulysses == {"alltoall_base_.default": 4 * 50, "gather_.default": 1, "allreduce_.default": 1}
+    cached = measured["(d) sp=4, rank 0"]["collectives"]
+    assert "_allgather_base_.default" in cached  # the cache's transitions
+    assert cached["broadcast_.default"] == 1  # its one decision, rank 0's on every rank
 
 
 def test_fp32_runs_exactly_where_diffusers_keeps_it(replica, measured):
