@@ -30,7 +30,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
 COLLECTIVE_TIMEOUT_S = 30.0  # gloo's own timeout, as NCCL's watchdog: no case may come near it
 STEP_BOUND_S = 2.0  # EngineLimits.step_timeout_min_s: a hung step is found this fast
-ABORT_GRACE_S = 2.0  # WorkerGroup.abort_grace_s: how long each rank's side of a broken step may take to come back
+# WorkerGroup.abort_grace_s: how long each rank's side of a broken step may take to come back (a released rank's Ray
+# reply took over 2 s once on 2 shared cores at load 20: it was declared lost and replaced)
+ABORT_GRACE_S = 4.0
 # from the submit to both answers, beside the time a new worker process takes to start and load the model: the
 # bound, the grace (twice: the workers, then rank 0), the rendezvous, the steps, prepares and decodes
 ANSWER_BOUND_S = 20.0
@@ -60,7 +62,7 @@ def rank0(point, action, outcome, reason="", block=1):
 
 
 BOUND = r"did not finish within its bound"
-LOST = r"rank 1 was lost: \w*Actor\w*Error"
+LOST = r"rank 1 was lost( in step \d+)?: \w*Actor\w*Error"  # its death reported first, or rank 0's own error
 IN_BLOCK = r"failed in step \d+ after \d+ collective\(s\), past the step's agreement: InjectedFault"
 CASES = [
     worker("before_first_collective", "raise", "data"),
@@ -121,16 +123,18 @@ async def serve(group: WorkerGroup, fault: Fault | None = None):
     return engine, results, answered, following, unhealthy
 
 
-def live_workers(expected: int | None = None, timeout_s: float = 5.0) -> list:
-    """The SPWorker actors alive in the cluster (waiting up to ``timeout_s`` for ``expected`` of them: the state API
-    learns of a death a moment after it)."""
+def live_workers(before: set, expected: int | None = None, timeout_s: float = 5.0) -> list:
+    """This module's SPWorker actors alive in the session's cluster: those in placement groups made since ``before``
+    (waiting up to ``timeout_s`` for ``expected`` of them: the state API learns of a death a moment after it)."""
     deadline = time.monotonic() + timeout_s
     while True:
         alive = list_actors(
             address=ray.get_runtime_context().gcs_address,
             filters=[("class_name", "=", "SPWorker"), ("state", "=", "ALIVE")],
+            detail=True,  # with each actor's placement group
             raise_on_missing_output=False,
         )
+        alive = [a for a in alive if a.placement_group_id not in before]
         if expected is None or len(alive) == expected or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
@@ -152,7 +156,7 @@ def matrix(tiny_checkpoint):
     state["group"].shutdown()
     print("\nfault matrix (s): " + "; ".join(state["times"]))
     assert not live_groups(before), "a placement group outlived its SP group"
-    assert not live_workers(expected=0), "an SP worker outlived its group"
+    assert not live_workers(before, expected=0), "an SP worker outlived its group"
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -162,9 +166,8 @@ def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case)
     engine, results, answered, following, unhealthy = asyncio.run(serve(group, case.fault))
     matrix["group"] = new = engine.group
     replaced = engine.supervisor.history
-    matrix["times"].append(
-        f"{case} {answered:.1f}" + (f" (broken after {replaced[0].broken_after_s:.1f})" if replaced else "")
-    )
+    how = f" (broken after {replaced[0].broken_after_s:.1f}, replaced in {replaced[0].seconds:.1f})" if replaced else ""
+    matrix["times"].append(f"{case} {answered:.1f}{how}")
 
     starting = sum(r.seconds for r in replaced if r.started)  # a new process for the worker: machine-bound
     assert answered - starting < ANSWER_BOUND_S < COLLECTIVE_TIMEOUT_S, (answered, starting)
@@ -189,8 +192,9 @@ def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case)
             assert replacement.started == (1,) and new_pid != old_pid and gone(old_pid)
             assert replacement.seconds < START_BOUND_S, replacement.seconds
     # nothing left behind: one live worker (the group's), in the one placement group the group reserved
-    assert [a.pid for a in live_workers(expected=1)] == [new.processes[1][0]]
-    assert len(live_groups(matrix["before"])) == 1 and new.placement is not None
+    assert new.placement is not None and live_groups(matrix["before"]) == [new.placement.pg.id.hex()]
+    (alive,) = live_workers(matrix["before"], expected=1)
+    assert (alive.pid, alive.placement_group_id) == (new.processes[1][0], new.placement.pg.id.hex())
 
 
 def test_rank0_stuck_past_the_abort_stops_the_engine_naming_the_cause_and_leaves_nothing_behind(matrix):
@@ -207,5 +211,5 @@ def test_rank0_stuck_past_the_abort_stops_the_engine_naming_the_cause_and_leaves
     with pytest.raises(EngineStopped):  # Serve sees it, and replaces the replica
         engine.check_health()
     group.shutdown()  # what the replica's teardown does
-    assert gone(old_pid) and not live_workers(expected=0) and not live_groups(matrix["before"])
+    assert gone(old_pid) and not live_workers(matrix["before"], expected=0) and not live_groups(matrix["before"])
     matrix["group"] = group
