@@ -16,6 +16,7 @@ import torch
 
 from pipelines.h3 import GenerationRequest
 from replicas import PackFailed, WorkerGroup, WorkerGroupBroken
+from replicas.supervisor import GroupSupervisor
 from tests.harness import gone
 from tests.test_replicas import poison, request, spec
 
@@ -31,11 +32,23 @@ def solo(tiny_checkpoint):
     group.shutdown()
 
 
+@pytest.fixture(scope="module")
+def supervised(tiny_checkpoint):
+    """One sp=2 group for the module, replaced as the engine replaces it (``GroupSupervisor``)."""
+    supervisor = GroupSupervisor(WorkerGroup.create(spec(2, tiny_checkpoint, timeout=COLLECTIVE_TIMEOUT_S)))
+    yield supervisor
+    supervisor.group.shutdown()
+
+
 @pytest.fixture
-def pair(tiny_checkpoint):
-    group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=COLLECTIVE_TIMEOUT_S))
-    yield group
-    group.shutdown()
+def pair(supervised):
+    """A healthy sp=2 group: a test that broke the last one gets its replacement on a new communicator, the worker
+    kept when its step came back (no new process: each start imports torch, ~7 s on 2 cores)."""
+    group = supervised.group
+    if group.broken_reason:
+        group = supervised.replace(WorkerGroupBroken(group.broken_reason, recoverable=True))
+    group.check_health()
+    return group
 
 
 def one_pack(group: WorkerGroup, states):
@@ -92,6 +105,7 @@ def test_forwards_are_serial_on_every_rank_and_ping_answers_while_one_runs(pair,
     first, second = one_pack(pair, states[:1]), one_pack(pair, states)
     # Both steps are on the worker before rank 0 starts either: the worker sits in the first one's
     # broadcast, waiting for rank 0, and the second must wait its turn, not interleave its collectives.
+    before = pair.steps  # a replacement group goes on numbering its predecessor's steps
     first_refs, second_refs = pair.launch(first, COLLECTIVE_TIMEOUT_S), pair.launch(second, COLLECTIVE_TIMEOUT_S)
     time.sleep(0.5)
     started = time.perf_counter()
@@ -100,7 +114,7 @@ def test_forwards_are_serial_on_every_rank_and_ping_answers_while_one_runs(pair,
     out_first = pair.forward_rank0(first)
     out_second = pair.forward_rank0(second)
     outcomes = ray.get(first_refs + second_refs, timeout=COLLECTIVE_TIMEOUT_S)
-    assert [(o.step, o.error) for o in outcomes] == [(1, None), (2, None)]
+    assert [(o.step, o.error) for o in outcomes] == [(before + 1, None), (before + 2, None)]
     for out, documents in ((out_first, states[:1]), (out_second, states)):
         want = solo.forward_rank0(one_pack(solo, documents))
         torch.testing.assert_close(out[0], want[0], rtol=0, atol=1e-5)
