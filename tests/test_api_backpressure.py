@@ -123,8 +123,9 @@ def assert_2xx_or_503_with_retry_after(responses: list[httpx.Response]) -> None:
 def test_health_answers_within_100_ms_while_steps_run(server):
     """/health goes through the ingress to the H3 replica's event loop, which no step blocks: the pack is built on the
     engine's model thread, and SP workers get only its metadata. On a shared 2-core machine an idle /health alone
-    has taken up to 180 ms at load 8 (other processes' work), so 9 polls in 10 must answer within 100 ms: a loop
-    blocked for each step (a released-size pack built and put there took ~0.5 s on this CPU) fails every one."""
+    has taken up to 180 ms at load 8 (other processes' work), and at load 30 one poll in ten took 120-320 ms while
+    the median stayed at 38 ms; so the median must be within 100 ms and 9 polls in 10 within 250 ms: a loop blocked
+    for each step (a released-size pack built and put there took ~0.5 s on this CPU) fails both."""
     with client(server.url) as http:
         job = http.post("/v1/videos", json={**VIDEO, "prompt": "health while stepping"}).json()
 
@@ -145,7 +146,8 @@ def test_health_answers_within_100_ms_while_steps_run(server):
     shown = [round(s * 1e3, 1) for s in seconds]
     print(f"/health while steps run (ms): {shown}")
     assert running["status"] == "in_progress", running  # every sample was taken while it stepped
-    assert sorted(seconds)[len(seconds) * 9 // 10 - 1] < 0.1, shown
+    assert statistics.median(seconds) < 0.1, shown
+    assert sorted(seconds)[len(seconds) * 9 // 10 - 1] < 0.25, shown
 
 
 @pytest.mark.ray
