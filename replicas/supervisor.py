@@ -121,6 +121,8 @@ class GroupSupervisor:
         try:
             group.check_health()
         except WorkerGroupBroken:
-            if group.broken_in_step or self.group is not group:  # a step broke it meanwhile: it is being replaced
+            # a step in flight finds the lost rank itself (within its bound) and replaces the group; or one broke it
+            # meanwhile and it is being replaced
+            if group.stepping or group.broken_in_step or self.group is not group:
                 return
             raise

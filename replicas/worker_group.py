@@ -357,6 +357,7 @@ class WorkerGroup:
         self.broken_reason: str | None = None
         self.broken_at: float | None = None  # time.monotonic() of the break
         self.broken_in_step = False  # a step broke it: the caller is aborting it and will replace it
+        self.stepping = False  # a step is in flight: it classifies a rank's death itself, within its bound
         self.steps = steps  # steps launched; every rank numbers them alike
         self.step_cache_mirror = CacheMirrorWriter()  # what the workers hold of the requests' step caches
         self.master = ""  # the rendezvous address of this group's communicator
@@ -483,6 +484,16 @@ class WorkerGroup:
             except Exception as e:
                 logger.warning("rank 0: step %d failed\n%s", step, formatted(e))
                 raise PackFailed({0: describe(e)}) from None
+        self.stepping = True
+        try:
+            return await self._await_step(step, started, bound_s, local, refs)
+        finally:
+            self.stepping = False
+
+    async def _await_step(
+        self, step: int, started: float, bound_s: float, local: asyncio.Future, refs: list[ray.ObjectRef]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's side of step ``step`` within ``bound_s`` of ``started``, classified (see ``forward_async``)."""
         workers = {asyncio.wrap_future(ref.future()): rank for rank, ref in enumerate(refs, start=1)}
         outcomes: dict[int, RankOutcome] = {}
         pending: set[asyncio.Future] = {local, *workers}
