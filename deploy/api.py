@@ -84,6 +84,11 @@ def resolve_api_key(env: str | None) -> str | None:
     return key
 
 
+def unknown_job(video_id: str) -> APIError:
+    """A 404 for an id the job store does not hold (cut to 80 characters: it is the caller's input, echoed)."""
+    return APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+
+
 # -- request bodies ----------------------------------------------------------------------------
 def limits_of(info: ValidationInfo) -> RequestLimits:
     """The deployment's limits, which every body is validated under (``context={"limits": ...}``)."""
@@ -777,7 +782,7 @@ class H3Ingress:
     async def _job(self, video_id: str) -> dict:
         video = await self.videos.get(video_id)
         if video is None:
-            raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+            raise unknown_job(video_id)
         return video
 
     @app.get("/v1/videos")
@@ -821,7 +826,7 @@ class H3Ingress:
     @route("/v1/videos/{id}:delete")
     async def delete_video(self, request: Request, video_id: str):
         if not await self.videos.delete(video_id):
-            raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+            raise unknown_job(video_id)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     @app.post("/v1/videos/{video_id}/cancel")
@@ -831,7 +836,7 @@ class H3Ingress:
         boundary; the job reads cancelled (409 once it finished)."""
         video = await self.videos.cancel(video_id)
         if video is None:
-            raise APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+            raise unknown_job(video_id)
         return video
 
     @app.get("/v1/videos/{video_id}/events")
