@@ -10,7 +10,7 @@ DEMO_CHECKPOINT ?= pipelines/h3/checkpoints/minimax-h3-tiny-demo
 
 BIN := $(VENV)/bin
 
-.PHONY: serve test test-fast lint setup weights eval demo-checkpoint readme-images screenshots bench k8s k8s-check clean
+.PHONY: serve test test-nodes test-fast lint setup weights eval demo-checkpoint readme-images screenshots bench k8s k8s-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ serve: setup
 # --durations: the slowest tests and fixtures, printed on every run (tests/README.md: where the suite's time goes)
 test: setup
 	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+
+# the node layer on Ray's simulated autoscaling cluster (minutes; outside CI: docs/BENCHMARKS.md section 14)
+test-nodes: setup
+	CI= $(BIN)/python -m pytest -s tests/test_node_autoscaling.py $(PYTEST_ARGS)
 
 # No Ray, no processes, no GPU: the library layers in well under a minute.
 test-fast: setup

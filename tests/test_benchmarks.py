@@ -452,7 +452,9 @@ def test_stages_smoke_serves_one_trace_through_both_apps_and_counts_the_object_s
         v for e in expected for k, v in e.items() if k != "handoff latents"
     )
     assert staged["handoff_bytes"]["latents"] == sum(e["handoff latents"] for e in expected)
-    assert sum(result["stage_reports"]["conditioner"]["calls"].values()) == n + 1  # each request and the warm-up
+    # each request, the warm-up, and the preview map's fit (the default config's previews are on)
+    assert result["preview_fits"] == 1
+    assert sum(result["stage_reports"]["conditioner"]["calls"].values()) == n + 1 + 1
     assert sum(result["stage_reports"]["decoder"]["calls"].values()) == n
     for words in ("denoiser duty", "prepared B/req", "row_timestep_plan", "1344x768x345, 50 steps"):
         assert words in out

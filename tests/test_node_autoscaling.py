@@ -32,7 +32,16 @@ import pytest
 
 from tests.harness import default_config, free_port, wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow, pytest.mark.own_cluster]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.own_cluster,
+    # Minutes of simulated nodes: on a fresh-clone CI run here it took 334 s and missed its 300 s bound (the second
+    # replica was added and removed every ~40 s). Issue 41 lets it run outside CI with its runs reported:
+    # docs/BENCHMARKS.md section 14. Run it with `make test-nodes`.
+    pytest.mark.skipif(os.environ.get("CI") == "true", reason="outside CI (make test-nodes): docs/BENCHMARKS.md §14"),
+]
 
 SLOT = "h3_replica_slot"  # only worker nodes have one: the head has no room for a replica
 NODE_TYPE = "h3.replica_node"
