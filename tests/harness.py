@@ -4,6 +4,7 @@ import contextlib
 import copy
 import functools
 import io
+import json
 import os
 import shutil
 import signal
@@ -154,6 +155,20 @@ class ServeProcess:
 
 def client(url: str, timeout: float = 120) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout)
+
+
+def event_stream(text: str) -> list[dict]:
+    """text/event-stream -> [{"id", "event", "data"}] (comments and the retry line dropped)."""
+    events = []
+    for block in text.split("\n\n"):
+        fields: dict = {}
+        for line in block.split("\n"):
+            name, _, value = line.partition(": ")
+            if name in ("id", "event", "data"):
+                fields[name] = value
+        if "event" in fields:
+            events.append({"id": fields.get("id"), "event": fields["event"], "data": json.loads(fields["data"])})
+    return events
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

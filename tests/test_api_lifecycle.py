@@ -1,9 +1,11 @@
 """Starting, crashing and restarting h3serve: no start without the configured token, no video job left
 'in_progress' by a dead ingress, and finished videos that outlive the server and the cluster."""
 
+import concurrent.futures
 import copy
 import os
 
+import httpx
 import pytest
 import ray
 from ray import serve
@@ -13,6 +15,7 @@ from tests.harness import (
     ServeProcess,
     client,
     default_config,
+    event_stream,
     free_port,
     h3serve_inline,
     serve_run_until_failed,
@@ -113,7 +116,26 @@ def ingress_actors(address: str) -> list:
     ]
 
 
+def read_events(url: str, video_id: str, headers: dict | None = None) -> tuple[int, list[dict]]:
+    """One connection to the job's event stream, read until it ends or breaks: (status, events read)."""
+    text = ""
+    try:
+        with (
+            client(url) as http,
+            http.stream("GET", f"/v1/videos/{video_id}/events", headers=headers, timeout=LEASE_S + 90) as response,
+        ):
+            if response.status_code != 200:
+                return response.status_code, []
+            for chunk in response.iter_text():
+                text += chunk
+    except httpx.HTTPError:  # the ingress serving it died: what was read still counts
+        pass
+    return 200, event_stream(text)
+
+
 def test_a_job_whose_ingress_crashed_fails_within_its_lease(server):
+    """Polled and followed: the job's record turns failed (runner_lost), and an event stream broken by the crash,
+    resumed with Last-Event-ID as an EventSource does, ends with that failed event."""
     process = server.start()
     with client(process.url) as http:
         job = http.post("/v1/videos", json=LONG).json()
@@ -123,8 +145,26 @@ def test_a_job_whose_ingress_crashed_fails_within_its_lease(server):
             interval=0.2,
             what="the job to run",
         )
-        (ingress,) = ingress_actors(server.address)
-        ray.kill(ray.get_actor(ingress.name, namespace=ingress.ray_namespace), no_restart=True)  # a crash: no __del__
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            before = pool.submit(read_events, process.url, job["id"])
+            wait_for(
+                lambda: http.get("/v1/stats").json()["event_streams_open"] == 1,
+                timeout=30,
+                interval=0.2,
+                what="the stream open",
+            )
+            (ingress,) = ingress_actors(server.address)
+            ray.kill(ray.get_actor(ingress.name, namespace=ingress.ray_namespace), no_restart=True)  # no __del__
+            status, read = before.result(timeout=60)
+        assert status == 200 and read and read[-1]["event"] not in ("completed", "failed", "cancelled"), read
+        seen = [e["id"] for e in read if e["id"] is not None]
+
+        def resumed():  # reconnect until the new ingress answers, as an EventSource does every `retry` ms
+            status, events = read_events(process.url, job["id"], headers={"Last-Event-ID": seen[-1]})
+            return events if status == 200 and events and events[-1]["event"] == "failed" else None
+
+        final = wait_for(resumed, timeout=LEASE_S + 90, interval=1, what="the resumed stream's final event")[-1]
+        assert final["data"]["video"]["error"]["code"] == "runner_lost", final
 
         # Serve starts a new ingress; it finds the job's heartbeat stopping and fails it
         def failed():

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from tests.harness import REPO, browser_or_skip, client, error_of, scrape, wait, wait_for
+from tests.harness import REPO, browser_or_skip, client, error_of, event_stream, scrape, wait, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 PROMPT = "a red circle moving left with a high beep"  # the README's
@@ -33,25 +33,11 @@ def diagnostics() -> dict:
     return serve.get_deployment_handle("H3Replica", app_name="events").diagnostics.remote().result()
 
 
-def parse(text: str) -> list[dict]:
-    """text/event-stream -> [{"id", "event", "data"}] (comments and the retry line dropped)."""
-    events = []
-    for block in text.split("\n\n"):
-        fields: dict = {}
-        for line in block.split("\n"):
-            name, _, value = line.partition(": ")
-            if name in ("id", "event", "data"):
-                fields[name] = value
-        if "event" in fields:
-            events.append({"id": fields.get("id"), "event": fields["event"], "data": json.loads(fields["data"])})
-    return events
-
-
 def stream(http: httpx.Client, video_id: str, headers: dict | None = None) -> list[dict]:
     with http.stream("GET", f"/v1/videos/{video_id}/events", headers=headers) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
-        return parse(response.read().decode())
+        return event_stream(response.read().decode())
 
 
 def video(http: httpx.Client, steps: int, prompt: str = PROMPT, **fields) -> dict:
