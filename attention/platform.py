@@ -7,10 +7,17 @@ import importlib.metadata
 from collections.abc import Iterable
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 DeviceType = Literal["cpu", "cuda"]
+
+
+def _torch_version() -> str:
+    # torch is imported where a platform is probed or assumed, never at import: a process that only receives a
+    # Platform (the ingress, in its deploy args) loads no model and must not pay torch's import
+    import torch
+
+    return torch.__version__
 
 
 class Platform(BaseModel):
@@ -21,7 +28,7 @@ class Platform(BaseModel):
     device_type: DeviceType
     device_name: str = "cpu"
     compute_capability: tuple[int, int] | None = None
-    torch_version: str = Field(default_factory=lambda: torch.__version__)
+    torch_version: str = Field(default_factory=_torch_version)
     # importable kernel library -> version; absent means it does not import there
     kernel_libraries: dict[str, str] = Field(default_factory=dict)
     source: Literal["probed", "assumed"] = "assumed"
@@ -80,6 +87,8 @@ def library_version(module_name: str) -> str | None:
 
 def probe(device: DeviceType | None = None, libraries: Iterable[str] = ()) -> Platform:
     """Describe this node. ``device=None`` picks CUDA when a GPU is visible."""
+    import torch
+
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         return Platform(

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Literal, overload
+from typing import overload
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from .backend import AttentionBackend
 from .errors import AdmissionError, BackendUnavailable
@@ -21,6 +20,7 @@ from .platform import Platform
 from .ranking import Ranking, configured, order
 from .registry import auto_candidates, backend_names, get_backend, probe_platform
 from .requirements import AttentionRequirements
+from .resolution import Rejection, Resolution
 
 logger = logging.getLogger(__name__)
 
@@ -39,42 +39,6 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if key not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[key]
-
-
-class Rejection(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    backend: str
-    kind: Literal["incapable", "unavailable"]
-    reason: str
-
-
-class Resolution(BaseModel):
-    """The driver's decision, handed to every replica. JSON-serializable."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    backend: str
-    chosen_by: Literal["explicit", "auto"]
-    requested: str
-    model: str | None = None
-    requirements: dict[str, bool]
-    platform: Platform
-    dtype: str | None = None
-    head_dim: int | None = None
-    rejected: tuple[Rejection, ...] = ()
-    # auto's candidate order: the backends' declared auto_rank, or a measured ranking that applied
-    order: Literal["declared", "measured"] = "declared"
-    ranking: str | None = None  # the ranking consulted, or why it was ignored
-
-    def describe(self) -> str:
-        why = "explicitly selected" if self.chosen_by == "explicit" else "auto-selected"
-        text = f"attention backend {self.backend!r} {why} for model {self.model or '?'} on {self.platform.describe()}"
-        if self.ranking:
-            text += f"; {self.order} order, ranking {self.ranking}"
-        if self.rejected:
-            text += "; passed over: " + "; ".join(f"{r.backend} ({r.reason})" for r in self.rejected)
-        return text
 
 
 def clear_cache() -> None:

@@ -40,12 +40,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
-from pipelines.h3.checkpoint import cache_dir
-from pipelines.h3.lora import asked_steps, check_request_steps
-from pipelines.h3.stages import image_problem
+from pipelines.h3.lora_spec import asked_steps, check_request_steps
+from pipelines.h3.paths import cache_dir
+from pipelines.h3.uploads import image_problem
 from replicas import MAX_PRIORITY, MIN_PRIORITY, EngineDraining
 
-from .args import DeployArgs, JobStoreArgs, RequestLimits
+from .args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs, RequestLimits
 from .cold_start import ColdStart
 from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
 from .events import follow_record, last_event_id
@@ -54,7 +54,7 @@ from .media_store import MediaStore
 from .metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
 from .openapi import REQUEST_ID, document, redoc_page, swagger_page
 from .playground import playground_page
-from .replica import DRAIN_MARGIN_S, log_through_serve
+from .serve_logging import log_through_serve
 from .video_jobs import RESUBMIT_BACKOFF_S, RESUBMIT_FOR_S, VideoJobs, caused_by
 
 logger = logging.getLogger(__name__)

@@ -9,12 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from attention import Platform, Resolution
 from pipelines.h3 import AUTO, TransformerGeometry, default_dtype, preset
-from pipelines.h3.lora import LoraSpec, LoraSpecs
-from pipelines.h3.stages import MAX_UPLOAD_PIXELS
-from pipelines.h3.step_cache import OFF, StepCacheTiers
+from pipelines.h3.lora_spec import LoraSpec, LoraSpecs
+from pipelines.h3.step_cache_tiers import OFF, StepCacheTiers
+from pipelines.h3.uploads import MAX_UPLOAD_PIXELS
 from replicas import EngineLimits, ReplicaSpec
 
 from .autoscaling import POLICY_PATH
+
+# graceful_shutdown_timeout_s beyond engine.drain_timeout_s, for the replica and the ingress: the replica's drain
+# poll, encoding the last MP4s, Serve's wait loop, and stopping the SP workers
+DRAIN_MARGIN_S = 60.0
 
 
 def default_served_name(model: str, checkpoint: str | None) -> str:

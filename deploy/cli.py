@@ -257,7 +257,7 @@ def cmd_generate(ns: argparse.Namespace) -> None:
         default_dtype,
     )
     from pipelines.h3.checkpoint import resolve_checkpoint
-    from pipelines.h3.step_cache import StepCacheTiers
+    from pipelines.h3.step_cache_tiers import StepCacheTiers
 
     if ns.threads:
         import torch

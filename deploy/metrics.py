@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import ray
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from pipelines.h3 import STAGE_ROLES
+from pipelines.h3.placement import STAGE_ROLES
 from replicas import CANCEL_STAGES, FAILURE_REASONS, EngineLoad
 from replicas import STAGES as ENGINE_STAGES
 

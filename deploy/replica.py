@@ -55,16 +55,14 @@ from pipelines.h3 import (
 )
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 
-from .args import DeployArgs
+from .args import DRAIN_MARGIN_S, DeployArgs
 from .autoscaling import replica_stats
 from .errors import StageUnavailable
 from .metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
+from .serve_logging import log_through_serve
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is being stopped
-# graceful_shutdown_timeout_s beyond drain_timeout_s: the poll, encoding the last MP4s, Serve's wait loop,
-# and stopping the SP workers
-DRAIN_MARGIN_S = 60.0
 # how long a staged replica's warm-up waits for the conditioner stage to prepare its request: the conditioner
 # may still be loading Qwen3-VL (tens of GB) when this replica's transformer is ready
 STAGE_WARMUP_TIMEOUT_S = 900.0
@@ -76,25 +74,6 @@ STAGE_RETRY_BACKOFF_S = (1.0, 5.0)
 # with its node
 STAGE_REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
-
-
-H3SERVE_PACKAGES = ("deploy", "replicas", "pipelines", "attention")
-
-
-def log_through_serve(packages: tuple[str, ...] = H3SERVE_PACKAGES) -> None:
-    """Send h3serve's own log lines through Ray Serve's replica logger: its level, its log file and format,
-    with the replica tag and, inside a request, that request's id (X-Request-Id). Without it they would reach
-    the Ray worker's stderr only, and INFO lines (a request queued, joined, done, handed back) not at all."""
-    serve_logger = logging.getLogger("ray.serve")
-    if not serve_logger.handlers:  # not inside a Serve replica: leave logging as it is
-        return
-    for name in packages:
-        package = logging.getLogger(name)
-        package.setLevel(serve_logger.getEffectiveLevel())
-        for handler in serve_logger.handlers:
-            if handler not in package.handlers:
-                package.addHandler(handler)
-        package.propagate = False  # once, through Serve's handlers
 
 
 class ServeStages:

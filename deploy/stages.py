@@ -33,7 +33,7 @@ from pipelines.h3.preview import PreviewMap
 from replicas.allocator import cuda_allocator_defaults
 
 from .args import DeployArgs, StageDeploymentArgs
-from .replica import log_through_serve
+from .serve_logging import log_through_serve
 
 logger = logging.getLogger(__name__)
 

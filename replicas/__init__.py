@@ -1,31 +1,54 @@
 """What runs inside one Serve replica: the SP worker group and the step-level engine (no Serve here)."""
 
-from .engine import (
+import importlib
+from typing import TYPE_CHECKING
+
+from .contract import (
     CANCEL_STAGES,
     FAILURE_REASONS,
     MAX_PRIORITY,
     MIN_PRIORITY,
-    POLICIES,
     REQUEST_EVENTS,
     STAGES,
     DeadlineExceeded,
-    Engine,
     EngineDraining,
     EngineLimits,
     EngineLoad,
-    EngineObserver,
     EngineStalled,
-    EngineStats,
     EngineStopped,
     PreviewPolicy,
     QueueFull,
-    StageClient,
-    StepBoundary,
-    StepGate,
-    Ticket,
 )
+from .scheduler import POLICIES
 from .spec import ReplicaSpec
-from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
+
+# The engine and the worker group import torch and the model (seconds of CPU): imported when one of their names
+# is first used, so that the ingress and the deploy args, which need only the contract above, start without them.
+_LAZY = {
+    "Engine": ".engine",
+    "EngineObserver": ".engine",
+    "EngineStats": ".engine",
+    "StageClient": ".engine",
+    "StepBoundary": ".engine",
+    "StepGate": ".engine",
+    "Ticket": ".engine",
+    "PackFailed": ".worker_group",
+    "WorkerGroup": ".worker_group",
+    "WorkerGroupBroken": ".worker_group",
+}
+
+if TYPE_CHECKING:
+    from .engine import Engine, EngineObserver, EngineStats, StageClient, StepBoundary, StepGate, Ticket
+    from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # once: later lookups find it without this hook
+    return value
+
 
 __all__ = [
     "CANCEL_STAGES",

@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from attention import Resolution
 from pipelines.h3 import TransformerGeometry
-from pipelines.h3.lora import LoraSpecs
-from pipelines.h3.pipeline import StagePlacement
+from pipelines.h3.lora_spec import LoraSpecs
+from pipelines.h3.placement import StagePlacement
 
 
 class ReplicaSpec(BaseModel):

@@ -5,9 +5,11 @@ import io
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
+from ray.util.state import list_actors
 
 from deploy.api import PUBLIC_ROUTES
 from deploy.openapi import REQUEST_ID
@@ -36,6 +38,19 @@ def server(served):
     """The default config at / and "locked" at /locked: a bearer token and a small body limit (``served_apps``)."""
     with served.module(__name__) as app:
         yield app
+
+
+def test_the_running_ingress_never_loaded_torch(server, ray_cluster):
+    # importing deploy.api loads no model library (test_ingress_imports); here the ingress's own process, as Serve
+    # started it and after it served a request, is held to it: torch's shared library is not mapped into it
+    with client(server.url) as http:
+        assert http.get("/health").status_code == 200
+    actors = list_actors(address=ray_cluster.address, filters=[("state", "=", "ALIVE")], detail=True, limit=10000)
+    ingresses = [a for a in actors if a.class_name == f"ServeReplica:{server.name}:H3Ingress"]
+    assert ingresses, [a.class_name for a in actors]
+    for actor in ingresses:
+        maps = Path(f"/proc/{actor.pid}/maps").read_text()
+        assert "libtorch" not in maps, f"ingress pid {actor.pid} has torch loaded"
 
 
 def multipart(boundary: str, body: bytes) -> dict:

@@ -26,11 +26,11 @@ from pipelines.h3.lora import (
     LoraSpec,
     LoraSpecs,
     adapting,
-    check_request_steps,
     linear_kinds,
     load_partitions,
     pack_slots,
 )
+from pipelines.h3.lora_spec import check_request_steps
 from pipelines.h3.packing import pack_documents
 from pipelines.h3.request import RequestError
 from tests.test_h3_forward import CONFIG, DOCUMENTS, diffusers_forward, document

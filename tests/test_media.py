@@ -212,7 +212,8 @@ def test_the_header_check_catches_truncated_and_corrupted_pngs_and_jpegs_without
     import zlib
 
     from pipelines.h3.request import RequestError
-    from pipelines.h3.stages import decode_image, image_problem
+    from pipelines.h3.stages import decode_image
+    from pipelines.h3.uploads import image_problem
 
     png, jpeg = _encoded("PNG"), _encoded("JPEG")
     assert image_problem(png) is None and image_problem(jpeg) is None

@@ -1,23 +1,59 @@
 """MiniMax-H3 served by h3serve: diffusers' model under a packed multi-request varlen forward (no Ray here)."""
 
-from .admission import CheckpointMismatch, DeploymentConfigError, checkpoint_geometry, validate_deployment
-from .checkpoint import CheckpointConfigs, CheckpointError, VisionUnavailable
+import importlib
+from typing import TYPE_CHECKING
+
 from .config import AUTO, PRESETS, H3Preset, TransformerGeometry, default_dtype, preset
-from .pipeline import (
-    REQUIREMENTS,
-    STAGE_ROLES,
-    DecodeHandoff,
-    EncodedMedia,
-    GeneratedMedia,
-    H3Denoiser,
-    H3Pipeline,
-    H3StageModels,
-    PreparedState,
-    RequestState,
-    StepStats,
-    checkpoint_rules,
-)
-from .request import GenerationRequest, ModelRules, Reference, RequestError
+from .placement import STAGE_ROLES
+from .request import GenerationRequest, ModelRules, Reference, RequestError, VisionUnavailable
+
+# The model's modules import torch and diffusers (seconds of CPU): imported when one of their names is first
+# used, so that what needs only the request schema and the presets (the ingress, the CLI) starts without them.
+_LAZY = {
+    "CheckpointMismatch": ".admission",
+    "DeploymentConfigError": ".admission",
+    "checkpoint_geometry": ".admission",
+    "validate_deployment": ".admission",
+    "CheckpointConfigs": ".checkpoint",
+    "CheckpointError": ".checkpoint",
+    "REQUIREMENTS": ".pipeline",
+    "DecodeHandoff": ".pipeline",
+    "EncodedMedia": ".pipeline",
+    "GeneratedMedia": ".pipeline",
+    "H3Denoiser": ".pipeline",
+    "H3Pipeline": ".pipeline",
+    "H3StageModels": ".pipeline",
+    "PreparedState": ".pipeline",
+    "RequestState": ".pipeline",
+    "StepStats": ".pipeline",
+    "checkpoint_rules": ".pipeline",
+}
+
+if TYPE_CHECKING:
+    from .admission import CheckpointMismatch, DeploymentConfigError, checkpoint_geometry, validate_deployment
+    from .checkpoint import CheckpointConfigs, CheckpointError
+    from .pipeline import (
+        REQUIREMENTS,
+        DecodeHandoff,
+        EncodedMedia,
+        GeneratedMedia,
+        H3Denoiser,
+        H3Pipeline,
+        H3StageModels,
+        PreparedState,
+        RequestState,
+        StepStats,
+        checkpoint_rules,
+    )
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # once: later lookups find it without this hook
+    return value
+
 
 __all__ = [
     "AUTO",

@@ -27,6 +27,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .config import TINY_VOCAB_SIZE, TransformerGeometry, preset, transformer_defaults
+from .paths import cache_dir
+from .request import VisionUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +249,6 @@ class ImageOnlyQwen3VLProcessor:
         return [[kinds.get(token, 0) for token in row] for row in input_ids]
 
 
-class VisionUnavailable(RuntimeError):
-    """A request needs a vision component this replica could not build."""
-
-
 def load_processor(index: CheckpointIndex):
     """Qwen3-VL's processor; without torchvision, the tokenizer and image processor it is made of."""
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
@@ -453,10 +451,6 @@ def write_tiny_checkpoint(
 # Bump when the tiny writer makes other tensors for the same preset and seed, so no cache serves the old ones.
 # 2: the text encoder keeps tokens apart (keep_tokens_apart).
 TINY_WRITER_VERSION = 2
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("H3SERVE_CACHE", Path.home() / ".cache" / "h3serve"))
 
 
 def random_tiny_checkpoint(seed: int = 0) -> Path:

@@ -18,7 +18,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,8 +39,10 @@ from . import checkpoint as ckpt
 from .attention_processor import SequenceParallel, install
 from .config import TransformerGeometry, transformer_defaults
 from .forward import packed_forward
-from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, asked_steps, load_partitions
+from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, load_partitions
+from .lora_spec import asked_steps
 from .packing import Document, Pack, pack_documents
+from .placement import STAGE_PLACEMENTS, STAGE_ROLES, StagePlacement
 from .preview import PreviewLayout, PreviewMap, clean_rows, preview_frames, strip_png
 from .request import GenerationRequest, ModelRules, RequestError
 from .stages import DECODE_KEYS, PREPARED_KEYS, H3Stages
@@ -50,11 +52,6 @@ logger = logging.getLogger(__name__)
 
 # What H3 needs from attention: many documents packed into one [T, H, D] forward.
 REQUIREMENTS = AttentionRequirements(packed_varlen=True)
-
-# Where a replica's per-request stages run: "local" on rank 0 (it loads the text encoder and both VAEs),
-# "remote" in conditioner and decoder deployments of their own (rank 0 holds only the transformer partitions)
-StagePlacement = Literal["local", "remote"]
-STAGE_PLACEMENTS: tuple[StagePlacement, ...] = ("local", "remote")
 
 
 class StagesElsewhere(RuntimeError):
@@ -323,9 +320,6 @@ def checkpoint_rules(checkpoint: str | Path | None) -> ModelRules:
 
 def _held_modules(value: Any) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in vars(value).items() if isinstance(module, torch.nn.Module)}
-
-
-STAGE_ROLES = ("conditioner", "decoder")
 
 
 class H3StageModels:

@@ -1,8 +1,9 @@
 """What a caller asks MiniMax-H3 for, and the model's own rules a request must satisfy.
 
 The rules (frame rate, clip lengths, the 17n+5 frame grid, canvas multiple, aspect limits, canvas
-size) are read off the loaded checkpoint through diffusers' ``MiniMaxH3ModularPipeline`` and its
-geometry functions; nothing here restates them as constants. A request outside them raises
+size) are read off the loaded checkpoint through diffusers' ``MiniMaxH3ModularPipeline``; its geometry
+functions come torch-free from ``geometry`` (held equal to diffusers' own by tests/test_geometry.py), so the
+ingress validates requests without importing torch. A request outside them raises
 ``RequestError`` naming the field and what is allowed.
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+from pydantic import BaseModel, ConfigDict, Field
+
+from .geometry import (
     MINIMAX_H3_MAX_ASPECT_RATIO,
     MINIMAX_H3_MIN_ASPECT_RATIO,
     align_num_frames,
@@ -19,7 +22,6 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     resolve_canvas_size,
     video_latent_num_frames,
 )
-from pydantic import BaseModel, ConfigDict, Field
 
 Task = Literal["t2va", "fl2va", "ref2va"]
 
@@ -33,6 +35,10 @@ class RequestError(ValueError):
 
     def __reduce__(self):  # keep the field across process boundaries (Ray pickles errors)
         return type(self), (self.field, str(self))
+
+
+class VisionUnavailable(RuntimeError):
+    """A request needs a vision component this replica could not build."""
 
 
 class Reference(BaseModel):
