@@ -2,7 +2,7 @@
 
 The ingress validates requests against a checkpoint's ``ModelRules`` and must start without torch; diffusers'
 ``modular_pipelines.minimax_h3`` cannot be imported without it. These are the same functions and constants as
-``diffusers/modular_pipelines/minimax_h3/modular_pipeline.py`` (0.42), and tests/test_geometry.py holds them
+``diffusers/modular_pipelines/minimax_h3/modular_pipeline.py`` (0.42), and tests/test_ingress_imports.py holds them
 equal to diffusers' own over a grid of inputs, so a diffusers release that changes them fails there.
 """
 
