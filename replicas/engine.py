@@ -58,6 +58,8 @@ import gc
 import itertools
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -115,6 +117,9 @@ MIN_PRIORITY, MAX_PRIORITY = -10, 10
 
 # the stages the engine times (the replica adds "encode" for MP4/PNG encoding)
 STAGES = ("queue_wait", "prepare", "first_step", "step", "decode", "end_to_end")
+# Ticket.marks: submitted, its (last) prepare's start and end, its first and last forward's end, its decode's start and
+# end; the replica adds encode and encoded (PNG/MP4)
+TICKET_MARKS = ("submitted", "prepare", "prepared", "first_step", "last_step", "decode", "decoded")
 # why a request failed: its own data, its prepare or decode, its deadline, the worker group, a drain, a shutdown
 FAILURE_REASONS = ("error", "prepare", "decode", "deadline", "worker_group", "draining", "shutdown")
 
@@ -222,6 +227,26 @@ class EngineLimits(BaseModel):
         "it lists here (none unless listed)",
     )
 
+    stage_nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="how much higher (Linux niceness, capped at 19) the stage worker's thread (prepare, decode, "
+        "previews) and the replica's PNG/MP4 encoding threads run than the step loop: on a replica that shares its "
+        "cores, a decode or an encode then takes CPU mostly when the steps do not need it (0: the same priority)",
+    )
+    encode_threads: int = Field(
+        default=0,
+        ge=0,
+        description="threads the replica encodes finished media (PNG, MP4) on, at stage_nice; 0: asyncio's default "
+        "pool (up to cores + 4 encodes at once)",
+    )
+    step_events_every_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="a followed request's step events (GET /v1/videos/{id}/events, the job's progress) at most this "
+        "often, its last step always; each one crosses Serve's stream to the ingress. 0: every step",
+    )
     preview: PreviewPolicy = Field(
         default_factory=PreviewPolicy,
         description="live previews of video requests while they denoise: every_steps and/or every_s (whichever "
@@ -352,7 +377,10 @@ class Ticket:
         self.running = False  # in the batch of the current (or last) step
         self.changed = asyncio.Event()
         self.submitted = time.monotonic()
+        # time.monotonic() of each stage's edge (TICKET_MARKS): where its latency went, for benchmarks.served_trace
+        self.marks: dict[str, float] = {"submitted": self.submitted}
         self.first_step_done = False
+        self.step_event_at = -math.inf  # time.monotonic() of its last step event (limits.step_events_every_s)
         self.prepares = 0  # more than one when it gave its prepared room to a request that outranks it
         # followed by a client (video jobs): previews under ``limits.preview``, and where it was last reported
         self.preview = False
@@ -398,6 +426,18 @@ class Ticket:
         )
 
 
+def lower_thread_priority(nice: int) -> None:
+    """This thread's Linux niceness raised by ``nice`` (capped at 19), per thread (PRIO_PROCESS with its native id).
+    Relative, since Ray starts its workers niced already (15) and lowering a niceness needs privilege. A no-op for 0
+    and where the platform has no per-thread niceness."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError:
+            logger.warning("cannot raise this thread's niceness by %d", nice, exc_info=True)
+
+
 class StageWorker:
     """One thread for prepare and decode; on CUDA its work runs on a stream of its own.
 
@@ -407,8 +447,11 @@ class StageWorker:
     (``Engine._apply``), so a decode only ever reads finished latents.
     """
 
-    def __init__(self, device: torch.device):
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-stages")
+    def __init__(self, device: torch.device, nice: int = 0):
+        """``nice``: the thread's niceness above the step loop's (``EngineLimits.stage_nice``)."""
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="h3-stages", initializer=lower_thread_priority, initargs=(nice,)
+        )
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
@@ -519,7 +562,7 @@ class Engine:
         self._device = self.pipeline.denoiser.device
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
-        self._stages = StageWorker(self._device)
+        self._stages = StageWorker(self._device, self.limits.stage_nice)
         self._check_step_cache()
         self._observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
 
@@ -1074,8 +1117,10 @@ class Engine:
                 self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
                 continue
             ticket.forwards += 1
+            ticket.marks["last_step"] = time.monotonic()
             if not ticket.first_step_done:
                 ticket.first_step_done = True
+                ticket.marks["first_step"] = ticket.marks["last_step"]
                 self._stage("first_step", time.monotonic() - ticket.submitted)
                 self._event(ticket, "started")
             self._after_step(ticket)
@@ -1159,6 +1204,7 @@ class Engine:
         ticket.prepares += 1
         self._preparing = ticket
         started = time.perf_counter()
+        ticket.marks["prepare"] = time.monotonic()
         try:
             if self.remote is None:
                 state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
@@ -1174,6 +1220,7 @@ class Engine:
             self._preparing = None
             self._progress_at = time.monotonic()
         self._stage("prepare", time.perf_counter() - started)
+        ticket.marks["prepared"] = time.monotonic()
         if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
             return
         ticket.state, ticket.rows, ticket.text_rows = state, state.rows, state.text_rows
@@ -1226,6 +1273,7 @@ class Engine:
         self._decoding_now = ticket
         self._event(ticket, "decoding", eta_s=self._decode_s)
         started = time.perf_counter()
+        ticket.marks["decode"] = time.monotonic()
         try:
             if self.remote is None:
                 media: GeneratedMedia | EncodedMedia = await self._stages.run(self.pipeline.decode, ticket.prepared)
@@ -1240,6 +1288,7 @@ class Engine:
             self._progress_at = time.monotonic()
             self._account_busy()
         seconds = time.perf_counter() - started
+        ticket.marks["decoded"] = time.monotonic()
         self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
         self._stage("decode", seconds)
         if ticket.future.done():
@@ -1372,7 +1421,10 @@ class Engine:
         step captures one (``limits.preview``: every N steps or S seconds, whichever first; one rendering at a time)."""
         state = ticket.prepared
         done, total = state.progress
-        self._event(ticket, "step", step=done, steps=total, eta_s=self.eta_s(ticket))
+        every_s, now = self.limits.step_events_every_s, time.monotonic()
+        if state.done or not every_s or now - ticket.step_event_at >= every_s:
+            ticket.step_event_at = now
+            self._event(ticket, "step", step=done, steps=total, eta_s=self.eta_s(ticket))
         if state.preview is not None:
             rows, state.preview = state.preview, None
             ticket.last_preview = (done, time.monotonic())
