@@ -1,6 +1,6 @@
 """A seeded arrival trace over HTTP against real `h3serve serve` apps, configs interleaved on fresh servers (issue 44).
 
-    python -m benchmarks.served_trace [--runs 5] [--requests 16] [--configs before,max_active=1,default]
+    python -m benchmarks.served_trace [--runs 5] [--requests 12] [--configs before,max_active=1,default]
                                       [--load 0.8] [--seed 0] [--service still=..,clip5=..,clip10=..] [--json PATH]
     python -m benchmarks.served_trace --smoke          # one config, one short run (CI): counts and fields only
 
@@ -33,6 +33,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import math
 import os
 import random
 import re
@@ -344,6 +345,57 @@ def measure_service(checkpoint: str | None, steps: int | None) -> dict[str, floa
 
 
 # -- the numbers ----------------------------------------------------------------------------------
+def queue_model(service: dict[str, float], load: float, jobs: int = 3000, seed: int = 1) -> dict[str, dict]:
+    """**Projected**: one server at ``load`` with Poisson arrivals of the KINDS mix, each kind's service time fixed
+    at ``service``: mean latency and stills' P99 under FCFS, preemptive SRPT (least remaining first) and processor
+    sharing (every request in one pack, a forward's time growing with its rows, as on CPU). Exact event simulation
+    of one long trace; what scheduling alone could buy where packing saves no compute."""
+    rng = random.Random(seed)
+    mean = sum(k.share * service[k.name] for k in KINDS)
+    t, arrivals = 0.0, []
+    for _ in range(jobs):
+        t += rng.expovariate(load / mean)
+        kind = rng.choices(KINDS, [k.share for k in KINDS])[0]
+        arrivals.append((t, kind.name, service[kind.name]))
+
+    def run_queue(discipline: str) -> list[tuple[str, float]]:
+        done: list[tuple[str, float]] = []
+        active: list[list] = []  # [arrival, kind, remaining]
+        now, i = 0.0, 0
+        while i < len(arrivals) or active:
+            if not active:  # idle until the next arrival
+                now = arrivals[i][0]
+                active.append(list(arrivals[i]))
+                i += 1
+                continue
+            if discipline == "ps":  # every one at 1/n of the server
+                share, served = 1.0 / len(active), active
+            else:
+                head = active[0] if discipline == "fcfs" else min(active, key=lambda a: (a[2], a[0]))
+                share, served = 1.0, [head]
+            finish = now + min(a[2] for a in served) / share
+            until = min(finish, arrivals[i][0] if i < len(arrivals) else math.inf)
+            for a in served:
+                a[2] -= (until - now) * share
+            now = until
+            for a in [a for a in served if a[2] <= 1e-9]:
+                active.remove(a)
+                done.append((a[1], now - a[0]))
+            if i < len(arrivals) and arrivals[i][0] <= now:
+                active.append(list(arrivals[i]))
+                i += 1
+        return done
+
+    out = {}
+    for discipline in ("fcfs", "srpt", "ps"):
+        done = run_queue(discipline)
+        out[discipline] = {
+            "mean_s": statistics.fmean(v for _, v in done),
+            "stills_p99_s": percentile([v for k, v in done if k == "still"], 99),
+        }
+    return out
+
+
 def summary(runs: list[dict]) -> dict:
     def of(key: str) -> dict:
         values = [r[key] for r in runs]
@@ -470,6 +522,7 @@ def run(
     service: dict[str, float] | None,
     steps: int | None,
     candidate: str,
+    project: bool = True,
 ) -> dict:
     checkpoint = served_checkpoint()
     own_ray = not ray.is_initialized()  # else the caller's session (in namespace "serve": ServedConfig checks)
@@ -496,6 +549,15 @@ def run(
             + ", ".join(f"{sum(k.name == x.name for k in kinds)} {x.name}" for x in KINDS)
             + f"), last arrival at {arrivals[-1][0]:.1f} s; configs {configs}, {runs} runs each, interleaved"
         )
+        model = queue_model(service, load) if project else None
+        if model is not None:
+            say(
+                "**projected** (one server, the service times above, Poisson at this load, a long trace): mean latency "
+                + ", ".join(f"{d} {m['mean_s']:.2f} s" for d, m in model.items())
+                + f"; srpt / fcfs {model['srpt']['mean_s'] / model['fcfs']['mean_s']:.2f}x, processor sharing / fcfs "
+                + f"{model['ps']['mean_s'] / model['fcfs']['mean_s']:.2f}x; stills P99 srpt / fcfs "
+                + f"{model['srpt']['stills_p99_s'] / model['fcfs']['stills_p99_s']:.2f}x"
+            )
         results: dict[str, list[dict]] = {name: [] for name in configs}
         for r in range(runs):
             for name in configs:
@@ -521,6 +583,7 @@ def run(
         "service_s": service,
         "load": load,
         "rate_rps": rate,
+        "projected_queue_model": model,
         "seed": seed,
         "trace": [{"at": a, "kind": k.name} for a, k, _ in arrivals],
         "summaries": summaries,
@@ -533,7 +596,7 @@ def run(
 def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=5, help="runs of each config, interleaved (default 5)")
-    ap.add_argument("--requests", type=int, default=16, help="requests in the trace (default 16)")
+    ap.add_argument("--requests", type=int, default=12, help="requests in the trace (default 12)")
     ap.add_argument(
         "--configs", default=f"before,{REQUEST_LEVEL},default", help=f"comma-separated, of {', '.join(CONFIGS)}"
     )
@@ -553,7 +616,7 @@ def main(argv=None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
-    result = run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate)
+    result = run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke)
     write_json(args.json, result)
     return 0 if result["ok"] else 1
 
