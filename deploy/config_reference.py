@@ -48,7 +48,7 @@ SCHEDULING = """\
 10 s clips, against fresh `h3serve serve` apps):
 
 - On a CPU replica at one torch thread a forward's time grows with its rows, so a pack of several requests costs
-  the step loop the same CPU as running them one after another (9.3 against 8.7 CPU seconds for the same trace)
+  the step loop the same CPU as running them one after another (8.7-10.0 CPU seconds for the same trace either way)
   and shares it: each request's steps stretch (a still's from 0.69 s to 1.81 s). That is processor sharing,
   which loses to first-come-first-served on mean latency when requests are of similar size (**projected** 1.5x
   for the trace's mix at load 0.8, one server, Poisson arrivals). The stage worker still prepares the next
