@@ -39,6 +39,32 @@ and `h3serve serve` refuse a config where they differ, or where H3Ingress sets `
 message; what caused it is in the log under the request's `X-Request-Id`.
 """
 
+SCHEDULING = """\
+## Scheduling
+
+`deploy/serve_config.yaml` (CPU) runs one request at a time with the least remaining work first
+(`engine.max_active: 1`, `engine.policy: srpt`); the GPU configs pack (`max_active: 8`, `fcfs`). Why, from
+`python -m benchmarks.served_trace` (docs/BENCHMARKS.md section 16: a seeded trace over HTTP, stills and 5 s and
+10 s clips, against fresh `h3serve serve` apps):
+
+- On a CPU replica at one torch thread a forward's time grows with its rows, so a pack of several requests costs
+  the step loop the same CPU as running them one after another (8.7-10.0 CPU seconds for the same trace either way)
+  and shares it: each request's steps stretch (a still's from 0.69 s to 1.81 s). That is processor sharing,
+  which loses to first-come-first-served on mean latency when requests are of similar size (**projected** 1.5x
+  for the trace's mix at load 0.8, one server, Poisson arrivals). The stage worker still prepares the next
+  request and decodes the last one beside the steps at `max_active: 1`.
+- srpt at `max_active: 1` is preemptive shortest-remaining-first at step boundaries, the order with the least
+  mean latency on one server (**projected** 0.8x of FCFS's mean, stills' P99 0.2x, for the same mix; measured
+  in process, section 7: 0.49x and 0.82x). The engine ranks by rows x steps left: a still and a 5 s clip have
+  the same rows, so stills go before 10 s clips only. `aging_s` halves a waiting request's key every 60 s, so a
+  long clip is not starved.
+- On a GPU a small request's forward leaves the device mostly idle, so a pack adds throughput there: the GPU
+  configs keep packing (not measured in this change: no GPU was lent).
+- `engine.stage_nice`, `engine.encode_threads` and `engine.step_events_every_s` are there to measure decodes,
+  encodes and progress events competing with the steps; they stay at 0 (the old behaviour) until a measurement
+  on quiet cores supports another value (on the shared machine of section 16 they were inside the noise).
+"""
+
 
 def _type(field: FieldInfo) -> str:
     text = str(field.annotation).replace("typing.", "")
@@ -88,6 +114,7 @@ def reference() -> str:
         *_rows(DeployArgs),
         "",
         BACKPRESSURE,
+        SCHEDULING,
     ]
     return "\n".join(lines)
 

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -54,6 +56,7 @@ from pipelines.h3 import (
     PreparedState,
 )
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
+from replicas.engine import lower_thread_priority
 
 from .args import DRAIN_MARGIN_S, DeployArgs
 from .autoscaling import replica_stats
@@ -74,6 +77,7 @@ STAGE_RETRY_BACKOFF_S = (1.0, 5.0)
 # with its node
 STAGE_REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
+TIMELINES_KEPT = 1024  # finished requests whose stage marks ``timelines`` returns (benchmarks.served_trace)
 
 
 class ServeStages:
@@ -243,6 +247,19 @@ class H3Replica:
         self._watch: asyncio.Task | None = None
         self._load_gauges: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
+        # request id -> its stage marks (Ticket.marks, then encode/encoded, finished), the newest TIMELINES_KEPT
+        self.finished: collections.OrderedDict[str, dict[str, float]] = collections.OrderedDict()
+        # PNG/MP4 encoding: engine.encode_threads threads at engine.stage_nice (0: asyncio's default pool)
+        self._encoder = (
+            concurrent.futures.ThreadPoolExecutor(
+                limits.encode_threads,
+                thread_name_prefix="h3-encode",
+                initializer=lower_thread_priority,
+                initargs=(limits.stage_nice,),
+            )
+            if limits.encode_threads
+            else None
+        )
         try:
             # builds exactly the driver's backend; fails closed if it is incapable or this node cannot run it
             group = WorkerGroup.create(spec)
@@ -334,7 +351,7 @@ class H3Replica:
             # shielded: a caller that goes away (Serve cancels this call when its HTTP client disconnects) must not
             # cancel the ticket's future itself, so that _release cancels it through the engine, which counts it
             media = await asyncio.shield(ticket.future)
-            return await self._encode(media, "png", ticket.id)
+            return await self._encode(media, "png", ticket)
         except EngineDraining:
             logger.info("request %s: handed back unstarted, this replica drains", ticket.id)
             raise
@@ -383,7 +400,7 @@ class H3Replica:
                 logger.info("request %s: handed back unstarted, this replica drains", ticket.id)
                 raise
             yield {"progress": list(ticket.progress)}
-            yield {"mp4": await self._encode(media, "mp4", ticket.id)}
+            yield {"mp4": await self._encode(media, "mp4", ticket)}
         finally:  # the consumer went away (job deleted or cancelled, ingress gone), or it finished: leave the pack
             self.metrics.unfollow(ticket)
             self._release(ticket)
@@ -407,17 +424,46 @@ class H3Replica:
         if self.tickets.get(ticket.id) is ticket:
             del self.tickets[ticket.id]
 
-    async def _encode(self, media: GeneratedMedia | EncodedMedia, kind: str, request_id: str) -> bytes:
+    async def _encode(self, media: GeneratedMedia | EncodedMedia, kind: str, ticket: Ticket) -> bytes:
         """PNG or MP4 bytes off the event loop, timed as stage "encode" (a decoder stage encoded them already)."""
         if isinstance(media, EncodedMedia):
             assert media.kind == kind, (media.kind, kind)
+            self._finish(ticket)
             return media.data
         started = time.perf_counter()
-        data = await asyncio.to_thread(media.png if kind == "png" else media.mp4)
+        ticket.marks["encode"] = time.monotonic()
+        encode = media.png if kind == "png" else media.mp4
+        data = await asyncio.get_running_loop().run_in_executor(self._encoder, encode)
+        ticket.marks["encoded"] = time.monotonic()
+        self._finish(ticket)
         seconds = time.perf_counter() - started
         self.metrics.on_stage("encode", seconds)
-        logger.info("request %s: %s of %d bytes encoded in %.2f s", request_id, kind, len(data), seconds)
+        logger.info("request %s: %s of %d bytes encoded in %.2f s", ticket.id, kind, len(data), seconds)
         return data
+
+    def _finish(self, ticket: Ticket) -> None:
+        self.finished[ticket.id] = dict(ticket.marks)
+        while len(self.finished) > TIMELINES_KEPT:
+            self.finished.popitem(last=False)
+
+    def timelines(self, request_ids: list[str] | None = None) -> dict[str, dict[str, float]]:
+        """The stage marks (time.monotonic() on this node: ``replicas.engine.TICKET_MARKS``, then encode and encoded)
+        of finished requests: those named, or all kept."""
+        if request_ids is None:
+            return dict(self.finished)
+        return {i: self.finished[i] for i in request_ids if i in self.finished}
+
+    def threads(self) -> dict:
+        """This process's id, its torch threads and its Python threads' native ids by name (the step loop
+        h3-engine_*, the stage worker h3-stages_*, encoders h3-encode_* or asyncio_*), for per-thread CPU time from
+        /proc/<pid>/task/<tid>/stat; the threads not named here are native ones (torch's pool, Ray's core worker)."""
+        import torch
+
+        return {
+            "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "threads": {t.name: t.native_id for t in threading.enumerate() if t.native_id is not None},
+        }
 
     # -- load: Serve's autoscaler and the gauges -------------------------------------------------
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -521,3 +567,6 @@ class H3Replica:
                     task.cancel()
             await self._start_drain("the replica is shutting down")
             engine.group.shutdown()
+        encoder = getattr(self, "_encoder", None)
+        if encoder is not None:
+            encoder.shutdown(wait=False)

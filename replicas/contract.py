@@ -39,6 +39,9 @@ MIN_PRIORITY, MAX_PRIORITY = -10, 10
 
 # the stages the engine times (the replica adds "encode" for MP4/PNG encoding)
 STAGES = ("queue_wait", "prepare", "first_step", "step", "decode", "end_to_end")
+# Ticket.marks: submitted, its (last) prepare's start and end, its first and last forward's end, its decode's start and
+# end; the replica adds encode and encoded (PNG/MP4)
+TICKET_MARKS = ("submitted", "prepare", "prepared", "first_step", "last_step", "decode", "decoded")
 # why a request failed: its own data, its prepare or decode, its deadline, the worker group, a drain, a shutdown
 FAILURE_REASONS = ("error", "prepare", "decode", "deadline", "worker_group", "draining", "shutdown")
 
@@ -144,6 +147,26 @@ class EngineLimits(BaseModel):
         "A caching request holds two [rows, hidden] residuals while it runs. Under Ulysses (sp_degree > 1) every "
         "rank holds them and the rows gathered at the cache's transitions, and a deployment offers only the tiers "
         "it lists here (none unless listed)",
+    )
+    stage_nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="how much higher (Linux niceness, capped at 19) the stage worker's thread (prepare, decode, "
+        "previews) and the replica's PNG/MP4 encoding threads run than the step loop: on a replica that shares its "
+        "cores, a decode or an encode then takes CPU mostly when the steps do not need it (0: the same priority)",
+    )
+    encode_threads: int = Field(
+        default=0,
+        ge=0,
+        description="threads the replica encodes finished media (PNG, MP4) on, at stage_nice; 0: asyncio's default "
+        "pool (up to cores + 4 encodes at once)",
+    )
+    step_events_every_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="a followed request's step events (GET /v1/videos/{id}/events, the job's progress) at most this "
+        "often, its last step always; each one crosses Serve's stream to the ingress. 0: every step",
     )
 
     preview: PreviewPolicy = Field(

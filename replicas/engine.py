@@ -58,6 +58,8 @@ import gc
 import itertools
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -199,7 +201,10 @@ class Ticket:
         self.running = False  # in the batch of the current (or last) step
         self.changed = asyncio.Event()
         self.submitted = time.monotonic()
+        # time.monotonic() of each stage's edge (TICKET_MARKS): where its latency went, for benchmarks.served_trace
+        self.marks: dict[str, float] = {"submitted": self.submitted}
         self.first_step_done = False
+        self.step_event_at = -math.inf  # time.monotonic() of its last step event (limits.step_events_every_s)
         self.prepares = 0  # more than one when it gave its prepared room to a request that outranks it
         # followed by a client (video jobs): previews under ``limits.preview``, and where it was last reported
         self.preview = False
@@ -245,6 +250,18 @@ class Ticket:
         )
 
 
+def lower_thread_priority(nice: int) -> None:
+    """This thread's Linux niceness raised by ``nice`` (capped at 19), per thread (PRIO_PROCESS with its native id).
+    Relative, since Ray starts its workers niced already (15) and lowering a niceness needs privilege. A no-op for 0
+    and where the platform has no per-thread niceness."""
+    if nice > 0 and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError:
+            logger.warning("cannot raise this thread's niceness by %d", nice, exc_info=True)
+
+
 class StageWorker:
     """One thread for prepare and decode; on CUDA its work runs on a stream of its own.
 
@@ -254,8 +271,11 @@ class StageWorker:
     (``Engine._apply``), so a decode only ever reads finished latents.
     """
 
-    def __init__(self, device: torch.device):
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-stages")
+    def __init__(self, device: torch.device, nice: int = 0):
+        """``nice``: the thread's niceness above the step loop's (``EngineLimits.stage_nice``)."""
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="h3-stages", initializer=lower_thread_priority, initargs=(nice,)
+        )
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
@@ -366,7 +386,7 @@ class Engine:
         self._device = self.pipeline.denoiser.device
         # one thread for all model work: steps must not interleave on the device
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
-        self._stages = StageWorker(self._device)
+        self._stages = StageWorker(self._device, self.limits.stage_nice)
         self._check_step_cache()
         self._observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
 
@@ -921,8 +941,10 @@ class Engine:
                 self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
                 continue
             ticket.forwards += 1
+            ticket.marks["last_step"] = time.monotonic()
             if not ticket.first_step_done:
                 ticket.first_step_done = True
+                ticket.marks["first_step"] = ticket.marks["last_step"]
                 self._stage("first_step", time.monotonic() - ticket.submitted)
                 self._event(ticket, "started")
             self._after_step(ticket)
@@ -1006,6 +1028,7 @@ class Engine:
         ticket.prepares += 1
         self._preparing = ticket
         started = time.perf_counter()
+        ticket.marks["prepare"] = time.monotonic()
         try:
             if self.remote is None:
                 state = await self._stages.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
@@ -1021,6 +1044,7 @@ class Engine:
             self._preparing = None
             self._progress_at = time.monotonic()
         self._stage("prepare", time.perf_counter() - started)
+        ticket.marks["prepared"] = time.monotonic()
         if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
             return
         ticket.state, ticket.rows, ticket.text_rows = state, state.rows, state.text_rows
@@ -1073,6 +1097,7 @@ class Engine:
         self._decoding_now = ticket
         self._event(ticket, "decoding", eta_s=self._decode_s)
         started = time.perf_counter()
+        ticket.marks["decode"] = time.monotonic()
         try:
             if self.remote is None:
                 media: GeneratedMedia | EncodedMedia = await self._stages.run(self.pipeline.decode, ticket.prepared)
@@ -1087,6 +1112,7 @@ class Engine:
             self._progress_at = time.monotonic()
             self._account_busy()
         seconds = time.perf_counter() - started
+        ticket.marks["decoded"] = time.monotonic()
         self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
         self._stage("decode", seconds)
         if ticket.future.done():
@@ -1219,7 +1245,10 @@ class Engine:
         step captures one (``limits.preview``: every N steps or S seconds, whichever first; one rendering at a time)."""
         state = ticket.prepared
         done, total = state.progress
-        self._event(ticket, "step", step=done, steps=total, eta_s=self.eta_s(ticket))
+        every_s, now = self.limits.step_events_every_s, time.monotonic()
+        if state.done or not every_s or now - ticket.step_event_at >= every_s:
+            ticket.step_event_at = now
+            self._event(ticket, "step", step=done, steps=total, eta_s=self.eta_s(ticket))
         if state.preview is not None:
             rows, state.preview = state.preview, None
             ticket.last_preview = (done, time.monotonic())

@@ -492,3 +492,23 @@ def test_step_path_smoke_sends_workers_metadata_only(capsys):
     assert result["ok"]
     assert max(result["after_ray_bytes_per_worker"].values()) < 4096
     assert result["before_object_store_bytes"]["no caching"] > result["after_broadcast_bytes"] > 100 * 4096
+
+
+@pytest.mark.ray
+def test_served_trace_smoke_serves_every_request_over_http_with_its_timeline(ray_cluster, capsys, tmp_path):
+    from benchmarks import served_trace
+
+    assert served_trace.main(["--smoke", "--json", str(tmp_path / "served_trace.json")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "served_trace.json").read_text())
+    (run,) = result["runs"]["default"]
+    kinds = [a["kind"] for a in result["trace"]]
+    assert len(run["requests"]) == len(kinds) == 4 and {"still", "clip5"} <= set(kinds)
+    # every request came back over HTTP and the replica kept every stage mark of it
+    assert run["timelines_missing"] == 0 and [r["kind"] for r in run["requests"]] == kinds
+    for request in run["requests"]:
+        assert set(request["timeline"]) == set(served_trace.PHASES) and request["latency_s"] > 0
+    # the replica's threads were found by name: the step loop's and the stage worker's CPU is counted apart
+    assert {"replica", "ingress", "proxy", "thread: step loop", "thread: stage worker"} <= set(run["cpu_s"])
+    assert result["targets"] == []  # one config: nothing to judge
+    assert "where a request's latency went" in out and "CPU seconds in a run" in out

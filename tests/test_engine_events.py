@@ -154,3 +154,32 @@ def test_the_preview_benchmark_smoke_counts_previews_by_mode(solo, capsys):
     assert all(3 <= r["forwards"] <= 6 and r["rows_per_s"] > 0 for mode in runs.values() for r in mode)  # packed or not
     assert result["cpu_share"]["off"] == 0.0 and 0 < result["cpu_share"]["config"] <= result["cpu_share"]["every step"]
     assert result["released_capture"]["captured_rows"] == 4 * 48 * 84 // 4 and "CPU share" in capsys.readouterr().out
+
+
+def test_step_events_are_thinned_to_their_rate_the_last_step_always_and_every_stage_is_marked(solo):
+    """engine.step_events_every_s: at most one step event per request per interval, the last step's always (so a
+    job's progress reaches 100%); the ticket's stage marks come in order; the stage worker's thread runs niced."""
+    import os
+    import threading
+
+    steps = 9  # 8 model evaluations
+    limits = EngineLimits(max_active=1, max_prepared=1, step_events_every_s=3600.0, stage_nice=5)
+
+    async def scenario():
+        observer = Events()
+        engine = Engine(solo, limits, observer)
+        engine.warm_up()
+        ticket = engine.submit(request("a red circle", steps, seed=1), "thin")
+        await ticket.future
+        stage_tid = await engine._stages.run(threading.get_native_id)
+        await engine.close()
+        return observer, ticket, stage_tid
+
+    observer, ticket, stage_tid = asyncio.run(scenario())
+    step_events = [f["step"] for k, f in observer.events["thin"] if k == "step"]
+    assert step_events == [1, steps - 1]  # the first (nothing before it in the hour), then only the last
+    marks = ticket.marks
+    order = ["submitted", "prepare", "prepared", "first_step", "last_step", "decode", "decoded"]
+    assert sorted(marks) == sorted(order) and sorted(order, key=marks.__getitem__) == order
+    here = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, stage_tid) == min(19, here + 5)
