@@ -63,6 +63,22 @@ def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable
     return main
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux /proc; ``pid`` itself not included), children before their own children."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found += frontier
+    return found
+
+
 def now() -> float:
     return time.perf_counter()
 

@@ -50,7 +50,7 @@ from ray import serve
 from deploy.cli import BUILDER, load_config
 from replicas.worker_group import free_port
 
-from .common import machine, parser, percentile, say, table, write_json
+from .common import descendants, machine, parser, percentile, say, table, write_json
 from .served import ServedConfig, served_checkpoint
 
 POLL_S = 0.1  # a video client's poll interval
@@ -181,23 +181,6 @@ def cpu_of(path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # fields 14 and 15 of stat(5), after pid and comm
 
 
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def process_role(pid: int) -> str:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -221,7 +204,7 @@ def cpu_snapshot(replica_pid: int) -> tuple[dict[str, float], dict[int, float]]:
     """CPU seconds by role of this cluster's processes (this process's descendants), and of the replica's threads by
     native id."""
     out: dict[str, float] = {}
-    for pid in descendants(os.getpid()):
+    for pid in [os.getpid(), *descendants(os.getpid())]:
         role = process_role(pid)
         out[role] = out.get(role, 0.0) + cpu_of(f"/proc/{pid}/stat")
     tids = {}

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.common import descendants
 from tests.harness import default_config, free_port, wait_for
 
 pytestmark = [
@@ -47,23 +48,6 @@ SLOT = "h3_replica_slot"  # only worker nodes have one: the head has no room for
 NODE_TYPE = "h3.replica_node"
 APP = "nodes"
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (Linux /proc), children before their own children."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def alive(pid: int) -> bool:
