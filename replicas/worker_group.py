@@ -45,6 +45,7 @@ import gc
 import logging
 import os
 import pickle
+import random
 import signal
 import socket
 import time
@@ -228,10 +229,21 @@ def build_worker(spec: ReplicaSpec) -> H3Denoiser:
     return H3Denoiser.load(spec.checkpoint, spec.resolution.backend, **_load_kwargs(spec))
 
 
+FREE_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), above Ray's worker ports (10002-19999)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A port free now, for a listener started a moment later (a TCPStore, an HTTP server). Not ``bind(0)``: that
+    draws from the ephemeral range, where every connection and ``bind(0)`` of the processes starting meanwhile draw
+    too, so the port can be gone by the time it is bound (a test run saw it)."""
+    for port in random.sample(FREE_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
 
 
 def init_distributed(spec: ReplicaSpec, rank: int, master: str) -> UlyssesGroup:

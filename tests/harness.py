@@ -21,7 +21,7 @@ import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicas.worker_group import free_port
+from replicas.worker_group import free_port as free_port  # the tests pick their ports with it
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -35,13 +35,13 @@ def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
     only lets GPU-shaped actors schedule."""
     import ray
 
-    # the dashboard serves the state API (list_actors) that tests use to prove what never ran
+    # the dashboard serves the state API (list_actors) that tests use to prove what never ran; its port is Ray's
+    # choice (8265 or the next free of 50), retried at bind time, unlike a port picked for it (CI saw one taken)
     ray.init(
         num_cpus=2,
         num_gpus=logical_gpus,
         namespace="serve",
         include_dashboard=True,
-        dashboard_port=free_port(),
         log_to_driver=False,
         _metrics_export_port=metrics_port,
     )
