@@ -1,6 +1,7 @@
 """A load step through Serve's default autoscaling policy and h3serve's backlog policy (issue 41), side by side.
 
     python -m benchmarks.autoscale [--seed 0] [--tune-seed 1] [--json PATH]
+    python -m benchmarks.autoscale --settings default=4,backlog=40   # the settings a tuning run chose: no tuning
     python -m benchmarks.autoscale --smoke [--json PATH]        # seconds of load, no tuning (CI)
 
 One seeded trace: idle, then Poisson arrivals at about twice one replica's capacity for ``load_s``, then idle.
@@ -33,6 +34,7 @@ policy's P99 <= 0.7x the default's at <= 1.1x its replica-seconds, judged and pr
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import dataclasses
@@ -456,12 +458,38 @@ def run(sizes: Sizes, seed: int, tune_seed: int, smoke: bool) -> dict:
     }
 
 
+def settings_arg(text: str) -> dict[str, float]:
+    """``default=4,backlog=40`` -> {policy: setting}, every policy named once."""
+    settings: dict[str, float] = {}
+    for item in text.split(","):
+        policy, _, value = item.partition("=")
+        if policy not in POLICIES or policy in settings:
+            raise argparse.ArgumentTypeError(f"{item!r}: name each of {', '.join(POLICIES)} once, as policy=number")
+        try:
+            settings[policy] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: the setting must be a number") from None
+        if settings[policy] <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: the setting must be > 0")
+    if set(settings) != set(POLICIES):
+        raise argparse.ArgumentTypeError(f"{text!r}: name each of {', '.join(POLICIES)} once, as policy=number")
+    return settings
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--seed", type=int, default=0, help="the trace both policies are reported on")
     ap.add_argument("--tune-seed", type=int, default=1, help="the trace each policy's setting is chosen on")
+    ap.add_argument(
+        "--settings",
+        type=settings_arg,
+        help="each policy's setting, e.g. default=4,backlog=40 (the best a tuning run printed): no tuning runs",
+    )
     args = ap.parse_args(argv)
-    result = run(SMOKE if args.smoke else FULL, args.seed, args.tune_seed, args.smoke)
+    sizes = SMOKE if args.smoke else FULL
+    if args.settings:
+        sizes = dataclasses.replace(sizes, tune={policy: (args.settings[policy],) for policy in POLICIES})
+    result = run(sizes, args.seed, args.tune_seed, args.smoke)
     write_json(args.json, result)
     return 0 if result["ok"] else 1
 

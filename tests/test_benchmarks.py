@@ -405,9 +405,10 @@ def test_serving_smoke_http_handle_and_in_process_agree(ray_cluster, capsys):
 
 @pytest.mark.ray
 def test_autoscale_smoke_replays_one_trace_under_both_policies_and_loses_no_request(ray_cluster, capsys, tmp_path):
-    assert autoscale.main(["--smoke", "--json", str(tmp_path / "autoscale.json")]) == 0
+    # --settings replaces the smoke's own (default 2, backlog 1): the settings reach the applications
+    assert autoscale.main(["--smoke", "--settings", "default=3,backlog=1.5", "--json", str(tmp_path / "a.json")]) == 0
     out = capsys.readouterr().out
-    result = json.loads((tmp_path / "autoscale.json").read_text())
+    result = json.loads((tmp_path / "a.json").read_text())
     assert result["ok"] and result["targets"] == []  # the smoke judges nothing
     classes = [c["name"] for c in result["sizes"]["classes"]]
     n = len(result["trace"])
@@ -421,7 +422,15 @@ def test_autoscale_smoke_replays_one_trace_under_both_policies_and_loses_no_requ
         assert row["latency"]["all"]["p50"] <= row["latency"]["all"]["p99"]
         assert 1 <= row["max_running"] <= 2 and row["replica_seconds"] > 0  # within min/max_replicas
         assert row["scale_back_after_last_done_s"] is not None  # the run ended back at one replica
-    assert "every request completed in every run: YES" in out and "default (2)" in out and "backlog (1)" in out
+    assert result["best"] == {"default": 3.0, "backlog": 1.5} and result["tuning"] == {}
+    assert "every request completed in every run: YES" in out and "default (3)" in out and "backlog (1.5)" in out
+
+
+@pytest.mark.parametrize("bad", ["default=4", "default=4,backlog=4,default=2", "default=4,backlog=x", "fast=1"])
+def test_autoscale_settings_name_each_policy_once_with_a_positive_number(bad, capsys):
+    with pytest.raises(SystemExit) as exited:
+        autoscale.main(["--settings", bad])
+    assert exited.value.code == 2 and "argument --settings: '" in capsys.readouterr().err
 
 
 @pytest.mark.ray
