@@ -4,19 +4,25 @@ A request is anything from one still to a 14 s clip (40x the work), so a count o
 policy) says little about how long a queue takes. Each replica reports its backlog in row-steps (rows x denoising
 steps left, over every request it holds, waiting or running), the row-step rate it measured, the oldest wait of a
 request it has not started and the tightest deadline slack of the requests it holds (``replica_stats``). The
-policy (``desired_replicas``, a plain function of those and the replica count) asks for the fewest replicas whose
+policy (``desired_replicas``, a plain function of those and the replica counts) asks for the fewest replicas whose
 projected drain time of the summed backlog stays under ``target_wait_s``:
 
     drain_s(n) = backlog / (n x rate)           rate: the median of the replicas' measured rates
 
-- **Up** as soon as drain_s(current) > target_wait_s: to ceil(backlog / (rate x target_wait_s)).
+The count it holds or moves is Serve's target (running replicas and those still starting), not the running ones:
+Serve reads any answer below its target as a scale-down and, after ``downscale_delay_s``, stops a starting
+replica first. (Holding at the running count did exactly that on Ray's simulated nodes, where a replica's node
+takes ~40 s to come: the second replica was added and removed again, every time, until the test's bound.)
+
+- **Up** as soon as drain_s(target) > target_wait_s: to ceil(backlog / (rate x target_wait_s)).
 - **Down** only when one replica fewer would still drain within ``downscale_below x target_wait_s`` (a band, so a
   backlog near the target does not flap the count), to the fewest that do; to 0 (Serve's ``min_replicas`` bounds
   it) once nothing is held.
 - **Waits**: no scale-down while a request has waited longer than ``downscale_below x target_wait_s`` without
   starting (the projection is behind what clients see). Before any rate is measured, a request that waited longer
-  than ``target_wait_s`` asks for one more replica. (Not after: a waiting request stays in its replica's queue, so
-  replicas added for it would not shorten its wait, and asking again every tick would run up to the maximum.)
+  than ``target_wait_s`` asks for one more replica than are running. (Not after: a waiting request stays in its
+  replica's queue, so replicas added for it would not shorten its wait, and asking again every tick would run up
+  to the maximum.)
 - **Deadlines**: a replica holding a request whose deadline is closer than ``target_wait_s`` counts its backlog
   ``target_wait_s / slack`` times (at most ``deadline_boost_max``), so its work drains before that request's
   deadline rather than within the target.
@@ -108,8 +114,12 @@ def weighted_backlog(load: ReplicaLoad, config: PolicyConfig) -> float:
     return load.backlog_row_steps * boost
 
 
-def desired_replicas(loads: Iterable[ReplicaLoad], current: int, config: PolicyConfig) -> Decision:
-    """The replica count for ``loads`` (one per running replica that reported) with ``current`` running."""
+def desired_replicas(
+    loads: Iterable[ReplicaLoad], running: int, config: PolicyConfig, target: int | None = None
+) -> Decision:
+    """The replica count for ``loads`` (one per running replica that reported) with ``running`` replicas running and
+    Serve's ``target`` (running and starting; default ``running``) the count that holds."""
+    current = running if target is None else max(target, running)  # the count Serve holds: running and starting
     loads = list(loads)
     backlog = sum(weighted_backlog(load, config) for load in loads)
     rates = [load.row_step_rate for load in loads if load.row_step_rate > 0]
@@ -120,12 +130,12 @@ def desired_replicas(loads: Iterable[ReplicaLoad], current: int, config: PolicyC
     def drain(n: int) -> float | None:
         return backlog / (n * rate) if n > 0 and rate > 0 else None
 
-    if current <= 0:  # Serve's cold start runs before any policy: a request waiting at a handle starts one
-        return Decision(0, "no replica running", backlog, rate, None)
+    if running <= 0:  # Serve's cold start runs before any policy: a request waiting at a handle starts one
+        return Decision(current, "no replica running: the count holds", backlog, rate, None)
     if backlog <= 0:
         return Decision(0, "nothing held: down to min_replicas", 0.0, rate, None)
     if rate <= 0:
-        n = current + 1 if late else current
+        n = max(current, running + 1) if late else current
         why = "no rate measured yet" + ("; a request waited longer than target_wait_s: one more" if late else "")
         return Decision(n, why, backlog, rate, None)
     up = math.ceil(backlog / (rate * config.target_wait_s))
@@ -168,7 +178,7 @@ class BacklogPolicy:
         return [ReplicaLoad.from_stats(stats) for stats in reports.values()]
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        decision = desired_replicas(self.loads(ctx), ctx.current_num_replicas, self.config)
+        decision = desired_replicas(self.loads(ctx), ctx.current_num_replicas, self.config, ctx.target_num_replicas)
         state = dict(ctx.policy_state or {})
         state["h3serve"] = dataclasses.asdict(decision)  # the last decision, for whoever reads the policy state
         return decision.replicas, state

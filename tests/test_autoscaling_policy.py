@@ -104,6 +104,36 @@ def test_no_scale_down_while_a_request_has_waited_long_without_starting():
 
 def test_with_no_replica_running_the_policy_leaves_the_start_to_serves_cold_start():
     assert desired_replicas([], 0, CONFIG).replicas == 0
+    assert desired_replicas([], 0, CONFIG, target=1).replicas == 1  # the first one starting: not stopped
+
+
+def test_a_replica_still_starting_is_held_while_the_backlog_stays_in_the_band():
+    # one running, a second starting (Serve's target 2), added for a backlog since partly drained: 4,500 row-steps
+    # drain in 45 s on one (under the 60 s target), but not within the band's 30 s: two hold
+    held = desired_replicas(loads(4500), 1, CONFIG, target=2)
+    assert held.replicas == 2 and held.reason == "within the band"
+    assert desired_replicas(loads(4500), 1, CONFIG).replicas == 1  # with none starting, one holds as well
+    # no rate yet, a request waiting long: one more than running is what is starting already, not a third
+    unmeasured = loads(50_000, rate=0.0, oldest_wait_s=61.0)
+    assert desired_replicas(unmeasured, 1, CONFIG, target=2).replicas == 2
+    assert desired_replicas(loads(50_000, rate=0.0), 1, CONFIG, target=2).replicas == 2
+    # below the band, the starting replica is not needed: down to one
+    assert desired_replicas(loads(2000), 1, CONFIG, target=2).replicas == 1
+
+
+def test_under_serves_wrapper_a_starting_replica_is_kept_within_the_band():
+    # no downscale delay: Serve's wrapper applies at once what a delay would apply later (it reads the wall clock)
+    args = DeployArgs.model_validate(
+        {"autoscaling": {"max_replicas": 2, "target_wait_s": 60, "upscale_delay_s": 0, "downscale_delay_s": 0}}
+    )
+    config = AutoscalingConfig(**args.autoscaling.serve_config())
+    policy = _apply_autoscaling_config(BacklogPolicy(**config.policy.policy_kwargs))
+    # r1 runs with 45 s of work (inside the band at two replicas); r2 is starting, so it reports nothing
+    reports = {"r1": {"backlog_row_steps": [(1.0, 4500.0)], "row_step_rate": [(1.0, RATE)]}}
+    replicas, state = policy(context(1, 2, reports, config, now=1000.0))
+    assert replicas == 2, state["h3serve"]  # an answer of 1 (the running count) is a scale-down: r2 stopped
+    # the same backlog with nothing starting: one replica, as before
+    assert policy(context(1, 1, reports, config, now=1001.0))[0] == 1
 
 
 def test_policy_config_fails_closed_naming_the_field():
