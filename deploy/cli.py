@@ -1,6 +1,6 @@
 """The ``h3serve`` command: serve, admit, generate, eval, weights, probe.
 
-h3serve serve [CONFIG]            admission pre-flight, then run the config like `serve run`
+h3serve serve [CONFIG]            admission pre-flight of every application, then run the config like `serve run`
 h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
 h3serve generate PROMPT -o OUT    one image (.png) or video (.mp4), locally, no Ray
 h3serve eval [--checkpoint DIR]   held-out scenes of the demo world through the packing engine, no Ray;
@@ -53,6 +53,16 @@ def app_deployments(config: dict) -> dict[str, list[dict]]:
 def fail(code: int, message: str):
     print(f"h3serve: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def refusal(app_name: str, error: Exception) -> str:
+    """One application's admission refusal, as `admit` and `serve` name it."""
+    return f"application {app_name!r}: {error}"
+
+
+def fail_refused(refused: list[str]):
+    """Exit 2 naming every refused application (``refusal``), once every application was checked."""
+    fail(EXIT_REFUSED, "admission refused " + "; ".join(refused))
 
 
 def parse_args(app_name: str, raw: dict, deployments: list[dict]):
@@ -138,7 +148,7 @@ def cmd_admit(ns: argparse.Namespace) -> None:
         try:
             admission = admit(args, "preflight", platform, record=count)
         except ADMISSION_ERRORS as e:
-            refused.append(f"application {name!r}: {e}")
+            refused.append(refusal(name, e))
             # each rank role's device memory, admitted or not: what an operator sizes GPUs with (without the adapters
             # when one was refused; none for a checkpoint that was refused, whose dims are not the served ones)
             if not isinstance(e, CheckpointMismatch):
@@ -160,7 +170,7 @@ def cmd_admit(ns: argparse.Namespace) -> None:
     if ns.pushgateway:
         push_to_gateway(ns.pushgateway, job=ns.job, registry=registry)
     if refused:
-        fail(EXIT_REFUSED, "admission refused " + "; ".join(refused))
+        fail_refused(refused)
 
 
 # -- serve --------------------------------------------------------------------------------
@@ -187,12 +197,16 @@ def cmd_serve(ns: argparse.Namespace) -> None:
                 fail(EXIT_REFUSED, f"application {name!r}: {e}")
     # without --address, always a cluster of its own: never one that `ray start` or RAY_ADDRESS left around
     ray.init(address=ns.address or "local", namespace="serve")
-    for name, args in apps:  # fail before anything is started
+    refused = []
+    for name, args in apps:  # every application checked, then fail once, before anything is started
         try:
             admission = admit(args, stage="preflight")
         except ADMISSION_ERRORS as e:
-            fail(EXIT_REFUSED, f"admission refused application {name!r}: {e}")
-        print(f"h3serve: application {name!r} admitted: {admitted_checkpoint(args, admission)}", flush=True)
+            refused.append(refusal(name, e))
+        else:
+            print(f"h3serve: application {name!r} admitted: {admitted_checkpoint(args, admission)}", flush=True)
+    if refused:
+        fail_refused(refused)
     client = serve_api.serve_start(
         http_options=schema.http_options.model_dump(),
         proxy_location=schema.proxy_location,

@@ -258,8 +258,9 @@ def shutdown_serve() -> None:
     serve.shutdown()
 
 
-def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", timeout: float = 180):
-    """Plain `serve run CONFIG` (no h3serve pre-flight) on the cluster; the app's status once DEPLOY_FAILED."""
+def serve_run_until_all_failed(config: Path, address: str, apps: list[str], timeout: float = 180) -> dict:
+    """Plain `serve run CONFIG` (no h3serve pre-flight) on the cluster, once for all its applications: each of
+    ``apps``' status (name -> status) once every one of them is DEPLOY_FAILED."""
     subprocess.run(
         [*SERVE, "run", str(config), "--non-blocking", "--address", address],
         cwd=REPO,
@@ -269,10 +270,11 @@ def serve_run_until_failed(config: Path, address: str, app: str = "h3serve", tim
     )
 
     def failed():
-        status = serve_status().applications.get(app)
-        return status if status is not None and status.status == "DEPLOY_FAILED" else None
+        statuses = serve_status().applications
+        found = {app: statuses.get(app) for app in apps}
+        return found if all(s is not None and s.status == "DEPLOY_FAILED" for s in found.values()) else None
 
-    return wait_for(failed, timeout=timeout, what="DEPLOY_FAILED")
+    return wait_for(failed, timeout=timeout, what=f"DEPLOY_FAILED of {', '.join(apps)}")
 
 
 # -- the playground's browser (test_events_http, test_api_http) -----------------------------------------------

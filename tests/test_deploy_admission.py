@@ -3,7 +3,9 @@
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import ray
@@ -20,7 +22,7 @@ from tests.harness import (
     h3serve,
     h3serve_inline,
     scrape,
-    serve_run_until_failed,
+    serve_run_until_all_failed,
     wait_for,
     write_config,
 )
@@ -67,20 +69,44 @@ def foreign_message(checkpoint: Path, read_on: str = "the driver") -> str:
     )
 
 
-# what each refusal says, and the labels of its counted series
+class Refusal(NamedTuple):
+    app: str  # its application in the shared configs below: a name no other module uses on the session's cluster
+    args: Callable[[Path], dict]  # what it changes in the default application's args, given the foreign checkpoint
+    message: Callable[[Path], str]  # what the refusal says, given the foreign checkpoint
+    labels: dict[str, str]  # the labels of its counted series
+
+
 REFUSALS = {
-    "incapable backend": ("sage_config", lambda config: MESSAGE, {"backend": "sage_attn", "reason": "incapable"}),
-    "checkpoint of other dims": (
-        "foreign_config",
-        lambda config: foreign_message(
-            Path(yaml.safe_load(config.read_text())["applications"][0]["args"]["checkpoint"])
-        ),
+    "incapable backend": Refusal(
+        "refused-backend",
+        lambda checkpoint: {"attention_backend": "sage_attn"},
+        lambda checkpoint: MESSAGE,
+        {"backend": "sage_attn", "reason": "incapable"},
+    ),
+    "checkpoint of other dims": Refusal(
+        "refused-checkpoint",
+        lambda checkpoint: {"checkpoint": str(checkpoint)},
+        foreign_message,
         {"backend": "auto", "reason": "checkpoint"},
     ),
 }
 
 
-def h3_replica_actors(address: str, app: str = REFUSED_APP):
+def config_of(apps: dict[str, dict]) -> dict:
+    """The default config with one application per entry (its name -> what it changes in the default args), each
+    at a route prefix of its own."""
+    config = default_config()
+    (default,) = config["applications"]
+    config["applications"] = []
+    for name, args in apps.items():
+        app = copy.deepcopy(default)
+        app.update(name=name, route_prefix=f"/{name}")
+        app["args"].update(args)
+        config["applications"].append(app)
+    return config
+
+
+def h3_replica_actors(address: str, app: str):
     """Every H3 replica actor application ``app`` ever had on this cluster, dead ones included."""
     actors = list_actors(address=address, detail=True, limit=10000)
     return [a for a in actors if a.class_name == f"ServeReplica:{app}:H3Replica"]
@@ -287,36 +313,101 @@ def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_p
     assert "stage conditioner" not in unstaged.stdout
 
 
-@pytest.mark.parametrize("refusal", list(REFUSALS))
-def test_serve_preflight_exits_before_starting_anything(ray_cluster, refusal, request):
-    fixture, message, _ = REFUSALS[refusal]
-    config = request.getfixturevalue(fixture)
-    address = ray_cluster.address
-    result = h3serve("serve", str(config), "--address", address)
-    assert result.returncode == 2
-    assert message(config) in result.stderr
-    assert not h3_replica_actors(address)
+ADMISSIBLE_APP = "admissible-beside-refusals"  # the pre-flight's config: admitted, and still never started
+
+
+@pytest.fixture(scope="module")
+def preflight(ray_cluster, foreign_checkpoint, tmp_path_factory):
+    """One `h3serve serve` of a config holding an application per refusal, an admissible one between them: the
+    config, and the command's result (the pre-flight checks every application, then refuses once)."""
+    first, *others = REFUSALS.values()
+    apps = {first.app: first.args(foreign_checkpoint), ADMISSIBLE_APP: {}}
+    apps |= {refusal.app: refusal.args(foreign_checkpoint) for refusal in others}
+    config = write_config(tmp_path_factory.mktemp("preflight"), config_of(apps), free_port(), "preflight.yaml")
+    return config, h3serve("serve", str(config), "--address", ray_cluster.address)
 
 
 @pytest.mark.parametrize("refusal", list(REFUSALS))
-def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(ray_cluster, refusal, request):
-    fixture, message, labels = REFUSALS[refusal]
-    config = request.getfixturevalue(fixture)
-    address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
+def test_serve_preflight_exits_before_starting_anything(ray_cluster, preflight, foreign_checkpoint, refusal):
+    refused = REFUSALS[refusal]
+    _, result = preflight
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"application {refused.app!r}: {refused.message(foreign_checkpoint)}" in result.stderr
+    assert not h3_replica_actors(ray_cluster.address, refused.app)
+
+
+def test_serve_preflight_checks_every_application_then_refuses_once_as_admit_does(ray_cluster, preflight):
+    """Every application is checked before the command fails: the admissible one is admitted (and, like the refused
+    ones, never started), and the one refusal names every refused application in `h3serve admit`'s words."""
+    config, result = preflight
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"application {ADMISSIBLE_APP!r} admitted" in result.stdout
+    assert "deploying" not in result.stdout and not h3_replica_actors(ray_cluster.address, ADMISSIBLE_APP)
+    admit = h3serve_inline("admit", str(config))
+    assert admit.returncode == 2, admit
+    (refused,) = [line for line in admit.stderr.splitlines() if line.startswith("h3serve: admission refused")]
+    assert all(f"application {r.app!r}: " in refused for r in REFUSALS.values())
+    assert [line for line in result.stderr.splitlines() if line.startswith("h3serve: admission refused")] == [refused]
+
+
+TOKEN_APP = "token-unset"  # the plain `serve run`'s config: admitted, its ingress refuses in its constructor
+TOKEN_ENV = "H3_TEST_UNSET_KEY"
+
+
+def counted_failures(metrics: int | dict[str, list], labels: dict[str, str]) -> list:
+    """The build stage's admission failures with ``labels``, from the export port or one ``scrape`` of it."""
+    samples = (scrape(metrics) if isinstance(metrics, int) else metrics).get("ray_h3serve_admission_failures_total", [])
+    return [s for s in samples if s.labels.get("stage") == "build" and labels.items() <= s.labels.items()]
+
+
+@pytest.fixture(scope="module")
+def plain_serve_run(ray_cluster, foreign_checkpoint, tmp_path_factory):
+    """One plain `serve run` (the user's command, bypassing the pre-flight: the builder must refuse on its own) of an
+    application per refusal and one whose token is unset on the cluster: each application's status once all of them
+    reached DEPLOY_FAILED, and each refusal's count before it (the session's cluster may have counted some before).
+    The applications are deleted at once; their dead replica actors and the recorder's series stay to be read."""
+    assert TOKEN_ENV not in os.environ  # so not in the session cluster's, which inherits this environment
+    apps = {refusal.app: refusal.args(foreign_checkpoint) for refusal in REFUSALS.values()}
+    apps[TOKEN_APP] = {"api_key_env": TOKEN_ENV}
+    config = write_config(tmp_path_factory.mktemp("plain"), config_of(apps), free_port(), "plain.yaml")
+    metrics = scrape(ray_cluster.metrics_port)
+    before = {refusal: sum(s.value for s in counted_failures(metrics, r.labels)) for refusal, r in REFUSALS.items()}
+    # the three builds import torch at once: one deadline as long as the three separate runs' were together
+    statuses = serve_run_until_all_failed(config, ray_cluster.address, list(apps), timeout=420)
+    for app in apps:  # (a failure above leaves them to the module's end, which shuts Serve down)
+        serve.delete(app)
+    return statuses, before
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_plain_serve_run_reaches_deploy_failed_with_no_replica_and_a_scrapeable_counter(
+    ray_cluster, plain_serve_run, foreign_checkpoint, refusal
+):
+    refused = REFUSALS[refusal]
+    statuses, before = plain_serve_run
+    assert refused.message(foreign_checkpoint) in statuses[refused.app].message
+    assert not h3_replica_actors(ray_cluster.address, refused.app), (
+        f"an H3 replica was created for a refused deployment ({refusal})"
+    )
 
     def counted():
-        samples = scrape(metrics_port).get("ray_h3serve_admission_failures_total", [])
-        return [s for s in samples if s.labels.get("stage") == "build" and labels.items() <= s.labels.items()]
+        return counted_failures(ray_cluster.metrics_port, refused.labels)
 
-    before = sum(s.value for s in counted())  # the session's cluster may have counted refusals before
-    # the user's plain command, bypassing the pre-flight: the builder must refuse on its own
-    app = serve_run_until_failed(config, address, app=REFUSED_APP, timeout=120)
-    assert message(config) in app.message
-    assert not h3_replica_actors(address), f"an H3 replica was created for a refused deployment ({refusal})"
     # the build task has exited; the detached recorder keeps the series on the export port
-    samples = wait_for(lambda: sum(s.value for s in counted()) > before and counted(), timeout=60, what="the metric")
-    assert sum(s.value for s in samples) == before + 1  # refused once, not once per build retry
-    serve.delete(REFUSED_APP)
+    samples = wait_for(
+        lambda: sum(s.value for s in counted()) > before[refusal] and counted(), timeout=60, what="the metric"
+    )
+    assert sum(s.value for s in samples) == before[refusal] + 1  # refused once, not once per build retry
+
+
+def test_plain_serve_reaches_deploy_failed_when_the_clusters_token_is_unset(plain_serve_run):
+    """On a cluster the replicas' environment decides (`h3serve serve --address` cannot pre-flight it): the
+    ingress refuses in its constructor, and the application reaches DEPLOY_FAILED with the message. (From
+    test_api_lifecycle, whose cluster it did not need: any cluster without the variable shows it.)"""
+    statuses, _ = plain_serve_run
+    app = statuses[TOKEN_APP]
+    messages = app.message + "".join(d.message for d in app.deployments.values())
+    assert f"{TOKEN_ENV!r} but that environment variable is empty or unset" in messages
 
 
 def test_a_checkpoint_only_replica_nodes_hold_is_read_by_the_probe(
