@@ -11,8 +11,8 @@ projected drain time of the summed backlog stays under ``target_wait_s``:
 
 The count it holds or moves is Serve's target (running replicas and those still starting), not the running ones:
 Serve reads any answer below its target as a scale-down and, after ``downscale_delay_s``, stops a starting
-replica first. (Holding at the running count did exactly that on Ray's simulated nodes, where a replica's node
-takes ~40 s to come: the second replica was added and removed again, every time, until the test's bound.)
+replica first. (Holding at the running count does that whenever the backlog sits in the band while a replica
+starts: the node layer test's add-and-remove flap on a loaded machine, docs/BENCHMARKS.md section 14.)
 
 - **Up** as soon as drain_s(target) > target_wait_s: to ceil(backlog / (rate x target_wait_s)).
 - **Down** only when one replica fewer would still drain within ``downscale_below x target_wait_s`` (a band, so a
