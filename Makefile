@@ -25,9 +25,16 @@ setup: $(VENV)/.installed
 serve: setup
 	$(BIN)/h3serve serve $(CONFIG)
 
-# --durations: the slowest tests and fixtures, printed on every run (tests/README.md: where the suite's time goes)
+# --durations: the slowest tests and fixtures, printed on every run (tests/README.md: where the suite's time goes).
+# -n: two workers (pytest-xdist), a test module or the session server's modules being one unit a worker takes
+# whole (tests/conftest.py), in the order conftest sets: most of the suite is processes starting and waiting,
+# which two workers overlap on two cores. TEST_WORKERS=0 runs it in one process.
+# compileall first: every Ray worker, replica and subprocess the suite starts imports h3serve's packages, and where
+# PYTHONDONTWRITEBYTECODE is set (the dev image sets it) each would compile them again (all of them: 1.5 s of CPU).
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m compileall -q attention deploy pipelines replicas demo benchmarks tests > /dev/null
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 # the node layer on Ray's simulated autoscaling cluster (minutes; outside CI: docs/BENCHMARKS.md section 14)
 test-nodes: setup

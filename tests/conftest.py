@@ -13,6 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # deployment failed: each try is a process importing torch (~7 s on 2 cores), and the refusal is the same every time.
 # The Serve controller reads it; the clusters the tests start inherit this environment.
 os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
+# OpenMP threads that finish a parallel region sleep rather than spin: the suite runs many torch processes at once
+# on 2 cores (its two workers, replicas, gloo ranks), and a spinning thread holds a core another process needs. Read
+# by libgomp when torch loads it, here and in every process the tests start (they inherit the environment).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +65,17 @@ class SessionCluster:
             self.cluster = Cluster(address, metrics_port)
         return self.cluster
 
+    def stop_served(self) -> None:
+        """The session's server, stopped (``served``); the cluster goes on."""
+        if self.served is not None:
+            self.served.stop()
+            self.served = None
+
     def stop(self) -> None:
         import ray
         from ray import serve
 
-        if self.served is not None:
-            self.served.stop()
-            self.served = None
+        self.stop_served()
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
@@ -77,29 +85,34 @@ class SessionCluster:
 SESSION_CLUSTER = SessionCluster()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Cluster:
-    """The session's local Ray cluster (``SessionCluster``)."""
+    """The session's local Ray cluster (``SessionCluster``): asked for per module, so a module that runs after an
+    ``own_cluster`` one (which stopped it) gets it started again rather than a stopped cluster's address."""
     return SESSION_CLUSTER.get()
 
 
 @pytest.fixture(scope="session")
-def served(request, ray_cluster, tiny_checkpoint, tmp_path_factory):
+def served(request, tiny_checkpoint, tmp_path_factory):
     """The session's one `h3serve serve` (``tests/served_apps.py``), with the applications of the collected modules
-    that use it; those modules run after every other module on the session's cluster."""
+    that use it. Those modules run together (one xdist group, ``pytest_collection_modifyitems``); the server stops
+    when the last of them ends (``ServedApps.module``), so the modules after them find a cluster without it."""
     from tests import served_apps
     from tests.harness import ServeProcess, free_port, write_config
 
+    cluster = SESSION_CLUSTER.get()
     modules = sorted(
         {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items} & set(served_apps.APPS)
     )
     tmp = tmp_path_factory.mktemp("served")
     config, owners = served_apps.serve_config(modules, served_apps.Inputs(tmp, tiny_checkpoint))
     port = free_port()
-    process = ServeProcess(write_config(tmp, config, port), ray_cluster.address, port)
+    process = ServeProcess(write_config(tmp, config, port), cluster.address, port)
     SESSION_CLUSTER.served = process  # stopped before the cluster is
     process.wait_serving(apps=len(config["applications"]), timeout=600)
-    return served_apps.ServedApps(process, config, owners, tmp / "videos", ray_cluster.metrics_port)
+    return served_apps.ServedApps(
+        process, config, owners, tmp / "videos", cluster.metrics_port, SESSION_CLUSTER.stop_served
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,10 +134,49 @@ def _serve_apps_end_with_their_module(request):
             shutdown_serve()
 
 
+PROCESS_MARKS = ("ray", "e2e", "slow")  # a module with one of these starts clusters, servers or subprocesses
+
+
+def module_name(nodeid: str) -> str:
+    """``tests/test_x.py::test_y[param]`` -> ``test_x``."""
+    return Path(nodeid.split("::", 1)[0]).stem
+
+
 def pytest_collection_modifyitems(config, items):
-    """The modules on the session's server (``served``) run after the others on its cluster, which stop the Serve
-    apps they start; modules marked ``own_cluster`` run last, so the session's cluster starts at most twice."""
-    items.sort(key=lambda item: (item.get_closest_marker("own_cluster") is not None, "served" in item.fixturenames))
+    """The order the modules run in: those on the session's server (``served``) first and together (under xdist they
+    are one unit, the longest), then the modules that start processes, then the library modules (short: under xdist
+    they fill the tail), ``own_cluster`` modules last (serially, they stop the session's cluster). A module's tests
+    stay together and in their order."""
+    from tests.served_apps import APPS as SERVED_MODULES
+
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(module_name(item.nodeid), []).append(item)
+
+    def rank(name: str) -> tuple[bool, int]:
+        own_cluster = any(item.get_closest_marker("own_cluster") for item in modules[name])
+        if name in SERVED_MODULES:
+            return own_cluster, 0
+        starts_processes = any(item.get_closest_marker(mark) for item in modules[name] for mark in PROCESS_MARKS)
+        return own_cluster, 1 if starts_processes else 2
+
+    items[:] = [item for name in sorted(modules, key=rank) for item in modules[name]]  # sorted is stable
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s two workers (pytest-xdist) take whole units, in the order above: a module (its module fixtures
+    made once), or all the modules on the session's server together (so one worker starts that server, once)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.served_apps import APPS as SERVED_MODULES
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = module_name(nodeid)
+            return "served" if module in SERVED_MODULES else module
+
+    config.option.loadscopereorder = False  # the units go out in collection order (``pytest_collection_modifyitems``)
+    return ModuleUnits(config, log)
 
 
 _exit_status = 0

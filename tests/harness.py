@@ -33,18 +33,29 @@ SCHEMATHESIS = [str(BIN / "schemathesis")]
 def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
     """A local cluster (the session's, ``conftest.SessionCluster``, or an ``own_cluster`` module's). ``logical_gpus``
     only lets GPU-shaped actors schedule."""
+    import fcntl
+
     import ray
 
-    # the dashboard serves the state API (list_actors) that tests use to prove what never ran; its port is Ray's
-    # choice (8265 or the next free of 50), retried at bind time, unlike a port picked for it (CI saw one taken)
-    ray.init(
-        num_cpus=2,
-        num_gpus=logical_gpus,
-        namespace="serve",
-        include_dashboard=True,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-    )
+    from pipelines.h3.paths import cache_dir
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    # One start at a time on this machine: `make test`'s two workers each start a cluster, and the first local
+    # ray.init() writes the token (~/.ray/auth_token) that every later cluster and CLI reads; two at once could
+    # each write their own, and one cluster's `serve` subprocesses would then fail to authenticate.
+    with open(cache_dir() / ".ray-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # the dashboard serves the state API (list_actors) that tests use to prove what never ran; its port is
+        # Ray's choice (8265 or the next free of 50), retried at bind time, unlike a port picked for it (CI saw one
+        # taken)
+        ray.init(
+            num_cpus=2,
+            num_gpus=logical_gpus,
+            namespace="serve",
+            include_dashboard=True,
+            log_to_driver=False,
+            _metrics_export_port=metrics_port,
+        )
     return ray.get_runtime_context().gcs_address
 
 

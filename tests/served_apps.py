@@ -179,11 +179,21 @@ class ServedApp:
 
 
 class ServedApps:
-    """The running server: each module's applications by name."""
+    """The running server: each module's applications by name. It stops when the last module that owns applications
+    on it ends (``stop``), so whatever runs after those modules has the cluster's CPUs and a Serve of its own."""
 
-    def __init__(self, process: ServeProcess, config: dict, owners: dict[str, list[str]], store: Path, port: int):
-        self.process, self.owners, self.store, self.metrics_port = process, owners, store, port
+    def __init__(
+        self,
+        process: ServeProcess,
+        config: dict,
+        owners: dict[str, list[str]],
+        store: Path,
+        port: int,
+        stop: Callable[[], None],
+    ):
+        self.process, self.owners, self.store, self.metrics_port, self.stop = process, owners, store, port, stop
         self.routes = {app["name"]: app["route_prefix"] for app in config["applications"]}
+        self.modules_left = set(owners)
 
     def app(self, name: str) -> ServedApp:
         return ServedApp(self.process, name, self.routes[name], self.store / name, self.metrics_port)
@@ -200,3 +210,6 @@ class ServedApps:
         finally:
             for name in self.owners[module]:
                 serve.delete(name)
+            self.modules_left.discard(module)
+            if not self.modules_left:
+                self.stop()
