@@ -56,6 +56,7 @@ async def one_round(group: WorkerGroup, policy: PreviewPolicy, requests: int, st
         "rows_per_s": stats.rows / stats.forward_s,
         "forward_s": stats.forward_s,
         "forwards": stats.forwards,
+        "captures": stats.preview_captures,
         "previews": stats.previews,
         "makespan_s": wall,
     }

@@ -162,7 +162,10 @@ class EngineStats:
     # denoiser), "latents" (denoiser -> decoder), "media" (decoder -> replica, encoded or raw)
     handoff_bytes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     cancelled: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # by CANCEL_STAGES
-    previews: int = 0  # previews rendered
+    # preview captures taken in a step, and previews rendered and shown: fewer when a newer capture replaced one
+    # waiting for the stage worker, or a rendering ended after its request did
+    preview_captures: int = 0
+    previews: int = 0
     row_steps: int = 0  # rows (padding not counted) x denoising steps advanced by successful forwards
 
     @property
@@ -1250,6 +1253,7 @@ class Engine:
             ticket.step_event_at = now
             self._event(ticket, "step", step=done, steps=total, eta_s=self.eta_s(ticket))
         if state.preview is not None:
+            self.stats.preview_captures += 1
             rows, state.preview = state.preview, None
             ticket.last_preview = (done, time.monotonic())
             if ticket.previewing:  # the stage worker is busy (a decode, a prepare): the newest capture waits

@@ -41,13 +41,13 @@ class Cluster:
 
 
 class SessionCluster:
-    """The one local Ray cluster of the test session, started on first use (~5-10 s a start, paid once).
+    """The one local Ray cluster of the test session (of each xdist worker), started on first use (~5-10 s a start).
 
     2 CPUs as on CI, a logical GPU so GPU-shaped actors can be placed (and then fail closed on this CPU node), the
     dashboard for the state API, and a metrics export port that reports every second. Modules share it; each
     leaves it as it found it (the Serve apps it ran shut down: ``_serve_apps_end_with_their_module``). A module
     marked ``own_cluster`` starts and restarts clusters of its own: the session's is stopped before it and
-    started again by the next module that asks for it (``pytest_collection_modifyitems`` runs those last).
+    started again by the next module that asks for it (``ray_cluster`` is asked for per module).
     """
 
     def __init__(self):
@@ -145,20 +145,20 @@ def module_name(nodeid: str) -> str:
 def pytest_collection_modifyitems(config, items):
     """The order the modules run in: those on the session's server (``served``) first and together (under xdist they
     are one unit, the longest), then the modules that start processes, then the library modules (short: under xdist
-    they fill the tail), ``own_cluster`` modules last (serially, they stop the session's cluster). A module's tests
-    stay together and in their order."""
+    they fill the tail), ``own_cluster`` modules last (they stop the session's cluster; a module after one would
+    start it again). A module's tests stay together and in their order."""
     from tests.served_apps import APPS as SERVED_MODULES
 
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(module_name(item.nodeid), []).append(item)
 
-    def rank(name: str) -> tuple[bool, int]:
-        own_cluster = any(item.get_closest_marker("own_cluster") for item in modules[name])
+    def rank(name: str) -> int:
         if name in SERVED_MODULES:
-            return own_cluster, 0
-        starts_processes = any(item.get_closest_marker(mark) for item in modules[name] for mark in PROCESS_MARKS)
-        return own_cluster, 1 if starts_processes else 2
+            return 0
+        if any(item.get_closest_marker("own_cluster") for item in modules[name]):
+            return 3
+        return 1 if any(item.get_closest_marker(mark) for item in modules[name] for mark in PROCESS_MARKS) else 2
 
     items[:] = [item for name in sorted(modules, key=rank) for item in modules[name]]  # sorted is stable
 

@@ -149,8 +149,11 @@ def test_the_preview_benchmark_smoke_counts_previews_by_mode(solo, capsys):
     result = preview.run(smoke=True, group=solo)
     runs = result["runs"]
     assert [r["previews"] for r in runs["off"]] == [0]
-    # 2 requests of 3 evaluations: every step shows 3 each; the config's every 2 steps (or second) at least 2 each
-    assert [r["previews"] for r in runs["every step"]] == [6] and 4 <= runs["config"][0]["previews"] <= 6
+    # 2 requests of 3 evaluations: every step captures 3 each; the config's every 2 steps (or second) at least 2 each.
+    # Shown are at most those: a newer capture replaces one still waiting for the stage worker, and one rendered
+    # after its request finished is dropped (how many depends on the machine's load; CI once showed 5 of 6)
+    assert [r["captures"] for r in runs["every step"]] == [6] and 4 <= runs["config"][0]["captures"] <= 6
+    assert all(1 <= r["previews"] <= r["captures"] for mode in ("every step", "config") for r in runs[mode])
     assert all(3 <= r["forwards"] <= 6 and r["rows_per_s"] > 0 for mode in runs.values() for r in mode)  # packed or not
     assert result["cpu_share"]["off"] == 0.0 and 0 < result["cpu_share"]["config"] <= result["cpu_share"]["every step"]
     assert result["released_capture"]["captured_rows"] == 4 * 48 * 84 // 4 and "CPU share" in capsys.readouterr().out
