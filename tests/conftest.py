@@ -95,7 +95,7 @@ def ray_cluster() -> Cluster:
 @pytest.fixture(scope="session")
 def served(request, tiny_checkpoint, tmp_path_factory):
     """The session's one `h3serve serve` (``tests/served_apps.py``), with the applications of the collected modules
-    that use it. Those modules run together (one xdist group, ``pytest_collection_modifyitems``); the server stops
+    that use it. Those modules run together (one xdist unit, ``pytest_xdist_make_scheduler``); the server stops
     when the last of them ends (``ServedApps.module``), so the modules after them find a cluster without it."""
     from tests import served_apps
     from tests.harness import ServeProcess, free_port, write_config
