@@ -101,9 +101,7 @@ def served(request, tiny_checkpoint, tmp_path_factory):
     from tests.harness import ServeProcess, free_port, write_config
 
     cluster = SESSION_CLUSTER.get()
-    modules = sorted(
-        {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items} & set(served_apps.APPS)
-    )
+    modules = sorted({module_name(item.nodeid) for item in request.session.items} & set(served_apps.APPS))
     tmp = tmp_path_factory.mktemp("served")
     config, owners = served_apps.serve_config(modules, served_apps.Inputs(tmp, tiny_checkpoint))
     port = free_port()
