@@ -8,9 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from pydantic import BaseModel
 
-from attention import AttentionSelectionError, DeviceType, Platform, Resolution, probe_platform
+from attention import AttentionSelectionError, Platform, Resolution
 from pipelines.h3 import (
     AUTO,
     CheckpointConfigs,
@@ -29,54 +28,12 @@ from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, checkpoint_pa
 
 from .args import DeployArgs
 from .metrics import RECORD_TIMEOUT_S, admission_recorder
+from .probe import PlatformProbeError, probe_replica
 
 logger = logging.getLogger(__name__)
 
 
 DRIVER = "the driver"  # CheckpointConfigs.read_on when the driver read them
-
-
-class PlatformProbeError(RuntimeError):
-    reason = "probe_failed"
-
-
-class ProbeReport(BaseModel):
-    """What the probe task learned on a replica node: its platform, and where the driver could not read the
-    checkpoint directory, the checkpoint's configs as that node reads them (or why it could not)."""
-
-    node: str
-    platform: Platform
-    checkpoint: CheckpointConfigs | None = None
-    checkpoint_error: str | None = None
-
-
-@ray.remote(num_cpus=0)
-def _probe(device: DeviceType, checkpoint: str | None, read_checkpoint: bool) -> str:
-    node = f"replica node {ray.util.get_node_ip_address()}"
-    report = ProbeReport(node=node, platform=probe_platform(device))
-    if read_checkpoint:
-        try:
-            report.checkpoint = CheckpointConfigs.read(resolve_checkpoint(checkpoint), node)
-        except (CheckpointError, OSError) as e:
-            report.checkpoint_error = str(e)
-    return report.model_dump_json()
-
-
-def probe_replica(args: DeployArgs, read_checkpoint: bool = False) -> ProbeReport:
-    """Run a short task shaped like one SP rank, so it lands where replicas will (``read_checkpoint``: it also reads
-    the checkpoint's configs there)."""
-    resources = dict(args.rank_resources)
-    task = _probe.options(
-        num_cpus=resources.pop("CPU", 0), num_gpus=resources.pop("GPU", 0), resources=resources or None
-    )
-    try:
-        raw = ray.get(task.remote(args.device, args.checkpoint, read_checkpoint), timeout=args.platform_probe_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise PlatformProbeError(
-            f"no node with {args.rank_resources} ran the platform probe within {args.platform_probe_timeout_s:.0f}s; "
-            "add such nodes (or let the autoscaler), or set probe_platform: false with an assumed_platform"
-        ) from None
-    return ProbeReport.model_validate_json(raw)
 
 
 def read_checkpoint_here(args: DeployArgs) -> CheckpointConfigs | None:
