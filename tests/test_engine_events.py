@@ -119,7 +119,8 @@ def test_cancel_leaves_the_queue_at_once_and_the_pack_at_the_next_step_boundary(
         running = engine.submit(request("long", 40), "running")
         beside = engine.submit(request("beside", 6, seed=3), "beside")
         waiting = engine.submit(request("waiting", 3), "waiting")  # behind the full pack
-        while running.forwards < 2:
+        # both in the pack and stepping (under load "beside" was once still being prepared at running's 2nd forward)
+        while running.forwards < 2 or beside.forwards < 1:
             await asyncio.sleep(0.01)
         engine.cancel(waiting)
         assert waiting not in engine._waiting and engine.queue_position(beside) is None
