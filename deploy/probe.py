@@ -2,8 +2,9 @@
 node's platform and, where the driver cannot read the checkpoint, the checkpoint's configs as that node reads them.
 
 Apart from admission's rules on purpose: Ray imports a task's module in the worker that runs it, and a probe's worker
-is a new process for each build running at once. This module's imports (torch, the attention probe and the
-checkpoint's config reader; no diffusers, transformers or peft) cost ~3 s of CPU there, admission's ~7 s.
+is a new process for each build running at once. This module imports torch, the attention probe and the
+checkpoint's config reader, no diffusers, transformers or peft: a process that imports it and probes took 4.4 s of
+CPU (user + sys, a quiet core), one that imports admission instead 7.5 s.
 """
 
 from __future__ import annotations
