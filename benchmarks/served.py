@@ -60,6 +60,10 @@ class ServedConfig:
         self.started_ray = False
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config['http_options']['port']}"  # every config here serves on 127.0.0.1
+
     def __enter__(self):
         if not ray.is_initialized():  # Serve's controller lives in namespace "serve", where `h3serve serve` puts it
             ray.init(
@@ -121,7 +125,6 @@ class ServedDefault(ServedConfig):
 
     def __init__(self, startup_timeout_s: float = 300.0):
         self.port, self.checkpoint = free_port(), served_checkpoint()
-        self.url = f"http://127.0.0.1:{self.port}"
         config = copy.deepcopy(load_config(None))
         config["http_options"].update(host="127.0.0.1", port=self.port)
         if self.checkpoint is not None:  # no shipped demo checkpoint in this checkout

@@ -30,6 +30,7 @@ issue 44's targets, judged for ``default``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -264,14 +265,18 @@ def serve_replica_threads() -> dict:
     return handle.threads.remote().result()
 
 
-def run_once(name: str, overlay: dict, arrivals, checkpoint: str | None, tag: str) -> dict:
-    port = free_port()
-    config = serve_config(overlay, port, checkpoint)
-    with ServedConfig(config) as served:
+def run_once(
+    name: str, overlay: dict, arrivals, checkpoint: str | None, tag: str, running: ServedConfig | None = None
+) -> dict:
+    """One run of ``arrivals`` through a server of ``overlay``, started for it; ``running`` (a server of the default
+    config already up, the caller's) serves the default config's run instead, without a start of its own."""
+    shared = running is not None and not overlay
+    server = contextlib.nullcontext(running) if shared else ServedConfig(serve_config(overlay, free_port(), checkpoint))
+    with server as served:
         replica = serve_replica_threads()
         load0, (procs0, tids0) = loadavg(), cpu_snapshot(replica["pid"])
         started = time.monotonic()
-        done = asyncio.run(replay(f"http://127.0.0.1:{port}", arrivals, tag))
+        done = asyncio.run(replay(served.url, arrivals, tag))
         wall = time.monotonic() - started
         # the executors start their threads on first use: name them as they are at the end
         (procs1, tids1), load1 = cpu_snapshot(replica["pid"]), loadavg()
@@ -506,6 +511,7 @@ def run(
     steps: int | None,
     candidate: str,
     project: bool = True,
+    running: ServedConfig | None = None,
 ) -> dict:
     checkpoint = served_checkpoint()
     own_ray = not ray.is_initialized()  # else the caller's session (in namespace "serve": ServedConfig checks)
@@ -544,7 +550,8 @@ def run(
         results: dict[str, list[dict]] = {name: [] for name in configs}
         for r in range(runs):
             for name in configs:
-                out = run_once(name, CONFIGS[name], arrivals, checkpoint, f"r{r}-{re.sub('[^A-Za-z0-9]', '', name)}")
+                tag = f"r{r}-{re.sub('[^A-Za-z0-9]', '', name)}"
+                out = run_once(name, CONFIGS[name], arrivals, checkpoint, tag, running)
                 results[name].append(out)
                 say(
                     f"  run {r + 1} {name}: mean {out['mean_s']:.2f} s, P99 {out['p99_s']:.2f} s, stills P99 "
@@ -576,7 +583,8 @@ def run(
     }
 
 
-def main(argv=None) -> int:
+def main(argv=None, running: ServedConfig | None = None) -> int:
+    """``running``: a server of the default config already up (the caller's), for the default config's runs."""
     ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=5, help="runs of each config, interleaved (default 5)")
     ap.add_argument("--requests", type=int, default=12, help="requests in the trace (default 12)")
@@ -599,7 +607,7 @@ def main(argv=None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
-    result = run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke)
+    result = run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke, running)
     write_json(args.json, result)
     return 0 if result["ok"] else 1
 

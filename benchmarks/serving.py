@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import sys
 
@@ -46,7 +47,8 @@ def replica_threads() -> int:
     return torch.get_num_threads()
 
 
-def run(smoke: bool = False) -> dict:
+def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
+    """``running``: a server of the default config already up (the caller's), used instead of starting one."""
     args = default_args()
     size, steps, reps = ((64, 64), 2, 1) if smoke else (None, args.limits.default_steps, 3)
     body = {
@@ -59,7 +61,7 @@ def run(smoke: bool = False) -> dict:
     )
     own_threads = torch.get_num_threads()
     out: dict = {}
-    with ServedDefault() as served:
+    with contextlib.nullcontext(running) if running is not None else ServedDefault() as served:
         threads = ray.get(replica_threads.options(num_cpus=args.rank_resources["CPU"]).remote())
         say(f"checkpoint: {resolve_checkpoint(served.checkpoint)}")
         say(

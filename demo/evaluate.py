@@ -200,6 +200,11 @@ async def generate_all(group: WorkerGroup, requests: list[GenerationRequest], pa
 
 def evaluate(settings: EvalSettings) -> dict[str, Any]:
     """Generate (or, for the oracle, render) and judge; returns the JSON document ``--json`` writes."""
+    from pipelines.h3 import TransformerGeometry
+    from pipelines.h3.checkpoint import resolve_checkpoint
+
+    # a degree the checkpoint's heads cannot split is refused before a cluster starts for it
+    TransformerGeometry.from_checkpoint(resolve_checkpoint(settings.checkpoint)).check_sp_degree(settings.sp)
     with local_ray(settings.sp):
         return _evaluate(settings)
 

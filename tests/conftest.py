@@ -17,6 +17,10 @@ os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
 # on 2 cores (its two workers, replicas, gloo ranks), and a spinning thread holds a core another process needs. Read
 # by libgomp when torch loads it, here and in every process the tests start (they inherit the environment).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One torch thread per test process (and the subprocesses it starts; Ray sets its workers' own from their CPUs): two
+# workers already fill the 2 cores, and a second thread each only adds waits. `make test-fast` took 116 s of CPU
+# with one thread each, against 130-136 s with two, and no longer on the wall (tests/README.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +137,7 @@ def _serve_apps_end_with_their_module(request):
 
 
 PROCESS_MARKS = ("ray", "e2e", "slow")  # a module with one of these starts clusters, servers or subprocesses
+MODEL_FIXTURES = {"tiny_checkpoint", "tiny_pipeline"}  # a module using one (even through another fixture) loads a model
 
 
 def module_name(nodeid: str) -> str:
@@ -142,9 +147,10 @@ def module_name(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """The order the modules run in: those on the session's server (``served``) first and together (under xdist they
-    are one unit, the longest), then the modules that start processes, then the library modules (short: under xdist
-    they fill the tail), ``own_cluster`` modules last (they stop the session's cluster; a module after one would
-    start it again). A module's tests stay together and in their order."""
+    are one unit, the longest), then the modules that start processes, then the library modules that load a model,
+    then those that load none (the shortest: under xdist they fill the tail, so both workers end together),
+    ``own_cluster`` modules last (they stop the session's cluster; a module after one would start it again). A
+    module's tests stay together and in their order."""
     from tests.served_apps import APPS as SERVED_MODULES
 
     modules: dict[str, list] = {}
@@ -155,8 +161,10 @@ def pytest_collection_modifyitems(config, items):
         if name in SERVED_MODULES:
             return 0
         if any(item.get_closest_marker("own_cluster") for item in modules[name]):
-            return 3
-        return 1 if any(item.get_closest_marker(mark) for item in modules[name] for mark in PROCESS_MARKS) else 2
+            return 4
+        if any(item.get_closest_marker(mark) for item in modules[name] for mark in PROCESS_MARKS):
+            return 1
+        return 2 if any(MODEL_FIXTURES.intersection(item.fixturenames) for item in modules[name]) else 3
 
     items[:] = [item for name in sorted(modules, key=rank) for item in modules[name]]  # sorted is stable
 

@@ -386,21 +386,53 @@ def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, capsys
 
 
 @pytest.mark.ray
-def test_serving_smoke_http_handle_and_in_process_agree(ray_cluster, capsys):
-    result = serving.run(smoke=True)
-    out = capsys.readouterr().out
-    assert result["ok"] and result["video_same_shape"]
-    assert all(d <= 1 for d in result["pixel_diff_vs_in_process"].values())
-    paths = [p["path"] for p in result["paths"]]
-    assert paths[:6] == [
-        "in-process engine",
-        "PNG + base64 (in-process)",
-        "MP4 encode (in-process)",
-        "Serve handle -> replica (PNG)",
-        "HTTP image: POST /v1/images/generations",
-        "HTTP video job: POST, poll, GET content",
-    ]
-    assert all(path in out for path in paths) and "target HTTP / in-process" in out
+class TestOnOneServerOfTheDefaultConfig:
+    """The smokes that serve deploy/serve_config.yaml as shipped share one `h3serve serve` of it (each started its
+    own: ~30 s on 2 cores). Class-scoped, so it is stopped before the next smoke deploys a config of its own on the
+    same cluster (a second `h3serve serve` would replace its applications)."""
+
+    @pytest.fixture(scope="class")
+    def default_server(self, ray_cluster):
+        from benchmarks.served import ServedDefault
+
+        with ServedDefault() as served:
+            yield served
+
+    def test_serving_smoke_http_handle_and_in_process_agree(self, default_server, capsys):
+        result = serving.run(smoke=True, running=default_server)
+        out = capsys.readouterr().out
+        assert result["ok"] and result["video_same_shape"]
+        assert all(d <= 1 for d in result["pixel_diff_vs_in_process"].values())
+        paths = [p["path"] for p in result["paths"]]
+        assert paths[:6] == [
+            "in-process engine",
+            "PNG + base64 (in-process)",
+            "MP4 encode (in-process)",
+            "Serve handle -> replica (PNG)",
+            "HTTP image: POST /v1/images/generations",
+            "HTTP video job: POST, poll, GET content",
+        ]
+        assert all(path in out for path in paths) and "target HTTP / in-process" in out
+
+    def test_served_trace_smoke_serves_every_request_over_http_with_its_timeline(
+        self, default_server, capsys, tmp_path
+    ):
+        from benchmarks import served_trace
+
+        assert served_trace.main(["--smoke", "--json", str(tmp_path / "served_trace.json")], default_server) == 0
+        out = capsys.readouterr().out
+        result = json.loads((tmp_path / "served_trace.json").read_text())
+        (run,) = result["runs"]["default"]
+        kinds = [a["kind"] for a in result["trace"]]
+        assert len(run["requests"]) == len(kinds) == 4 and {"still", "clip5"} <= set(kinds)
+        # every request came back over HTTP and the replica kept every stage mark of it
+        assert run["timelines_missing"] == 0 and [r["kind"] for r in run["requests"]] == kinds
+        for request in run["requests"]:
+            assert set(request["timeline"]) == set(served_trace.PHASES) and request["latency_s"] > 0
+        # the replica's threads were found by name: the step loop's and the stage worker's CPU is counted apart
+        assert {"replica", "ingress", "proxy", "thread: step loop", "thread: stage worker"} <= set(run["cpu_s"])
+        assert result["targets"] == []  # one config: nothing to judge
+        assert "where a request's latency went" in out and "CPU seconds in a run" in out
 
 
 @pytest.mark.ray
@@ -501,23 +533,3 @@ def test_step_path_smoke_sends_workers_metadata_only(capsys):
     assert result["ok"]
     assert max(result["after_ray_bytes_per_worker"].values()) < 4096
     assert result["before_object_store_bytes"]["no caching"] > result["after_broadcast_bytes"] > 100 * 4096
-
-
-@pytest.mark.ray
-def test_served_trace_smoke_serves_every_request_over_http_with_its_timeline(ray_cluster, capsys, tmp_path):
-    from benchmarks import served_trace
-
-    assert served_trace.main(["--smoke", "--json", str(tmp_path / "served_trace.json")]) == 0
-    out = capsys.readouterr().out
-    result = json.loads((tmp_path / "served_trace.json").read_text())
-    (run,) = result["runs"]["default"]
-    kinds = [a["kind"] for a in result["trace"]]
-    assert len(run["requests"]) == len(kinds) == 4 and {"still", "clip5"} <= set(kinds)
-    # every request came back over HTTP and the replica kept every stage mark of it
-    assert run["timelines_missing"] == 0 and [r["kind"] for r in run["requests"]] == kinds
-    for request in run["requests"]:
-        assert set(request["timeline"]) == set(served_trace.PHASES) and request["latency_s"] > 0
-    # the replica's threads were found by name: the step loop's and the stage worker's CPU is counted apart
-    assert {"replica", "ingress", "proxy", "thread: step loop", "thread: stage worker"} <= set(run["cpu_s"])
-    assert result["targets"] == []  # one config: nothing to judge
-    assert "where a request's latency went" in out and "CPU seconds in a run" in out

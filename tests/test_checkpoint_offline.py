@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +23,7 @@ print("frames", media.frames.shape)
 """
 
 
+@pytest.mark.slow  # a fresh interpreter imports the model libraries and loads (`make test-fast` leaves it out)
 def test_import_leaves_the_environment_alone_and_loading_never_reaches_a_hub(tiny_checkpoint):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     # Any hub request would go to a closed local port and fail at once, instead of being switched off.

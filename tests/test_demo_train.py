@@ -28,6 +28,7 @@ def pipeline(tiny_checkpoint):
     return H3Pipeline.load(tiny_checkpoint, "torch_sdpa")
 
 
+@pytest.mark.slow  # the demo's tooling, ~6 s: `make test-fast` (the four packages' layers) leaves it out
 def test_a_decode_window_is_exactly_the_encoding_of_its_frames(pipeline):
     """The VAEs train on windows: latents 5k .. 5k+7 of a whole clip must be what the window's frames encode to."""
     fmt = world.ClipFormat.of(pipeline.rules)

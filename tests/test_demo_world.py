@@ -25,6 +25,7 @@ from demo.world import (
 SMALL = ClipFormat(width=64, height=64, num_frames=22, fps=24, sample_rate=8000)
 
 
+@pytest.mark.slow  # the demo's tooling, ~4 s: `make test-fast` (the four packages' layers) leaves it out
 def test_every_scene_is_judged_right_at_a_small_size():
     scenes = all_scenes()
     assert len(scenes) == len(COLOURS) * len(SHAPES) * len(MOTIONS) * len(SOUNDS) == 270

@@ -230,6 +230,7 @@ def _rank_main(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo processes, each builds the tiny model (`make test-fast` leaves it out)
 def test_serving_at_sp2_over_gloo_makes_every_tensor_on_the_datas_device(tiny_checkpoint, single_rank, tmp_path):
     mp.spawn(_rank_main, args=(free_port(), str(tiny_checkpoint), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")

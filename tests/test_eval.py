@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import demo.evaluate
 from demo.evaluate import ATTRIBUTES, EvalSettings, evaluate
 from demo.world import HELD_OUT
 from deploy.cli import main
@@ -41,6 +42,7 @@ def test_a_small_eval_is_deterministic_and_writes_every_verdict(tiny_checkpoint,
     assert "all four" in printed and f"wrote {path}" in printed
 
 
+@pytest.mark.slow  # the demo's tooling, ~2 s: `make test-fast` (the four packages' layers) leaves it out
 def test_the_oracle_scores_every_attribute_of_every_held_out_combination(tiny_checkpoint):
     result = evaluate(EvalSettings(checkpoint=str(tiny_checkpoint), n=18, oracle=True))
     assert {tuple(c["expected"][a] for a in ("colour", "shape", "motion")) for c in result["clips"]} == HELD_OUT
@@ -51,7 +53,7 @@ def test_the_oracle_scores_every_attribute_of_every_held_out_combination(tiny_ch
     )
 
 
-def test_bad_settings_name_the_field(tiny_checkpoint, capsys):
+def test_bad_settings_name_the_field(tiny_checkpoint, capsys, monkeypatch):
     with pytest.raises(RequestError, match="pack must be at least 1") as e:
         EvalSettings(pack=0)
     assert e.value.field == "pack"
@@ -65,6 +67,12 @@ def test_bad_settings_name_the_field(tiny_checkpoint, capsys):
     assert exit.value.code == 2 and "multiples of 32" in capsys.readouterr().err
     with pytest.raises(RequestError, match="sp must be at least 1"):
         EvalSettings(sp=0)
+
+    # refused before a local Ray cluster starts for the ranks (it took ~6 s to refuse after one)
+    def no_cluster(sp):
+        raise AssertionError(f"a cluster was started for sp={sp}")
+
+    monkeypatch.setattr(demo.evaluate, "local_ray", no_cluster)
     with pytest.raises(SystemExit) as exit:
         main(["eval", "--checkpoint", str(tiny_checkpoint), "--sp", "3", "--oracle"])
     assert exit.value.code == 2 and "must divide the transformer's 4 attention heads" in capsys.readouterr().err

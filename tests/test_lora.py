@@ -368,6 +368,7 @@ def _sp_rank(rank: int, world: int, init_file: str, checkpoint, specs, pack, doc
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo processes, each builds the tiny model (`make test-fast` leaves it out)
 def test_ulysses_over_two_ranks_equals_one_rank(served, adapters, specs, tiny_checkpoint, tmp_path):
     """Each rank adapts only its own rows (and its own video/audio rows): sp=2 over gloo equals sp=1."""
     import torch.multiprocessing as mp

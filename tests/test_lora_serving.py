@@ -241,6 +241,7 @@ def write_adapter_config(tmp_path, loras: dict) -> str:
     return str(write_config(tmp_path, config, free_port(), "loras.yaml"))
 
 
+@pytest.mark.slow  # two `h3serve admit` commands, each imports the model libraries (`make test-fast` leaves it out)
 def test_admission_checks_adapters_against_the_served_transformer_before_any_replica(loras, base, tmp_path):
     """`h3serve admit` (the driver's own check, no replica): good adapters pass; one key of the wrong shape is
     refused naming the adapter and the key, and counted as an admission failure with reason "lora"."""
@@ -322,6 +323,7 @@ def _sp_rank(rank: int, world: int, init_file: str, checkpoint, loras, pack, out
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo processes, each builds the tiny model (`make test-fast` leaves it out)
 def test_the_packs_slots_follow_each_ranks_rows_under_ulysses(adapted, tiny_checkpoint, loras, tmp_path):
     """A pack of base, turbo and style documents through the denoiser: sp=2 over gloo equals sp=1."""
     import torch.multiprocessing as mp
