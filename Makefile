@@ -40,8 +40,8 @@ test: setup
 test-nodes: setup
 	CI= $(BIN)/python -m pytest -s tests/test_node_autoscaling.py $(PYTEST_ARGS)
 
-# No Ray, no processes, no GPU: the four packages' library layers, on two workers as `make test` (57 s here,
-# 2026-12-05; issue 42's target is a minute). A test that spawns ranks or runs a command is `slow`: `make test` runs it.
+# No Ray, no processes, no GPU: the four packages' library layers, on two workers as `make test` (53 s here,
+# 2026-12-05; issue 42's target is a minute). A test that starts a process is `slow`: `make test` runs it.
 test-fast: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not ray and not e2e and not slow and not gpu" $(PYTEST_ARGS)
 

@@ -22,16 +22,19 @@ def heavy_modules_after(statement: str) -> list[str]:
     return eval(done.stdout.strip().splitlines()[-1])  # a list literal printed by the child
 
 
+@pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_importing_the_ingress_loads_no_torch_diffusers_transformers_or_peft():
     assert heavy_modules_after("import deploy.api") == []
 
 
+@pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_the_platform_probe_task_loads_torch_but_no_diffusers_transformers_or_peft():
     # Ray imports a task's module in the worker that runs it, and the builds of `h3serve serve` run at once, so
     # there is about one new probe worker per application: it pays torch (the probe asks it), not admission's rest
     assert heavy_modules_after("import deploy.probe") == ["torch"]
 
 
+@pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_the_ingress_args_round_trip_without_torch():
     # the ingress receives its DeployArgs and ModelRules pickled (Serve's init args): unpickling them, and reading
     # the rules a request is checked against, stays torch-free

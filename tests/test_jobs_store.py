@@ -217,6 +217,7 @@ def _writer(url: str, job_id: str, seconds: float) -> None:
         store.put(f"{job_id}.json", json.dumps({"n": i, "pad": "x" * (i % 5000)}).encode())
 
 
+@pytest.mark.slow  # two spawned writer processes for 2 s (`make test-fast`, no subprocesses, leaves it out)
 def test_concurrent_writers_in_other_processes_never_show_a_partial_record(tmp_path):
     url, job_id = str(tmp_path / "videos"), f"video_{uuid.uuid4().hex}"
     MediaStore(url).put(f"{job_id}.json", b'{"n": 0}')
