@@ -133,17 +133,25 @@ def requests_for(scenes: list[Scene], fmt: ClipFormat, settings: EvalSettings) -
     ]
 
 
-def build_group(settings: EvalSettings) -> WorkerGroup:
-    """A worker group of ``settings.sp`` ranks on this node with the backend admission resolves for the checkpoint
-    (over several ranks, Ray must be initialised: ``local_ray``)."""
-    from attention import probe_platform, resolve
-    from pipelines.h3 import REQUIREMENTS, TransformerGeometry, default_dtype
+def checked_geometry(settings: EvalSettings):
+    """The checkpoint's directory and transformer geometry, the degree ``settings.sp`` checked against its heads."""
+    from pipelines.h3 import TransformerGeometry
     from pipelines.h3.checkpoint import resolve_checkpoint
-    from replicas import ReplicaSpec, WorkerGroup
 
     directory = resolve_checkpoint(settings.checkpoint)
     geometry = TransformerGeometry.from_checkpoint(directory)
     geometry.check_sp_degree(settings.sp)
+    return directory, geometry
+
+
+def build_group(settings: EvalSettings) -> WorkerGroup:
+    """A worker group of ``settings.sp`` ranks on this node with the backend admission resolves for the checkpoint
+    (over several ranks, Ray must be initialised: ``local_ray``)."""
+    from attention import probe_platform, resolve
+    from pipelines.h3 import REQUIREMENTS, default_dtype
+    from replicas import ReplicaSpec, WorkerGroup
+
+    directory, geometry = checked_geometry(settings)
     dtype = settings.dtype or default_dtype(settings.device)
     resolution = resolve(
         REQUIREMENTS,
@@ -200,11 +208,7 @@ async def generate_all(group: WorkerGroup, requests: list[GenerationRequest], pa
 
 def evaluate(settings: EvalSettings) -> dict[str, Any]:
     """Generate (or, for the oracle, render) and judge; returns the JSON document ``--json`` writes."""
-    from pipelines.h3 import TransformerGeometry
-    from pipelines.h3.checkpoint import resolve_checkpoint
-
-    # a degree the checkpoint's heads cannot split is refused before a cluster starts for it
-    TransformerGeometry.from_checkpoint(resolve_checkpoint(settings.checkpoint)).check_sp_degree(settings.sp)
+    checked_geometry(settings)  # a degree the checkpoint's heads cannot split is refused before a cluster starts
     with local_ray(settings.sp):
         return _evaluate(settings)
 
