@@ -21,6 +21,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # workers already fill the 2 cores, and a second thread each only adds waits. `make test-fast` took 116 s of CPU
 # with one thread each, against 130-136 s with two, and no longer on the wall (tests/README.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray's log monitor (it forwards workers' output to drivers) globs the session's log directory every 0.1 s, and that
+# holds hundreds of worker logs by mid-suite. The session's drivers take no worker output (log_to_driver=False) and
+# tests read only h3serve's own lines from a server's output, so it looks for new files every 5 s instead: with ~370
+# log files its CPU was 3.6 s a minute before, 1.2 s after (tests/README.md). Every cluster the tests start reads it.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 
 
 @pytest.fixture(scope="session")
