@@ -430,12 +430,13 @@ class DyingStageReplicas:
 
     def __init__(self, ledger: Path, deaths: int, flaw: bool = False):
         self.init = (str(ledger), deaths, flaw)
+        self.actor = _dying_stage_actor()  # one actor class: Ray exports its definition once, not once a call
         self.started: list[ray.actor.ActorHandle] = []
         self.prepare = _Route(self, "prepare")
         self.decode = _Route(self, "decode")
 
     def next_replica(self) -> ray.actor.ActorHandle:
-        self.started.append(_dying_stage_actor().remote(*self.init))
+        self.started.append(self.actor.remote(*self.init))
         return self.started[-1]
 
     def close(self) -> None:
