@@ -56,7 +56,7 @@ from pipelines.h3 import (
     PreparedState,
 )
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
-from replicas.engine import lower_thread_priority
+from replicas.stage_worker import lower_thread_priority
 
 from .args import DRAIN_MARGIN_S, DeployArgs
 from .autoscaling import replica_stats

@@ -26,19 +26,23 @@ from .spec import ReplicaSpec
 # is first used, so that the ingress and the deploy args, which need only the contract above, start without them.
 _LAZY = {
     "Engine": ".engine",
-    "EngineObserver": ".engine",
-    "EngineStats": ".engine",
-    "StageClient": ".engine",
-    "StepBoundary": ".engine",
-    "StepGate": ".engine",
-    "Ticket": ".engine",
+    "EngineObserver": ".progress",
+    "EngineStats": ".progress",
+    "StageClient": ".stage_worker",
+    "StepBoundary": ".hooks",
+    "StepGate": ".hooks",
+    "Ticket": ".requests",
     "PackFailed": ".worker_group",
     "WorkerGroup": ".worker_group",
     "WorkerGroupBroken": ".worker_group",
 }
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineObserver, EngineStats, StageClient, StepBoundary, StepGate, Ticket
+    from .engine import Engine
+    from .hooks import StepBoundary, StepGate
+    from .progress import EngineObserver, EngineStats
+    from .requests import Ticket
+    from .stage_worker import StageClient
     from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken
 
 

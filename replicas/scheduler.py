@@ -20,8 +20,9 @@ The policies (``rank_key``):
 
 Age counts from submission whatever the request does (queued, running or paused): two requests' ranks
 then change only as their remaining work does, never back and forth, so preemption never thrashes.
-Ties go to the earlier submission. ``rank`` orders a waiting queue the same way (which request the
-stage worker prepares next), with the work estimated at submit.
+Ties go to the earlier submission. ``rank`` orders a waiting queue the same way, with the work estimated at
+submit: ``admit`` names the request the stage worker prepares next, and, when the prepared states held are at their
+bound, the prepared request that never stepped and gives its room to it (it waits again; only its prepare is lost).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RequestView:
     priority: int = 0
     running: bool = False  # it was in the previous step's batch
     text_rows: int = 0  # of its rows, the prompt rows
+    started: bool = False  # it ever stepped (running now, or before)
 
     @property
     def work(self) -> int:
@@ -114,3 +116,36 @@ def schedule(views: Sequence[RequestView], budget: Budget, policy: Policy, now: 
     chosen = {view.id for view in batch}
     preempted = tuple(view for view in views if view.running and view.id not in chosen)
     return Schedule(tuple(batch), preempted)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """Which waiting request to prepare next (None: none now), and which prepared one gives its room to it."""
+
+    prepare: RequestView | None = None
+    evict: RequestView | None = None
+
+
+def admit(
+    waiting: Sequence[RequestView],
+    prepared: Sequence[RequestView],
+    room: int,
+    policy: Policy,
+    now: float,
+    aging_s: float,
+) -> Admission:
+    """The waiting request the policy serves first, while fewer than ``room`` states are prepared. At the bound, a
+    prepared request that never stepped and ranks below it gives its room back; running and paused ones keep theirs
+    (under fcfs nothing waiting outranks them)."""
+    if not waiting:
+        return Admission()
+    best = min(waiting, key=lambda view: rank_key(view, policy, now, aging_s))
+    if len(prepared) < room:
+        return Admission(best)
+    never_stepped = [view for view in prepared if not view.started]
+    if not never_stepped:
+        return Admission()
+    worst = max(never_stepped, key=lambda view: rank_key(view, policy, now, aging_s))
+    if rank_key(best, policy, now, aging_s) >= rank_key(worst, policy, now, aging_s):
+        return Admission()
+    return Admission(best, worst)

@@ -11,6 +11,7 @@ from PIL import Image
 
 from pipelines.h3.preview import PreviewLayout, PreviewMap, clean_rows, preview_frames
 from replicas import Engine, EngineLimits, PreviewPolicy, WorkerGroup
+from replicas.requests import Stage
 from tests.test_engine_faults import Recorder
 from tests.test_replicas import request, spec
 
@@ -123,11 +124,11 @@ def test_cancel_leaves_the_queue_at_once_and_the_pack_at_the_next_step_boundary(
         while running.forwards < 2 or beside.forwards < 1:
             await asyncio.sleep(0.01)
         engine.cancel(waiting)
-        assert waiting not in engine._waiting and engine.queue_position(beside) is None
+        assert waiting not in engine.requests.at(Stage.WAITING) and engine.queue_position(beside) is None
         forwards = running.forwards
         engine.cancel(running)
         engine.cancel(running)  # a second cancel is a no-op
-        while running in engine._resident:
+        while running in engine.requests.at(Stage.RESIDENT):
             await asyncio.sleep(0.01)
         left_after = running.forwards
         media = await beside.future
@@ -176,7 +177,7 @@ def test_step_events_are_thinned_to_their_rate_the_last_step_always_and_every_st
         ticket = engine.submit(request("a red circle", steps, seed=1), "thin")
         await ticket.future
         # read on the stage thread itself, while it lives (close() ends it)
-        stage_nice = await engine._stages.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        stage_nice = await engine.stage_worker.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         await engine.close()
         return observer, ticket, stage_nice
 

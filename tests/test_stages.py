@@ -393,7 +393,7 @@ def test_waiting_on_a_stage_is_not_a_stall_of_the_denoiser(server, tiny_checkpoi
             healthy_while_waiting = 0
             while not ticket.future.done():
                 await asyncio.sleep(stall_min_s)
-                if engine.stats.completed == 0 and engine._stage_calls:  # only the stage works, past the window
+                if engine.stats.completed == 0 and engine.stages.calls:  # only the stage works, past the window
                     engine.check_health()  # EngineStalled here would fail the test
                     healthy_while_waiting += 1
             return await ticket.future, healthy_while_waiting
