@@ -1,49 +1,32 @@
 """The engine core: step-level continuous batching, every step one varlen forward of the scheduled requests.
 
-vLLM v1's split, in h3serve's parts:
+vLLM v1's split: ``requests`` (the request table: where each request is), ``scheduler`` (pure decisions: each
+step's batch and pauses, what to prepare next and what gives its room), ``executor`` (runs a batch on the SP worker
+group, reports what advanced and what failed), ``stage_worker`` (prepare ahead of the pack and decode after it, here
+or in stages of their own, never holding up a step), ``progress`` (stats, the one measured rate behind ``load()`` and
+the ETAs, previews, events) and ``hooks`` (a ``StepGate`` above the policy, for benchmarks).
 
-- ``replicas/requests.py``: the request table. A request waits in a bounded queue (a full engine is refused at
-  once), is prepared on the stage worker (diffusers' blocks), is resident (ready, running or paused) until its
-  schedule is done, then is decoded on the stage worker (both VAEs). The table says where each request is.
-- ``replicas/scheduler.py``: pure decisions from request views. Each step, ``schedule`` picks the batch within the
-  request and row budget by ``limits.policy`` (under ``srpt`` and ``priority`` a running request left out is paused:
-  its latents and schedulers stay in its ``RequestState`` and it resumes with the same output); ``admit`` picks the
-  next request to prepare ahead of the pack, for at most ``limits.max_prepared`` more states than ``max_active``,
-  and at that bound the prepared request that never stepped and gives its room to one that outranks it.
-- ``replicas/executor.py``: runs a batch on the SP worker group and reports what advanced, what failed, and the
-  groups it replaced (pack bisection, a broken group's replacement and the step run again on it).
-- ``replicas/stage_worker.py``: prepare and decode, here (``LocalStages``) or in stages of their own
-  (``RemoteStages`` over a ``StageClient``), on a thread of their own, so neither ever holds up a step.
-- ``replicas/progress.py``: stats, the one measured rate behind both ``load()`` and the ETAs, queue positions,
-  previews and a followed request's events.
-- ``replicas/hooks.py``: a ``StepGate`` above the policy, for benchmarks (one LoRA adapter per batch).
-
-This module holds the API (submit, cancel, load, warm-up, health, drain, close) and two loops: the step loop
-(schedule, execute, apply, progress) and the stage worker's (prepare the request ``admit`` names, or decode the
-oldest denoised one). A request fails alone (its own data, its prepare or decode, its deadline); only a group that
-cannot be replaced stops the engine and fails everything with ``EngineStopped``. A watchdog (``check_health``)
-reports a stall when work is active and nothing completed (no step, no prepare, no decode) for many expected step
-times; ``drain`` hands back what never started and lets the rest finish. Step caching (``limits.step_cache``): a
-request's tier resolves at submit; its state lives in its ``RequestState``, freed when its schedule finishes or at
-the step boundary after it fails or is cancelled (never under a forward that may still read it).
+Here: the API (submit, cancel, load, warm-up, health, drain, close) and the step loop (schedule, execute, apply,
+progress). A request fails alone (its data, its prepare or decode, its deadline); only an SP group that cannot be
+replaced stops the engine and fails everything with ``EngineStopped``. The watchdog (``check_health``) reports a stall
+when work is active and nothing completed (no step, prepare or decode) for many expected step times.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import itertools
 import logging
 import math
 import time
 
-from pipelines.h3 import EncodedMedia, GeneratedMedia, GenerationRequest, RequestError, RequestState
+from pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState
+from pipelines.h3.pipeline import H3Pipeline
 from pipelines.h3.step_cache_tiers import StepCachePolicy
 
 from . import scheduler
 from .contract import (
-    DeadlineExceeded,
     EngineDraining,
     EngineLimits,
     EngineLoad,
@@ -55,16 +38,13 @@ from .contract import (
 from .executor import Executor, StepOutcome
 from .hooks import StepGate, acts_before_forward, gated
 from .progress import EngineObserver, EngineStats, Progress
-from .requests import RequestTable, Stage, Ticket, check_rows, place
+from .requests import RequestTable, Stage, Ticket, check_rows, deadline_error, place
 from .scheduler import Budget
-from .stage_worker import LocalStages, RemoteStages, StageClient, Stages, StageWorker
+from .stage_worker import LocalStages, RemoteStages, StageClient, StageLoop, Stages, StageWorker
 from .supervisor import GroupSupervisor
 from .worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
-
-# how _expire words where a request was when its deadline passed
-EXPIRED_WHERE = {"waiting": "before it started", "running": "in the pack", "decoding": "while decoding"}
 
 
 class Engine:
@@ -80,8 +60,9 @@ class Engine:
         ``gate``: which prepared requests may join each step's batch (``StepGate``); None: every one, by the policy.
         """
         self.limits = limits or EngineLimits()
-        self.pipeline, self.observer, self.remote, self.gate = group.pipeline, observer, remote, gate
-        self.executor = Executor(group, self.limits.step_timeout_min_s, self.limits.step_timeout_factor)
+        self.pipeline: H3Pipeline = group.pipeline
+        self.observer, self.remote, self.gate = observer, remote, gate
+        self.executor = Executor(group, self.limits)
         self.requests = RequestTable()
         self.stage_worker = StageWorker(self.executor.device, self.limits.stage_nice)
         self.progress = Progress(self.requests, self.limits, self.pipeline, observer, self.stage_worker)
@@ -91,19 +72,13 @@ class Engine:
             else RemoteStages(self.pipeline, self.stage_worker, remote, self.stats.handoff_bytes)
         )
         self._wake = asyncio.Event()  # the step loop: a request became ready, or the engine stops
-        self._stage_wake = asyncio.Event()  # the stage worker: a request waits for prepare or decode
+        self.stage_loop = StageLoop(self.requests, self.stages, self.progress, self.limits, self._wake)
         self._task: asyncio.Task | None = None
         self._stage_task: asyncio.Task | None = None
         self._stop_reason: str | None = None
-        self._draining = False
         self._ids, self._orders = itertools.count(), itertools.count()
         self.warmup_s: dict[str | None, float] = {}  # warm_up()'s forward seconds by adapter (None: the base model)
-        self._progress_at = time.monotonic()  # the watchdog: work arrived, or a prepare or decode ended
-        for name, policy in self.limits.step_cache.tiers.items():  # the deploy args refuse them earlier too
-            try:
-                self.pipeline.check_step_cache(policy)
-            except ValueError as e:
-                raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
+        self._progress_at = time.monotonic()  # the watchdog: when work arrived (the loops keep their own clocks)
         self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
 
     # -- what callers read --------------------------------------------------------------------
@@ -154,10 +129,6 @@ class Engine:
     def eta_s(self, ticket: Ticket) -> float | None:
         return self.progress.eta_s(ticket)
 
-    def step_cache_policy(self, request: GenerationRequest) -> StepCachePolicy | None:
-        """The policy of the request's ``cache`` tier (None: off), or RequestError("cache") naming what is allowed."""
-        return self.limits.step_cache.policy(request.cache)
-
     # -- API ----------------------------------------------------------------------------------
     def submit(
         self,
@@ -180,14 +151,12 @@ class Engine:
         """
         if output not in (None, "png", "mp4"):
             raise ValueError(f"output must be 'png', 'mp4' or None, got {output!r}")
-        if self._draining:
+        if self.stage_loop.draining:
             raise EngineDraining("this replica is draining; retry on another replica")
         if self._stop_reason:
             raise EngineStopped(self._stop_reason)
         check_priority(priority)
-        request = self.pipeline.with_adapter(request, adapter)
-        rows = self.validate(request)
-        step_cache = self.step_cache_policy(request)
+        request, rows, step_cache = self._checked(request, adapter)
         if deadline_s is None:
             deadline_s = self.limits.default_deadline_s
         if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
@@ -225,20 +194,24 @@ class Engine:
             # in contexts of their own: the loops serve every request, so they must not carry the first one's
             # request context (Serve's log prefix would name that request on every later line)
             self._task = loop.create_task(self._run(), context=contextvars.Context())
-            self._stage_task = loop.create_task(self._run_stages(), context=contextvars.Context())
-        self._stage_wake.set()
+            self._stage_task = loop.create_task(self.stage_loop.run(), context=contextvars.Context())
+        self.stage_loop.wake.set()
         return ticket
 
     def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
         """About the rows the request adds to a pack; RequestError if the model, the adapter or the budget cannot
         take it."""
+        return self._checked(request, adapter)[1]
+
+    def _checked(
+        self, request: GenerationRequest, adapter: str | None
+    ) -> tuple[GenerationRequest, int, StepCachePolicy | None]:
+        """The request as it runs on ``adapter``, its rows and its step-cache policy; or RequestError."""
         request = self.pipeline.with_adapter(request, adapter)
         rows = self.pipeline.validate(request)
-        # the prompt's tokens; keyframes add theirs at prepare
-        text_rows = self.pipeline.text_tokens(request.prompt) if self.limits.max_text_rows_per_step else None
-        check_rows(self.limits, rows, text_rows)
-        self.step_cache_policy(request)
-        return rows
+        limit = self.limits.max_text_rows_per_step  # the prompt's tokens; keyframes add theirs at prepare
+        check_rows(self.limits, rows, self.pipeline.text_tokens(request.prompt) if limit is not None else None)
+        return request, rows, self.limits.step_cache.policy(request.cache)
 
     async def generate(
         self,
@@ -269,27 +242,13 @@ class Engine:
         self._changed()
 
     def load(self) -> EngineLoad:
-        """The backlog (rows x steps left of every request held, an adapter's own step count included), the
-        measured row-step rate, the oldest wait of a request not started and the tightest deadline slack."""
-        now, held = time.monotonic(), self.requests.held()
-        slacks = [t.submitted + t.deadline_s - now for t in held if t.deadline_s is not None]
-        waiting, active = self.requests.depth()
-        return EngineLoad(
-            backlog_row_steps=sum(t.work for t in held),
-            row_step_rate=self.row_step_rate or 0.0,
-            oldest_wait_s=max((now - t.submitted for t in held if not t.started), default=0.0),
-            deadline_slack_s=min(slacks, default=None),
-            waiting=waiting,
-            active=active,
-        )
+        """What the replica reports to Serve's autoscaler: the backlog in row-steps and the measured rate."""
+        return self.progress.load()
 
     # -- warm-up, health, drain, close --------------------------------------------------------
     def warmup_request(self) -> GenerationRequest:
         """The smallest request the model's rules allow: the shortest clip on the smallest canvas, one step."""
-        rules, side = self.pipeline.rules, self.pipeline.rules.canvas_multiple
-        return GenerationRequest(
-            prompt="warm-up", width=side, height=side, num_frames=rules.min_frames, num_inference_steps=2
-        )
+        return self.executor.warmup_request()
 
     def warm_up(self, state: RequestState | None = None) -> float:
         """Prepare the smallest request and run one packed forward on every rank, discarding the result.
@@ -301,19 +260,9 @@ class Engine:
         """
         if self._task is not None:
             raise RuntimeError("warm_up() runs before the first submit")
-        started = time.perf_counter()
-        state = self.pipeline.prepare(self.warmup_request()) if state is None else state
-        prepared = time.perf_counter()
         warm = self.executor.warm_up(state)
         self.warmup_s = warm.by_adapter
         self.progress.meter.seed(warm.rows - warm.padding_rows, warm.seconds)
-        logger.info(
-            "warm-up: prepare %.2f s, one packed forward of %d rows on %d ranks %.2f s",
-            prepared - started,
-            warm.rows,
-            self.group.sp_degree,
-            warm.seconds,
-        )
         return warm.seconds
 
     @property
@@ -329,7 +278,7 @@ class Engine:
         # and nothing to step here, the stage's own health check covers it
         awaiting_stages = self.stages.calls > 0 and not self.requests.live(Stage.RESIDENT)
         if self._busy and not awaiting_stages:
-            quiet = time.monotonic() - max(self._progress_at, self.executor.progress_at)
+            quiet = time.monotonic() - max(self._progress_at, self.executor.progress_at, self.stage_loop.progress_at)
             if quiet > self.stall_window_s:
                 message = (
                     f"no step completed for {quiet:.1f} s with work active "
@@ -349,13 +298,11 @@ class Engine:
         EngineStopped. Paused requests resume, since nothing new joins.
         """
         timeout_s = self.limits.drain_timeout_s if timeout_s is None else timeout_s
-        self._draining = True
-        handed_back = self.requests.unstarted()
-        for ticket in [*self.requests.at(Stage.WAITING), *self.requests.at(Stage.RESIDENT)]:
-            if not ticket.started:
-                self.requests.move(ticket, Stage.DONE)
+        self.stage_loop.draining = True
+        handed_back = self.requests.hand_back()
         for ticket in handed_back:
-            self._fail(ticket, EngineDraining("this replica is draining; the request never started here"), "draining")
+            error = EngineDraining("this replica is draining; the request never started here")
+            self.progress.fail(ticket, error, "draining")
         self.progress.report_queue()
         started = [t.future for t in self.requests.held()]
         logger.info("draining: %d handed back, %d started get %g s", len(handed_back), len(started), timeout_s)
@@ -366,6 +313,7 @@ class Engine:
     async def close(self, reason: str = "engine closed") -> None:
         self._stop_reason = self._stop_reason or reason
         self._fail_all(EngineStopped(reason), "shutdown")
+        self.stage_loop.stop()
         for task in (self._task, self._stage_task):
             if task is not None:
                 task.cancel()
@@ -375,9 +323,9 @@ class Engine:
     # -- the step loop: schedule, execute, apply, progress ------------------------------------
     async def _run(self) -> None:
         while not self._stop_reason:
-            self._drop_finished_resident()
+            self.requests.leave_pack()
             if not self.requests.at(Stage.RESIDENT):
-                self._stage_wake.set()  # room to prepare
+                self.stage_loop.wake.set()  # room to prepare
                 self.progress.account_busy(self._busy)
                 self._wake.clear()
                 await self._wake.wait()
@@ -390,19 +338,20 @@ class Engine:
                 self.stats.failed_steps += 1
                 self.progress.observe("on_failed_step", "pack")
                 for ticket in failed:
-                    self._fail(ticket, RuntimeError(f"request {ticket.id} failed; see the replica log"), "error")
+                    error = RuntimeError(f"request {ticket.id} failed; see the replica log")
+                    self.progress.fail(ticket, error, "error")
                 self.requests.clear([Stage.RESIDENT])
 
     async def _step(self) -> None:
         batch = self._schedule()
         gate = self.gate
         before = gate.before_forward if gate is not None and batch and acts_before_forward(gate) else None
-        outcome = await self.executor.step(batch, self._holders, before)
+        outcome = await self.executor.step(batch, self.requests.with_states, before)
         self._apply(outcome)
         if outcome.broken is not None:  # it could not be replaced (counted there): only a new replica helps
             self._stop_reason = f"SP worker group failed: {outcome.broken}"
             self._fail_all(EngineStopped(self._stop_reason), "worker_group")
-            self._stage_wake.set()  # the stage worker sees the stop
+            self.stage_loop.stop()
             return
         if self.gate is not None and not batch:  # the gate held every request back: sleep until something changes
             self._wake.clear()
@@ -412,8 +361,8 @@ class Engine:
             if ticket.prepared.done and not ticket.future.done():  # its schedule is done: the stage worker decodes
                 ticket.running = False
                 self.requests.move(ticket, Stage.DENOISED)
-        self._drop_finished_resident()
-        self._stage_wake.set()  # a finished, failed or cancelled request may have freed room to prepare another
+        self.requests.leave_pack()
+        self.stage_loop.wake.set()  # a finished, failed or cancelled request may have freed room to prepare another
         self.progress.account_busy(self._busy)
         self.progress.observe("on_duty_cycle", self.stats.duty_cycle)
         self.progress.report_queue()
@@ -423,24 +372,16 @@ class Engine:
         are paused (preemptions)."""
         resident, limits = self.requests.at(Stage.RESIDENT), self.limits
         candidates = resident if self.gate is None else gated(self.gate, self.requests, limits.policy, limits.aging_s)
-        by_order = {t.order: t for t in candidates}
         budget = Budget(limits.max_active, limits.max_rows_per_step, limits.max_text_rows_per_step)
-        now = time.monotonic()
-        plan = scheduler.schedule([t.view() for t in candidates], budget, limits.policy, now, limits.aging_s)
-        batch = [by_order[view.order] for view in plan.batch]
-        # running requests the gate held back pause too (without a gate every resident request is a candidate)
-        paused = [v.id for v in plan.preempted] + [t.id for t in resident if t.running and t.order not in by_order]
+        decision = scheduler.decide(resident, candidates, budget, limits.policy, time.monotonic(), limits.aging_s)
         for ticket in resident:
-            ticket.running = False
-        for ticket in batch:
-            ticket.running = True
-        if paused:
-            self.stats.preemptions += len(paused)
-            self.progress.observe("on_preempted", len(paused))
-            logger.info(
-                "paused %s at step boundary for %s (%s)", paused, [t.id for t in batch if not t.forwards], limits.policy
-            )
-        return batch
+            ticket.running = ticket in decision.batch
+        if decision.paused:
+            self.stats.preemptions += len(decision.paused)
+            self.progress.observe("on_preempted", len(decision.paused))
+            new = [t.id for t in decision.batch if not t.forwards]
+            logger.info("paused %s at step boundary for %s (%s)", [t.id for t in decision.paused], new, limits.policy)
+        return decision.batch
 
     def _apply(self, outcome: StepOutcome) -> None:
         """What the executor reports: failed attempts, then each forward's requests, then the requests that failed."""
@@ -449,170 +390,26 @@ class Engine:
             self.progress.observe("on_failed_step", reason)
         self.stats.group_replacements += outcome.replaced
         for forward in outcome.forwards:
-            adapters = collections.Counter(t.adapter for t in forward.tickets)
-            self.progress.forward(forward.stats, forward.seconds, adapters)
-            for ticket, error in zip(forward.tickets, forward.errors, strict=True):
-                if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
-                    continue
-                if error is not None:  # its own velocities failed to apply: the others of the pack advanced
-                    logger.error("request %s: applying its step failed: %r", ticket.id, error)
-                    self._fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
-                else:
-                    self.progress.stepped(ticket)
+            self.progress.forward(forward.tickets, forward.errors, forward.stats, forward.seconds)
         for ticket, error, reason in outcome.failed:
-            self._fail(ticket, error, reason)
-
-    def _holders(self) -> list[Ticket]:
-        """The requests whose states may hold step caches: a replaced group's ranks lost theirs."""
-        return [*self.requests.at(Stage.RESIDENT), *self.requests.at(Stage.DENOISED)]
-
-    def _drop_finished_resident(self) -> None:
-        """At a step boundary (no forward in flight): failed or cancelled requests leave, their step caches freed."""
-        for ticket in self.requests.drop_finished(Stage.RESIDENT):
-            if ticket.state is not None:
-                ticket.state.free_step_cache()
-                ticket.state = None  # its rows and schedulers go with it
-
-    # -- the stage worker's loop: prepare ahead of the pack, decode after it --------------------
-    async def _run_stages(self) -> None:
-        while not self._stop_reason:
-            ticket: Ticket | None = None
-            try:
-                self.requests.drop_finished(Stage.DENOISED)
-                ticket, denoised = self._next_to_prepare(), self.requests.first(Stage.DENOISED)
-                if ticket is not None and (not self.requests.live(Stage.RESIDENT) or denoised is None):
-                    await self._prepare(ticket)  # an idle model thread needs a request more than a finished one
-                elif denoised is not None:
-                    ticket = denoised
-                    await self._decode(ticket)
-                else:
-                    self.progress.account_busy(self._busy)
-                    self._stage_wake.clear()
-                    await self._stage_wake.wait()
-            except Exception:  # a fault of the engine itself: fail the request at hand, never the stage worker
-                logger.exception("the stage worker failed outside a prepare or decode (request %s)", ticket)
-                if ticket is None:
-                    await asyncio.sleep(1.0)  # no request to fail; the watchdog reports it if it persists
-                else:
-                    self._fail(ticket, RuntimeError(f"request {ticket.id} failed; see the replica log"), "error")
-                    self.requests.drop_finished(Stage.PREPARING)
-
-    def _next_to_prepare(self) -> Ticket | None:
-        """The waiting request ``scheduler.admit`` names; the prepared one it evicts waits again, its state freed."""
-        if self._draining or self._stop_reason:
-            return None
-        self.requests.drop_finished(Stage.WAITING)
-        waiting, resident, limits = self.requests.at(Stage.WAITING), self.requests.live(Stage.RESIDENT), self.limits
-        by_order = {t.order: t for t in [*waiting, *resident]}
-        room = limits.max_active + limits.max_prepared
-        admission = scheduler.admit(
-            [t.view() for t in waiting],
-            [t.view() for t in resident],
-            room,
-            limits.policy,
-            time.monotonic(),
-            limits.aging_s,
-        )
-        if admission.prepare is None:
-            return None
-        best = by_order[admission.prepare.order]
-        if admission.evict is not None:
-            worst = by_order[admission.evict.order]
-            self.requests.move(worst, Stage.WAITING)
-            worst.state = None  # its prepared state is freed; it is prepared again when its turn comes
-            logger.info("request %s gives its prepared room to %s (%s), waits again", worst.id, best.id, limits.policy)
-        return best
-
-    async def _prepare(self, ticket: Ticket) -> None:
-        self.requests.move(ticket, Stage.PREPARING)
-        if not ticket.prepares:  # a request that gave its prepared room back waits on, and is timed once
-            self.progress.stage("queue_wait", time.monotonic() - ticket.submitted)
-        ticket.prepares += 1
-        started = time.perf_counter()
-        ticket.marks["prepare"] = time.monotonic()
-        try:
-            state = await self.stages.prepare(ticket)
-            check_rows(self.limits, state.rows, state.text_rows)  # the estimate at submit was short (keyframes)
-        except Exception as e:
-            logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
-            self._fail(ticket, e, "prepare")
-            self.requests.move(ticket, Stage.DONE)
-            return
-        finally:
-            self._progress_at = time.monotonic()
-        self.progress.stage("prepare", time.perf_counter() - started)
-        ticket.marks["prepared"] = time.monotonic()
-        if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
-            self.requests.move(ticket, Stage.DONE)
-            return
-        ticket.state, ticket.rows, ticket.text_rows = state, state.rows, state.text_rows
-        self.progress.prepared(ticket)
-        self.requests.move(ticket, Stage.RESIDENT)
-        logger.info("request %s prepared (%d rows, %d steps)", ticket.id, state.rows, state.steps)
-        self.progress.report_queue()
-        self._wake.set()
-
-    async def _decode(self, ticket: Ticket) -> None:
-        if ticket.future.done():
-            self.requests.move(ticket, Stage.DONE)
-            return
-        self.requests.move(ticket, Stage.DECODING)
-        self.progress.event(ticket, "decoding", eta_s=self.progress.decode_s.value)
-        started = time.perf_counter()
-        ticket.marks["decode"] = time.monotonic()
-        try:
-            media: GeneratedMedia | EncodedMedia = await self.stages.decode(ticket)
-        except Exception as e:
-            logger.error("request %s: decode failed", ticket.id, exc_info=True)
-            self._fail(ticket, e, "decode")
-            return
-        finally:
-            self.requests.move(ticket, Stage.DONE)
-            self._progress_at = time.monotonic()
-            self.progress.account_busy(self._busy)
-        seconds = time.perf_counter() - started
-        ticket.marks["decoded"] = time.monotonic()
-        self.progress.decode_s.add(seconds)
-        self.progress.stage("decode", seconds)
-        if ticket.future.done():
-            return
-        ticket.future.set_result(media)
-        self.stats.completed += 1
-        end_to_end = time.monotonic() - ticket.submitted
-        self.progress.stage("end_to_end", end_to_end)
-        self.progress.report_queue()
-        logger.info("request %s done in %.2f s (%d forwards)", ticket.id, end_to_end, ticket.forwards)
+            self.progress.fail(ticket, error, reason)
 
     # -- failures -----------------------------------------------------------------------------
     def _expire(self, ticket: Ticket) -> None:
         """The deadline timer: the request fails now, wherever it is; it leaves at its stage's next boundary."""
-        if ticket.future.done():
-            return
-        error = DeadlineExceeded(
-            f"request {ticket.id} passed its deadline of {ticket.deadline_s:g} s {EXPIRED_WHERE[place(ticket)]} "
-            f"(step {ticket.progress[0]} of {ticket.progress[1]})"
-        )
-        self._fail(ticket, error, "deadline")
-        self._changed()
+        if not ticket.future.done():
+            self.progress.fail(ticket, deadline_error(ticket), "deadline")
+            self._changed()
 
     def _changed(self) -> None:
         """A request left: waiting ones leave the queue at once (never counting against its bound), both loops look."""
         self.requests.drop_finished(Stage.WAITING)
         self.progress.report_queue()
         self._wake.set()
-        self._stage_wake.set()
-
-    def _fail(self, ticket: Ticket, error: Exception, reason: str) -> None:
-        if ticket.future.done():
-            return
-        ticket.future.set_exception(error)
-        self.stats.failed_requests[reason] += 1
-        self.progress.observe("on_failed_request", reason)
-        if reason != "error":  # isolation logged the request's own failure with its traceback
-            logger.warning("request %s failed (%s): %s", ticket.id, reason, error)
+        self.stage_loop.wake.set()
 
     def _fail_all(self, error: Exception, reason: str) -> None:
         for ticket in self.requests.held():
-            self._fail(ticket, error, reason)
+            self.progress.fail(ticket, error, reason)
         self.requests.clear([Stage.WAITING, Stage.RESIDENT, Stage.DENOISED])
         self.progress.report_queue()

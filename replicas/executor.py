@@ -28,10 +28,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipelines.h3 import RequestState, StepStats
+from pipelines.h3 import GenerationRequest, RequestState, StepStats
 from pipelines.h3.packing import Pack
 from pipelines.h3.step_cache import skipped_block_rows
 
+from .contract import EngineLimits
 from .progress import Ema
 from .requests import Ticket
 from .supervisor import GroupSupervisor
@@ -81,11 +82,16 @@ class WarmUp:
 class Executor:
     """Rank 0's side of the SP group: the model thread, the group (replaced when a step breaks it), the step time."""
 
-    def __init__(self, group: WorkerGroup, step_timeout_min_s: float, step_timeout_factor: float):
+    def __init__(self, group: WorkerGroup, limits: EngineLimits):
         self.supervisor = GroupSupervisor(group)
         self.pipeline = group.pipeline
         self.device = self.pipeline.denoiser.device
-        self._timeout = (step_timeout_min_s, step_timeout_factor)
+        self._timeout = (limits.step_timeout_min_s, limits.step_timeout_factor)
+        for name, policy in limits.step_cache.tiers.items():  # refused here too: the deploy args refuse them earlier
+            try:
+                self.pipeline.check_step_cache(policy)
+            except ValueError as e:
+                raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
         self.step_s = Ema(0.2)  # the expected step time: warm-up, then an EMA of forwards (the watchdog's clock)
         self.progress_at = time.monotonic()  # when a forward last finished, or a group was replaced
         # one thread for all model work: steps must not interleave on the device
@@ -109,14 +115,31 @@ class Executor:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     # -- warm-up ------------------------------------------------------------------------------
-    def warm_up(self, state: RequestState) -> WarmUp:
-        """One packed forward of ``state`` on every rank, then one more per LoRA adapter with its documents on the
-        adapter's slot (its GEMM shapes and the widened timestep path land here, not on its first request)."""
-        ((_, pack),) = self.pipeline.packs([state])
+    def warmup_request(self) -> GenerationRequest:
+        """The smallest request the model's rules allow: the shortest clip on the smallest canvas, one step."""
+        rules, side = self.pipeline.rules, self.pipeline.rules.canvas_multiple
+        return GenerationRequest(
+            prompt="warm-up", width=side, height=side, num_frames=rules.min_frames, num_inference_steps=2
+        )
+
+    def warm_up(self, state: RequestState | None) -> WarmUp:
+        """One packed forward of ``state`` (None: ``warmup_request()`` prepared here) on every rank, then one more per
+        LoRA adapter with its documents on the adapter's slot (its GEMM shapes and the widened timestep path land
+        here, not on its first request)."""
         started = time.perf_counter()
+        state = self.pipeline.prepare(self.warmup_request()) if state is None else state
+        ((_, pack),) = self.pipeline.packs([state])
+        prepared = time.perf_counter()
         self.group(pack)
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - prepared
         self.step_s.value = seconds
+        logger.info(
+            "warm-up: prepare %.2f s, one packed forward of %d rows on %d ranks %.2f s",
+            prepared - started,
+            pack.total_rows,
+            self.group.sp_degree,
+            seconds,
+        )
         by_adapter: dict[str | None, float] = {None: seconds}
         slots = self.pipeline.denoiser.loras.slots
         own_slot = state.adapter_slot

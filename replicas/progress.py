@@ -23,7 +23,7 @@ from pipelines.h3 import StepStats
 from pipelines.h3.pipeline import H3Pipeline
 
 from . import scheduler
-from .contract import EngineLimits
+from .contract import EngineLimits, EngineLoad
 from .requests import RequestTable, Ticket
 
 if TYPE_CHECKING:
@@ -174,8 +174,11 @@ class Progress:
         """Busy seconds so far, the current stretch included."""
         return self.stats.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
 
-    def forward(self, stats: StepStats, seconds: float, adapters: collections.Counter[str | None]) -> None:
-        """One packed forward ran."""
+    def forward(
+        self, tickets: Sequence[Ticket], errors: Sequence[Exception | None], stats: StepStats, seconds: float
+    ) -> None:
+        """One packed forward ran: each request advanced one step, or failed applying its share (the others of the
+        pack advanced all the same)."""
         self._pack_rows = stats.rows - stats.padding_rows
         self.stats.skipped_block_rows += stats.skipped_block_rows
         self.stats.forwards += 1
@@ -185,8 +188,31 @@ class Progress:
         self.stats.forward_s += seconds
         self.meter.sample(self.busy_s(), self.stats.row_steps)
         self.observe("on_step", stats, seconds)
-        self.observe("on_adapter_documents", adapters)
+        self.observe("on_adapter_documents", collections.Counter(t.adapter for t in tickets))
         self.stage("step", seconds)
+        for ticket, error in zip(tickets, errors, strict=True):
+            if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
+                continue
+            if error is not None:  # its own velocities failed to apply
+                logger.error("request %s: applying its step failed: %r", ticket.id, error)
+                self.fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
+            else:
+                self.stepped(ticket)
+
+    def load(self) -> EngineLoad:
+        """The backlog (rows x steps left of every request held, an adapter's own step count included), the
+        measured rate, the oldest wait of a request not started and the tightest deadline slack."""
+        now, held = time.monotonic(), self.table.held()
+        slacks = [t.submitted + t.deadline_s - now for t in held if t.deadline_s is not None]
+        waiting, active = self.table.depth()
+        return EngineLoad(
+            backlog_row_steps=sum(t.work for t in held),
+            row_step_rate=self.meter.rate or 0.0,
+            oldest_wait_s=max((now - t.submitted for t in held if not t.started), default=0.0),
+            deadline_slack_s=min(slacks, default=None),
+            waiting=waiting,
+            active=active,
+        )
 
     # -- ETAs and queue positions -------------------------------------------------------------
     def queued(self) -> list[Ticket]:
@@ -299,6 +325,16 @@ class Progress:
                 self._render_preview(ticket, *pending)
 
         rendering.add_done_callback(rendered)
+
+    def fail(self, ticket: Ticket, error: Exception, reason: str) -> None:
+        """``ticket`` fails (a no-op once finished), counted by ``reason`` (FAILURE_REASONS)."""
+        if ticket.future.done():
+            return
+        ticket.future.set_exception(error)
+        self.stats.failed_requests[reason] += 1
+        self.observe("on_failed_request", reason)
+        if reason != "error":  # isolation logged the request's own failure with its traceback
+            logger.warning("request %s failed (%s): %s", ticket.id, reason, error)
 
     # -- telling the observer -----------------------------------------------------------------
     def event(self, ticket: Ticket, kind: str, **fields: Any) -> None:

@@ -23,7 +23,7 @@ import torch
 from pipelines.h3 import EncodedMedia, GeneratedMedia, GenerationRequest, RequestError, RequestState
 from pipelines.h3.step_cache_tiers import StepCachePolicy
 
-from .contract import EngineLimits
+from .contract import DeadlineExceeded, EngineLimits
 from .scheduler import RequestView
 
 
@@ -182,10 +182,39 @@ class RequestTable:
             self.move(ticket, Stage.DONE)
         return gone
 
+    def leave_pack(self) -> None:
+        """At a step boundary (no forward in flight): finished resident requests leave, their states freed (their
+        step caches, rows and schedulers)."""
+        for ticket in self.drop_finished(Stage.RESIDENT):
+            if ticket.state is not None:
+                ticket.state.free_step_cache()
+                ticket.state = None
+
+    def with_states(self) -> list[Ticket]:
+        """The requests whose states may hold step caches (resident and denoised ones)."""
+        return [*self._at[Stage.RESIDENT], *self._at[Stage.DENOISED]]
+
+    def hand_back(self) -> list[Ticket]:
+        """Every held request that never started, out of the table (a drain fails them); one being prepared stays
+        until its prepare ends."""
+        unstarted = self.unstarted()
+        for ticket in [*self._at[Stage.WAITING], *self._at[Stage.RESIDENT]]:
+            if not ticket.started:
+                self.move(ticket, Stage.DONE)
+        return unstarted
+
     def clear(self, stages: Iterable[Stage]) -> None:
         for stage in stages:
             for ticket in self.at(stage):
                 self.move(ticket, Stage.DONE)
+
+
+def deadline_error(ticket: Ticket) -> DeadlineExceeded:
+    where = {"waiting": "before it started", "running": "in the pack", "decoding": "while decoding"}[place(ticket)]
+    return DeadlineExceeded(
+        f"request {ticket.id} passed its deadline of {ticket.deadline_s:g} s {where} "
+        f"(step {ticket.progress[0]} of {ticket.progress[1]})"
+    )
 
 
 def check_rows(limits: EngineLimits, rows: int, text_rows: int | None) -> None:

@@ -23,6 +23,7 @@ then change only as their remaining work does, never back and forth, so preempti
 Ties go to the earlier submission. ``rank`` orders a waiting queue the same way, with the work estimated at
 submit: ``admit`` names the request the stage worker prepares next, and, when the prepared states held are at their
 bound, the prepared request that never stepped and gives its room to it (it waits again; only its prepare is lost).
+``decide`` and ``admit`` take the engine's requests themselves (anything ``Schedulable``) and return them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Generic, Literal, Protocol, TypeVar
 
 Policy = Literal["fcfs", "srpt", "priority"]
 POLICIES: tuple[Policy, ...] = ("fcfs", "srpt", "priority")
@@ -118,34 +119,58 @@ def schedule(views: Sequence[RequestView], budget: Budget, policy: Policy, now: 
     return Schedule(tuple(batch), preempted)
 
 
-@dataclasses.dataclass(frozen=True)
-class Admission:
-    """Which waiting request to prepare next (None: none now), and which prepared one gives its room to it."""
+class Schedulable(Protocol):
+    """What the engine hands the scheduler for each request (a ``Ticket``): its view and the fields it maps back by."""
 
-    prepare: RequestView | None = None
-    evict: RequestView | None = None
+    @property
+    def order(self) -> int: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    def view(self) -> RequestView: ...
+
+
+S = TypeVar("S", bound=Schedulable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision(Generic[S]):
+    """One step boundary's decision: the batch in rank order, and the running requests it pauses."""
+
+    batch: list[S]
+    paused: list[S]
+
+
+def decide(
+    resident: Sequence[S], candidates: Sequence[S], budget: Budget, policy: Policy, now: float, aging_s: float
+) -> Decision[S]:
+    """``schedule`` over ``candidates`` (the resident requests a gate lets in; all of them without one): a running
+    request left out of the batch is paused, whether the policy or the gate left it out."""
+    by_order = {request.order: request for request in candidates}
+    plan = schedule([request.view() for request in candidates], budget, policy, now, aging_s)
+    paused = [by_order[view.order] for view in plan.preempted]
+    paused += [request for request in resident if request.running and request.order not in by_order]
+    return Decision([by_order[view.order] for view in plan.batch], paused)
 
 
 def admit(
-    waiting: Sequence[RequestView],
-    prepared: Sequence[RequestView],
-    room: int,
-    policy: Policy,
-    now: float,
-    aging_s: float,
-) -> Admission:
-    """The waiting request the policy serves first, while fewer than ``room`` states are prepared. At the bound, a
+    waiting: Sequence[S], prepared: Sequence[S], room: int, policy: Policy, now: float, aging_s: float
+) -> tuple[S | None, S | None]:
+    """(the waiting request to prepare next, the prepared one that gives its room to it), either None.
+
+    The waiting request the policy serves first, while fewer than ``room`` states are prepared. At the bound, a
     prepared request that never stepped and ranks below it gives its room back; running and paused ones keep theirs
     (under fcfs nothing waiting outranks them)."""
     if not waiting:
-        return Admission()
-    best = min(waiting, key=lambda view: rank_key(view, policy, now, aging_s))
+        return None, None
+    best = min(waiting, key=lambda request: rank_key(request.view(), policy, now, aging_s))
     if len(prepared) < room:
-        return Admission(best)
-    never_stepped = [view for view in prepared if not view.started]
+        return best, None
+    never_stepped = [request for request in prepared if not request.view().started]
     if not never_stepped:
-        return Admission()
-    worst = max(never_stepped, key=lambda view: rank_key(view, policy, now, aging_s))
-    if rank_key(best, policy, now, aging_s) >= rank_key(worst, policy, now, aging_s):
-        return Admission()
-    return Admission(best, worst)
+        return None, None
+    worst = max(never_stepped, key=lambda request: rank_key(request.view(), policy, now, aging_s))
+    if rank_key(best.view(), policy, now, aging_s) >= rank_key(worst.view(), policy, now, aging_s):
+        return None, None
+    return best, worst

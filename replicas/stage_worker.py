@@ -1,4 +1,8 @@
-"""Prepare and decode, beside the step loop: the stage worker's thread and the two ways it does the work.
+"""Prepare and decode, beside the step loop: the stage worker's loop, its thread and the two ways it does the work.
+
+``StageLoop`` is the stage worker's side of the engine: it prepares the waiting request ``scheduler.admit`` names,
+ahead of the pack (``limits.max_prepared`` beyond ``max_active``), or decodes the oldest denoised one; an idle model
+thread needs a request more than a finished one needs its media. A prepare or decode error fails its request alone.
 
 ``Stages`` is what the engine asks of them: prepare a ticket's request into a ``RequestState`` on the model's device,
 decode a finished one into its media. ``LocalStages`` runs diffusers' blocks and the VAEs here; ``RemoteStages``
@@ -16,6 +20,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -24,7 +29,10 @@ import torch
 from pipelines.h3 import DecodeHandoff, EncodedMedia, GeneratedMedia, GenerationRequest, PreparedState, RequestState
 from pipelines.h3.pipeline import H3Pipeline, payload_bytes
 
-from .requests import Ticket
+from . import scheduler
+from .contract import EngineLimits
+from .progress import Progress
+from .requests import RequestTable, Stage, Ticket, check_rows
 
 logger = logging.getLogger(__name__)
 
@@ -158,3 +166,124 @@ class RemoteStages:
             media_bytes,
         )
         return media
+
+
+class StageLoop:
+    """The stage worker's loop over the request table (``run``, one task beside the step loop)."""
+
+    def __init__(
+        self, table: RequestTable, stages: Stages, progress: Progress, limits: EngineLimits, wake_step: asyncio.Event
+    ):
+        self.table, self.stages, self.progress, self.limits = table, stages, progress, limits
+        self._wake_step = wake_step  # the step loop's: a request became ready
+        self.wake = asyncio.Event()  # a request waits for prepare or decode, or the engine stops
+        self.draining = self.stopped = False
+        self.progress_at = time.monotonic()  # the watchdog: when a prepare or decode last ended
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+
+    async def run(self) -> None:
+        while not self.stopped:
+            ticket: Ticket | None = None
+            try:
+                self.table.drop_finished(Stage.DENOISED)
+                ticket, denoised = self._next_to_prepare(), self.table.first(Stage.DENOISED)
+                if ticket is not None and (not self.table.live(Stage.RESIDENT) or denoised is None):
+                    await self._prepare(ticket)  # an idle model thread needs a request more than a finished one
+                elif denoised is not None:
+                    ticket = denoised
+                    await self._decode(ticket)
+                else:
+                    self.progress.account_busy(bool(self.table.held()))
+                    self.wake.clear()
+                    await self.wake.wait()
+            except Exception:  # a fault of the engine itself: fail the request at hand, never the stage worker
+                logger.exception("the stage worker failed outside a prepare or decode (request %s)", ticket)
+                if ticket is None:
+                    await asyncio.sleep(1.0)  # no request to fail; the watchdog reports it if it persists
+                else:
+                    error = RuntimeError(f"request {ticket.id} failed; see the replica log")
+                    self.progress.fail(ticket, error, "error")
+                    self.table.drop_finished(Stage.PREPARING)
+
+    def _next_to_prepare(self) -> Ticket | None:
+        """The waiting request ``scheduler.admit`` names; the prepared one it evicts waits again, its state freed."""
+        if self.draining or self.stopped:
+            return None
+        self.table.drop_finished(Stage.WAITING)
+        limits = self.limits
+        best, worst = scheduler.admit(
+            self.table.at(Stage.WAITING),
+            self.table.live(Stage.RESIDENT),
+            limits.max_active + limits.max_prepared,
+            limits.policy,
+            time.monotonic(),
+            limits.aging_s,
+        )
+        if best is not None and worst is not None:
+            self.table.move(worst, Stage.WAITING)
+            worst.state = None  # its prepared state is freed; it is prepared again when its turn comes
+            logger.info("request %s gives its prepared room to %s (%s), waits again", worst.id, best.id, limits.policy)
+        return best
+
+    async def _prepare(self, ticket: Ticket) -> None:
+        self.table.move(ticket, Stage.PREPARING)
+        if not ticket.prepares:  # a request that gave its prepared room back waits on, and is timed once
+            self.progress.stage("queue_wait", time.monotonic() - ticket.submitted)
+        ticket.prepares += 1
+        started = time.perf_counter()
+        ticket.marks["prepare"] = time.monotonic()
+        try:
+            state = await self.stages.prepare(ticket)
+            check_rows(self.limits, state.rows, state.text_rows)  # the estimate at submit was short (keyframes)
+        except Exception as e:
+            logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
+            self.progress.fail(ticket, e, "prepare")
+            self.table.move(ticket, Stage.DONE)
+            return
+        finally:
+            self.progress_at = time.monotonic()
+        self.progress.stage("prepare", time.perf_counter() - started)
+        ticket.marks["prepared"] = time.monotonic()
+        if ticket.future.done():  # cancelled, past its deadline or handed back while being prepared
+            self.table.move(ticket, Stage.DONE)
+            return
+        ticket.state, ticket.rows, ticket.text_rows = state, state.rows, state.text_rows
+        self.progress.prepared(ticket)
+        self.table.move(ticket, Stage.RESIDENT)
+        logger.info("request %s prepared (%d rows, %d steps)", ticket.id, state.rows, state.steps)
+        self.progress.report_queue()
+        self._wake_step.set()
+
+    async def _decode(self, ticket: Ticket) -> None:
+        if ticket.future.done():
+            self.table.move(ticket, Stage.DONE)
+            return
+        self.table.move(ticket, Stage.DECODING)
+        self.progress.event(ticket, "decoding", eta_s=self.progress.decode_s.value)
+        started = time.perf_counter()
+        ticket.marks["decode"] = time.monotonic()
+        try:
+            media = await self.stages.decode(ticket)
+        except Exception as e:
+            logger.error("request %s: decode failed", ticket.id, exc_info=True)
+            self.progress.fail(ticket, e, "decode")
+            return
+        finally:
+            self.table.move(ticket, Stage.DONE)
+            self.progress_at = time.monotonic()
+            self.progress.account_busy(bool(self.table.held()))
+        seconds = time.perf_counter() - started
+        ticket.marks["decoded"] = time.monotonic()
+        self.progress.decode_s.add(seconds)
+        self.progress.stage("decode", seconds)
+        if ticket.future.done():
+            return
+        ticket.future.set_result(media)
+        self.progress.stats.completed += 1
+        end_to_end = time.monotonic() - ticket.submitted
+        self.progress.stage("end_to_end", end_to_end)
+        self.progress.report_queue()
+        logger.info("request %s done in %.2f s (%d forwards)", ticket.id, end_to_end, ticket.forwards)
