@@ -65,7 +65,7 @@ class Engine:
         self.executor = Executor(group, self.limits)
         self.requests = RequestTable()
         self.stage_worker = StageWorker(self.executor.device, self.limits.stage_nice)
-        self.progress = Progress(self.requests, self.limits, self.pipeline, observer, self.stage_worker)
+        self.progress = Progress(self.requests, self.limits, self.pipeline, observer, self.stage_worker.run)
         self.stages: Stages = (
             LocalStages(self.pipeline, self.stage_worker)
             if remote is None

@@ -14,8 +14,8 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -25,9 +25,6 @@ from pipelines.h3.pipeline import H3Pipeline
 from . import scheduler
 from .contract import EngineLimits, EngineLoad
 from .requests import RequestTable, Ticket
-
-if TYPE_CHECKING:
-    from .stage_worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +145,12 @@ class Progress:
         limits: EngineLimits,
         pipeline: H3Pipeline,
         observer: EngineObserver | None,
-        stage_worker: StageWorker,
+        on_stage_thread: Callable[..., asyncio.Future[Any]],
     ):
+        """``on_stage_thread``: runs a function on the stage worker's thread (``StageWorker.run``): previews render
+        there."""
         self.table, self.limits, self.pipeline, self.observer = table, limits, pipeline, observer
-        self._stage_worker = stage_worker  # renders previews
+        self._on_stage_thread = on_stage_thread
         self.stats = EngineStats()
         self.meter = RateMeter()
         self.decode_s = Ema(0.2)  # an EMA of decodes: the last leg of every ETA
@@ -308,7 +307,7 @@ class Progress:
         """The map's matmul and a PNG on the stage worker; reported when done, unless the request finished."""
         ticket.previewing = True
         layout = self.pipeline.preview_layout(ticket.prepared)
-        rendering = self._stage_worker.run(self.pipeline.render_preview, rows, layout)
+        rendering = self._on_stage_thread(self.pipeline.render_preview, rows, layout)
 
         def rendered(future: asyncio.Future[bytes]) -> None:
             ticket.previewing = False

@@ -145,7 +145,8 @@ class RequestTable:
 
     def move(self, ticket: Ticket, stage: Stage) -> None:
         """``ticket`` leaves its stage for the end of ``stage`` (DONE: it leaves the table)."""
-        self._at[ticket.stage].pop(ticket, None)
+        if ticket.stage is not Stage.DONE:
+            self._at[ticket.stage].pop(ticket, None)
         ticket.stage = stage
         if stage is not Stage.DONE:
             self._at[stage][ticket] = None
