@@ -33,6 +33,9 @@ decision every rank follows rank 0's (``UlyssesGroup.follow_rank0``).
 
 Steps are strictly serial on every rank (the workers' "step" concurrency group holds one call); health pings,
 aborts and test faults have their own "control" group and answer while a step runs.
+
+Over 600 lines on purpose: both sides of one step (rank 0's ``WorkerGroup``, the actors' ``SPWorker``) and what they
+exchange (``StepOrder``, ``RankOutcome``) and how rank 0 classifies outcomes change together: they are read together.
 """
 
 from __future__ import annotations
