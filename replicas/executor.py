@@ -41,6 +41,7 @@ from .worker_group import PackFailed, WorkerGroup, WorkerGroupBroken, describe, 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Holders = Callable[[], Sequence[Ticket]]  # the requests whose states may hold step caches (RequestTable.with_states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,7 @@ class Executor:
     async def step(
         self,
         batch: Sequence[Ticket],
-        holders: Callable[[], Sequence[Ticket]],
+        holders: Holders,
         before: Callable[[tuple[Ticket, ...]], None] | None = None,
     ) -> StepOutcome:
         """One step for ``batch`` (empty: only a group broken outside a step is replaced). ``holders``: the requests
@@ -184,7 +185,7 @@ class Executor:
             outcome.broken = e
         return outcome
 
-    async def _advance(self, tickets: list[Ticket], outcome: StepOutcome, holders) -> None:
+    async def _advance(self, tickets: list[Ticket], outcome: StepOutcome, holders: Holders) -> None:
         """One step for ``tickets``; a pack whose data fails is retried in halves down to single requests; a step that
         breaks the SP group is run again on its replacement, each request alone."""
         tickets = [t for t in tickets if not t.future.done() and not outcome.has_failed(t)]
@@ -210,7 +211,7 @@ class Executor:
         await self._advance(tickets[:half], outcome, holders)
         await self._advance(tickets[half:], outcome, holders)
 
-    async def _after_break(self, tickets: list[Ticket], reason: str, outcome: StepOutcome, holders) -> None:
+    async def _after_break(self, tickets: list[Ticket], reason: str, outcome: StepOutcome, holders: Holders) -> None:
         """The requests of a step that broke the SP group: each runs the step again alone, on the new group, so a
         request that breaks a second group in a row is the cause and fails naming it; the others go on."""
         for ticket in tickets:
@@ -224,7 +225,7 @@ class Executor:
         for ticket in tickets:
             await self._advance([ticket], outcome, holders)
 
-    async def _replace(self, broken: WorkerGroupBroken, outcome: StepOutcome, holders) -> None:
+    async def _replace(self, broken: WorkerGroupBroken, outcome: StepOutcome, holders: Holders) -> None:
         """A new SP group in place of the broken one (built on the model thread); raises WorkerGroupBroken when it
         cannot (rank 0 stuck, or the replacement failed to build)."""
         outcome.failed_steps.append("worker_group")
@@ -287,7 +288,7 @@ class Executor:
                 state.advance(video, audio)
                 errors.append(None)
             except Exception as e:
-                errors.append(e)
+                errors.append(e.with_traceback(None))  # its frames (and the forward's tensors) go now
         if self.device.type == "cuda":
             # the step is finished on the device before anyone reads its latents (a decode on the stage
             # stream) or frees a state whose memory the stage stream could then reuse

@@ -193,7 +193,7 @@ class Progress:
             if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
                 continue
             if error is not None:  # its own velocities failed to apply
-                logger.error("request %s: applying its step failed: %r", ticket.id, error)
+                logger.error("request %s: applying its step failed: %s: %s", ticket.id, type(error).__name__, error)
                 self.fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
             else:
                 self.stepped(ticket)
