@@ -225,7 +225,8 @@ class StageLoop:
         if best is not None and worst is not None:
             self.table.move(worst, Stage.WAITING)
             worst.state = None  # its prepared state is freed; it is prepared again when its turn comes
-            logger.info("request %s gives its prepared room to %s (%s), waits again", worst.id, best.id, limits.policy)
+            policy = limits.policy
+            logger.info("request %s gives its prepared room to %s (%s) and waits again", worst.id, best.id, policy)
         return best
 
     async def _prepare(self, ticket: Ticket) -> None:
