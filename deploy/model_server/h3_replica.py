@@ -47,6 +47,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from attention import selector_calls
+from deploy.common.args import DRAIN_MARGIN_S, DeployArgs
+from deploy.common.autoscaling import replica_stats
+from deploy.common.errors import StageUnavailable
+from deploy.common.metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
+from deploy.common.serve_logging import log_through_serve
 from pipelines.h3 import (
     DecodeHandoff,
     EncodedMedia,
@@ -57,12 +62,6 @@ from pipelines.h3 import (
 )
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 from replicas.engine import lower_thread_priority
-
-from .args import DRAIN_MARGIN_S, DeployArgs
-from .autoscaling import replica_stats
-from .errors import StageUnavailable
-from .metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
-from .serve_logging import log_through_serve
 
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is being stopped
@@ -81,8 +80,9 @@ TIMELINES_KEPT = 1024  # finished requests whose stage marks ``timelines`` retur
 
 
 class ServeStages:
-    """The engine's ``StageClient`` over the stage deployments' handles (``deploy/stages.py``); ``caller`` is this
-    H3Replica's replica id, which the stages count their work by.
+    """The engine's ``StageClient`` over the stage deployments' handles
+    (``deploy/model_server/stage_deployments.py``); ``caller`` is this H3Replica's replica id, which the stages
+    count their work by.
 
     A call whose stage replica died under it (``STAGE_REPLICA_LOST``: Ray's actor-died or actor-unavailable error,
     or its result lost with its node) is made again: Serve's router has dropped the dead replica, so the call
@@ -467,7 +467,8 @@ class H3Replica:
 
     # -- load: Serve's autoscaler and the gauges -------------------------------------------------
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics (args.autoscaling, ``deploy/autoscaling.py``): backlog in row-steps,
+        """Serve's custom autoscaling metrics (args.autoscaling, ``deploy/common/autoscaling.py``): backlog in
+        row-steps,
         the measured row-step rate, the oldest wait of a request not started, the tightest deadline slack."""
         load = self.engine.load()
         return replica_stats(load.backlog_row_steps, load.row_step_rate, load.oldest_wait_s, load.deadline_slack_s)

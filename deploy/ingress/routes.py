@@ -1,12 +1,12 @@
 """The OpenAI-style HTTP API (FastAPI under @serve.ingress).
 
 Every route is a method under ``@route``, which runs it through ``H3Ingress._call``: the request id,
-bearer auth, error mapping to OpenAI's error shape (``deploy.errors``), and request
+bearer auth, error mapping to OpenAI's error shape (``deploy.common.errors``), and request
 metrics, in one place. Request bodies are parsed here (not by FastAPI's body binding) so that every
 malformed body gets a 4xx that says what is wrong; the deployment's limits are checked by the body
-models' validators, and ``deploy.openapi`` documents them. Video jobs run in ``deploy.video_jobs``, their event
-streams are ``deploy.events``'s, the playground page at ``/`` is ``deploy.playground``'s. Only ``PUBLIC_ROUTES``
-answer without the token.
+models' validators, and ``deploy.ingress.openapi`` documents them. Video jobs run in
+``deploy.jobs.video_jobs``, their event streams are ``deploy.jobs.events``'s, the playground page at ``/`` is
+``deploy.ingress.playground``'s. Only ``PUBLIC_ROUTES`` answer without the token.
 
 Backpressure: an ingress replica holds at most ``DeployArgs.generation_slots`` generation requests (what
 the H3 replicas can queue and run together; more get 503 here) plus ``ingress.headroom`` other requests,
@@ -39,23 +39,30 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.common.args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs, RequestLimits
+from deploy.common.errors import (
+    DEADLINE_MESSAGE,
+    QUEUE_FULL_MESSAGE,
+    RETRY_AFTER_S,
+    APIError,
+    FieldError,
+    http_error,
+    invalid,
+)
+from deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
+from deploy.common.serve_logging import log_through_serve
+from deploy.ingress.cold_start import ColdStart
+from deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page
+from deploy.ingress.playground import playground_page
+from deploy.jobs.events import follow_record, last_event_id
+from deploy.jobs.media_store import MediaStore
+from deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
+from deploy.jobs.video_jobs import RESUBMIT_BACKOFF_S, RESUBMIT_FOR_S, VideoJobs, caused_by
 from pipelines.h3 import GenerationRequest, ModelRules, Reference
 from pipelines.h3.lora_spec import asked_steps, check_request_steps
 from pipelines.h3.paths import cache_dir
 from pipelines.h3.uploads import image_problem
 from replicas import MAX_PRIORITY, MIN_PRIORITY, EngineDraining
-
-from .args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs, RequestLimits
-from .cold_start import ColdStart
-from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
-from .events import follow_record, last_event_id
-from .jobs import JobPolicy, JobStore, epoch_seconds
-from .media_store import MediaStore
-from .metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
-from .openapi import REQUEST_ID, document, redoc_page, swagger_page
-from .playground import playground_page
-from .serve_logging import log_through_serve
-from .video_jobs import RESUBMIT_BACKOFF_S, RESUBMIT_FOR_S, VideoJobs, caused_by
 
 logger = logging.getLogger(__name__)
 # Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
@@ -842,7 +849,7 @@ class H3Ingress:
     @app.get("/v1/videos/{video_id}/events")
     @route("/v1/videos/{id}/events")
     async def video_events(self, request: Request, video_id: str):
-        """Server-Sent Events of the job (``deploy.events``), resumed after ``Last-Event-ID`` when it is sent."""
+        """Server-Sent Events of the job (``deploy.jobs.events``), resumed after ``Last-Event-ID`` when it is sent."""
         after = last_event_id(request.headers.get("last-event-id"))
         video = await self._job(video_id)
         if self.streams >= self.event_streams:
@@ -948,7 +955,8 @@ class H3Ingress:
     @app.get("/")
     @route("/")
     async def playground(self, request: Request):
-        """The playground page (``deploy/playground/``): plain HTML, CSS and JS, nothing fetched from elsewhere."""
+        """The playground page (``deploy/ingress/playground/``): plain HTML, CSS and JS, nothing fetched from
+        elsewhere."""
         return HTMLResponse(playground_page(auth=self.api_key is not None, model=self.model_name))
 
     @app.get("/openapi.json")

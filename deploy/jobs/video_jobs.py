@@ -15,13 +15,12 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
+from deploy.common.metrics import RequestMetrics
+from deploy.jobs.events import TERMINAL, JobEvents, event_data
+from deploy.jobs.store import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
 from pipelines.h3 import GenerationRequest
 from replicas import DeadlineExceeded, EngineDraining
-
-from .errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
-from .events import TERMINAL, JobEvents, event_data
-from .jobs import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
-from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat covers the rest
