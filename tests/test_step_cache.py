@@ -283,7 +283,7 @@ def test_deploy_args_offer_the_tiers_and_refuse_those_that_cannot_run():
 def test_a_body_names_an_offered_tier_or_gets_a_400_naming_them():
     from deploy.common.args import RequestLimits
     from deploy.common.errors import invalid
-    from deploy.ingress.routes import ImagesBody, VideosBody
+    from deploy.ingress.bodies import ImagesBody, VideosBody
 
     context = {"limits": RequestLimits(), "cache": ["off", "high", "low"]}
     body = VideosBody.model_validate({"prompt": "x", "cache": "high"}, context=context)
