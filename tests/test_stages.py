@@ -22,7 +22,8 @@ from ray import serve
 
 from deploy.common.args import DeployArgs
 from deploy.common.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
-from deploy.model_server.h3_replica import SERVE_CONTROLLER, STAGE_ATTEMPTS, ServeStages
+from deploy.common.serve_controller import SERVE_CONTROLLER
+from deploy.model_server.h3_replica import STAGE_ATTEMPTS, ServeStages
 from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, Reference, RequestError
 from pipelines.h3.checkpoint import write_tiny_checkpoint
 from pipelines.h3.pipeline import StagesElsewhere

@@ -45,6 +45,7 @@ from deploy.common.errors import (
     http_error,
 )
 from deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
+from deploy.common.retry import retry
 from deploy.common.serve_logging import log_through_serve
 from deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from deploy.ingress.cold_start import ColdStart
@@ -53,7 +54,7 @@ from deploy.ingress.playground import playground_page
 from deploy.jobs.events import follow_record, last_event_id
 from deploy.jobs.media_store import MediaStore
 from deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
-from deploy.jobs.video_jobs import RESUBMIT_BACKOFF_S, RESUBMIT_FOR_S, VideoJobs, caused_by
+from deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
 from pipelines.h3 import GenerationRequest, ModelRules
 from pipelines.h3.lora_spec import asked_steps, check_request_steps
 from pipelines.h3.paths import cache_dir
@@ -368,8 +369,8 @@ class H3Ingress:
         self, request: Request, body: ImagesBody, generation: GenerationRequest, i: int, adapter: str | None
     ) -> bytes:
         """Image i's PNG; one a draining replica hands back unstarted (a scale-down) is sent again, to another."""
-        give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
-        while True:
+
+        async def generate() -> bytes:
             deadline_s = self._deadline_s(request, body.timeout_s)
             call = self.replica.generate_image.remote(
                 generation, f"{request.state.request_id}-{i}", deadline_s, body.priority, adapter
@@ -379,12 +380,11 @@ class H3Ingress:
             except asyncio.CancelledError:
                 call.cancel()
                 raise
-            except Exception as e:
-                if not caused_by(e, EngineDraining) or time.monotonic() + wait > give_up:
-                    raise
-                logger.info("request %s-%d: handed back by a draining replica; again", request.state.request_id, i)
-                await asyncio.sleep(wait)
-                wait = min(2 * wait, RESUBMIT_BACKOFF_S[1])
+
+        def again(error: Exception, attempt: int, wait_s: float) -> None:
+            logger.info("request %s-%d: handed back by a draining replica; again", request.state.request_id, i)
+
+        return await retry(generate, RESUBMIT, lambda e: caused_by(e, EngineDraining), again)
 
     # -- videos --------------------------------------------------------------------------------
     @app.post("/v1/videos")
