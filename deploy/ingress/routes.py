@@ -12,6 +12,10 @@ Backpressure: an ingress replica holds at most ``DeployArgs.generation_slots`` g
 the H3 replicas can queue and run together; more get 503 here) plus ``ingress.headroom`` other requests,
 so job polls and /health never wait behind generations, and ``ingress.event_streams`` open event streams (each an
 ongoing request for Serve while it lasts); ``ingress_options`` gives Serve those numbers.
+
+Over 600 lines on purpose: every route is a method of the one Serve deployment class (``@serve.ingress`` binds
+FastAPI's routes on it), each a few lines over what it calls (``deploy.ingress.bodies``, ``deploy.jobs``, the H3
+replicas' handle); split, a route would live apart from the ``_call`` that authorizes, maps and counts it.
 """
 
 import asyncio
