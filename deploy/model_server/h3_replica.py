@@ -73,8 +73,7 @@ STAGE_WARMUP_TIMEOUT_S = 900.0
 # a stage call whose replica died under it is made again, on a live replica, up to this many calls in all; the
 # waits between them double from the first to the second (Serve's router meanwhile drops the dead replica)
 STAGE_ATTEMPTS = 3
-STAGE_RETRY_BACKOFF_S = (1.0, 5.0)
-STAGE_BACKOFF = Backoff(*STAGE_RETRY_BACKOFF_S, attempts=STAGE_ATTEMPTS)
+STAGE_BACKOFF = Backoff(first_s=1.0, max_s=5.0, attempts=STAGE_ATTEMPTS)
 # the stage replica (not the stage's code) failed: its actor died or is unreachable, or its result was lost
 # with its node
 STAGE_REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
@@ -89,7 +88,7 @@ class ServeStages:
     A call whose stage replica died under it (``STAGE_REPLICA_LOST``: Ray's actor-died or actor-unavailable error,
     or its result lost with its node) is made again: Serve's router has dropped the dead replica, so the call
     goes to another live replica, or waits for the one Serve starts in its place. At most ``STAGE_ATTEMPTS`` calls
-    in all, ``STAGE_RETRY_BACKOFF_S`` apart; then ``StageUnavailable``. The stage's own exception (a request it
+    in all, ``STAGE_BACKOFF`` apart; then ``StageUnavailable``. The stage's own exception (a request it
     refuses) is never retried. Each retry is logged and counted by stage (``retries``, and the observer's
     ``on_stage_retry``). The arguments stay here until a call returns: a redone decode gets the same finished
     latents, so no denoising is ever repeated."""
