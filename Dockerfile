@@ -28,13 +28,13 @@ RUN if [ -n "${FLASH_ATTN_WHEEL}" ]; then \
 
 # h3serve itself, with the cuda extra (flash-attn is already satisfied above) and the model libraries
 # (diffusers, transformers, accelerate). Installed as a regular package so Serve imports
-# deploy.app:build_app from site-packages; the source copy is removed. The checkpoint is not in the
+# deploy.driver.app:build_app from site-packages; the source copy is removed. The checkpoint is not in the
 # image: it is mounted (k8s/weights-pvc.yaml). HF_HUB_OFFLINE keeps every load local.
 COPY --chown=ray:users . /tmp/h3serve-src
 RUN cd /tmp/h3serve-src \
     && pip install --no-cache-dir ".[cuda]" \
     && cd / && rm -rf /tmp/h3serve-src \
-    && python -c "import deploy.app, attention, pipelines.h3, replicas" \
+    && python -c "import deploy.driver.app, attention, pipelines.h3, replicas" \
     && h3serve --help > /dev/null
 
 # The base image's non-root user (uid 1000, gid 100); the k8s pods run as that uid too.

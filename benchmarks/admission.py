@@ -25,8 +25,8 @@ import yaml
 
 import attention
 from attention import Platform, probe_platform
-from deploy.admission import admit
-from deploy.args import DeployArgs
+from deploy.common.args import DeployArgs
+from deploy.driver.preflight import admit
 from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
 from replicas import Engine, WorkerGroup
 

@@ -152,7 +152,7 @@ def capacity(sizes: Sizes) -> dict:
 # -- the application under each policy -----------------------------------------------------------
 def app_config(name: str, policy: str, setting: float, smoke: bool) -> dict:
     """The default config's application at /<name>: 1 to 2 single-thread H3Replicas under ``policy``."""
-    from deploy.cli import load_config  # the shipped CPU config, as `h3serve serve` reads it
+    from deploy.driver.cli import load_config  # the shipped CPU config, as `h3serve serve` reads it
 
     app = copy.deepcopy(load_config(None)["applications"][0])
     app.update(name=name, route_prefix=f"/{name}")

@@ -231,7 +231,7 @@ def cpu_resolution():
 def tiny_spec(sp: int = 1, rank_cpus: float = 1.0, checkpoint: str | None = None):
     """What the driver hands a tiny CPU replica: default deploy args, ``sp`` Ulysses ranks, and ``checkpoint``
     (default: the tiny preset with seeded random weights, ``random_tiny_checkpoint()``: same dims, same cost)."""
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
     from pipelines.h3.checkpoint import random_tiny_checkpoint
 
     args = DeployArgs(

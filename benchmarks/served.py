@@ -22,8 +22,8 @@ import httpx
 import ray
 import yaml
 
-from deploy.args import DeployArgs
-from deploy.cli import BUILDER, h3_apps, load_config
+from deploy.common.args import DeployArgs
+from deploy.driver.cli import BUILDER, h3_apps, load_config
 from replicas.worker_group import free_port
 
 H3SERVE = str(Path(sys.executable).parent / "h3serve")  # the installed console script

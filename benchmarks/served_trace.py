@@ -48,7 +48,7 @@ import httpx
 import ray
 from ray import serve
 
-from deploy.cli import BUILDER, load_config
+from deploy.driver.cli import BUILDER, load_config
 from replicas.worker_group import free_port
 
 from .common import descendants, machine, parser, percentile, say, table, write_json

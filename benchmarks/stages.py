@@ -156,7 +156,7 @@ def released_bytes(embed_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
 # -- the two apps ------------------------------------------------------------------------------------------
 def apps_config(checkpoint: str, sizes: Sizes, port: int, gpu: bool) -> dict:
     """deploy/serve_config.yaml with two H3 applications, "solo" and "staged", on ``port``; one H3Replica each."""
-    from deploy.cli import BUILDER, load_config
+    from deploy.driver.cli import BUILDER, load_config
 
     base = copy.deepcopy(load_config(None))
     base["http_options"].update(host="127.0.0.1", port=port)

@@ -113,7 +113,7 @@ class LoopBlocks:
 def loop_blocks(sp: int, smoke: bool = False) -> dict:
     """The loop's callbacks while 8 default requests step on an sp-rank group (the engine's model thread busy)."""
     from benchmarks.common import tiny_spec
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
     from pipelines.h3 import GenerationRequest
     from replicas import Engine, WorkerGroup
 

@@ -540,7 +540,7 @@ def run(sizes: Sizes, group: WorkerGroup, seed: int = 0) -> dict:
 def gpu_group(checkpoint: str) -> WorkerGroup:
     """The released model on this node's first CUDA device, sp=1, with the backend admission picks here."""
     from attention import probe_platform
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
     from pipelines.h3 import preset, validate_deployment
 
     full = preset("full")

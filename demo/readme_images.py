@@ -46,8 +46,8 @@ class DefaultServer:
     @classmethod
     def of(cls, config: str | Path) -> DefaultServer:
         """From the config's one H3 application, read as `h3serve serve` reads it."""
-        from deploy.args import DeployArgs
-        from deploy.cli import h3_apps, load_config
+        from deploy.common.args import DeployArgs
+        from deploy.driver.cli import h3_apps, load_config
 
         ((_, raw),) = h3_apps(load_config(str(config)))
         args = DeployArgs.model_validate(raw)

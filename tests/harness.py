@@ -99,12 +99,12 @@ def h3serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def h3serve_inline(*args: str) -> subprocess.CompletedProcess:
-    """The same command run by ``deploy.cli.main`` in this process: its exit status, stdout and stderr as the console
-    script's would be, without a new interpreter importing torch and diffusers again (~6 s a call). For commands
-    that start nothing (admit, generate's refusals); what a process boundary shows stays with ``h3serve``."""
+    """The same command run by ``deploy.driver.cli.main`` in this process: its exit status, stdout and stderr as
+    the console script's would be, without a new interpreter importing torch and diffusers again (~6 s a call). For
+    commands that start nothing (admit, generate's refusals); what a process boundary shows stays with ``h3serve``."""
     import torch
 
-    from deploy.cli import main
+    from deploy.driver.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     cwd, threads = os.getcwd(), torch.get_num_threads()  # generate and eval set torch's threads for the process

@@ -3,9 +3,9 @@
 import pytest
 from pydantic import ValidationError
 
-from deploy.api import ImagesBody, VideosBody
-from deploy.args import RequestLimits
-from deploy.errors import invalid
+from deploy.common.args import RequestLimits
+from deploy.common.errors import invalid
+from deploy.ingress.bodies import ImagesBody, VideosBody
 
 LIMITS = RequestLimits(max_pixels=128 * 64, max_seconds=6, max_n=2, max_steps=10, default_steps=8, max_prompt_chars=20)
 

@@ -11,8 +11,8 @@ import pytest
 from diffusers import MiniMaxH3Transformer3DModel
 
 from attention import Platform
-from deploy.admission import admit
-from deploy.args import DeployArgs
+from deploy.common.args import DeployArgs
+from deploy.driver.preflight import admit
 from pipelines.h3 import CheckpointMismatch, DeploymentConfigError, TransformerGeometry, preset
 from pipelines.h3.checkpoint import write_tiny_checkpoint
 from tests.harness import FOREIGN_DIMS

@@ -1,18 +1,18 @@
-"""docs/CONFIG.md is what `python -m deploy.config_reference` generates from DeployArgs."""
+"""docs/CONFIG.md is what `python -m deploy.driver.config_reference` generates from DeployArgs."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deploy.args import DeployArgs
-from deploy.config_reference import reference
+from deploy.common.args import DeployArgs
+from deploy.driver.config_reference import reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
 
 
 def test_the_config_reference_is_up_to_date():
-    assert DOC.read_text() == reference(), "run: python -m deploy.config_reference > docs/CONFIG.md"
+    assert DOC.read_text() == reference(), "run: python -m deploy.driver.config_reference > docs/CONFIG.md"
 
 
 def test_every_field_is_described():

@@ -233,7 +233,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     args["checkpoint"] = str(released)
     h200, h100 = (REPO / "deploy" / "platforms" / f"{gpu}-flash-attn.json" for gpu in ("h200", "h100"))
     h200_bytes = json.loads(h200.read_text())["device_memory_bytes"]
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
 
     engine = DeployArgs.model_validate(args).engine  # the config's bounds, its defaults filled in
     plan = memory_plan(
@@ -416,8 +416,8 @@ def test_a_checkpoint_only_replica_nodes_hold_is_read_by_the_probe(
     """Where the driver cannot read the directory (a volume mounted on GPU nodes only), the platform probe reads it
     on a replica node. Here a relative path names the checkpoint from the workers' working directory, and the
     driver (this process) runs elsewhere, where that path leads nowhere."""
-    from deploy.admission import admit
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
+    from deploy.driver.preflight import admit
     from pipelines.h3 import CheckpointMismatch, TransformerGeometry
 
     def cwd() -> str:
@@ -504,8 +504,8 @@ def spec_for(backend: str, sp_degree: int = 1):
 
 
 def replica_app(spec, name: str):
-    from deploy.args import DeployArgs
-    from deploy.replica import H3Replica
+    from deploy.common.args import DeployArgs
+    from deploy.model_server.h3_replica import H3Replica
     from replicas import EngineLimits
 
     options = H3Replica.deployment_options(DeployArgs(rank_resources={"CPU": 0.25}, sp_degree=spec.sp_degree))

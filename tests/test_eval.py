@@ -7,7 +7,7 @@ import pytest
 import demo.evaluate
 from demo.evaluate import ATTRIBUTES, EvalSettings, evaluate
 from demo.world import HELD_OUT
-from deploy.cli import main
+from deploy.driver.cli import main
 from pipelines.h3 import RequestError
 
 SMALL = dict(n=3, seed=5, steps=3, pack=3, width=64, height=64)

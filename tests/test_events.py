@@ -1,4 +1,4 @@
-"""The event log a job's readers follow, and the record-following fallback, without Ray: ``deploy.events`` on real
+"""The event log a job's readers follow, and the record-following fallback, without Ray: ``deploy.jobs.events`` on real
 asyncio and a real job store (a directory), as an ingress replica uses them."""
 
 import asyncio
@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from deploy.errors import APIError
-from deploy.events import EventLog, follow_record, last_event_id
-from deploy.jobs import JobPolicy, JobStore
-from deploy.media_store import MediaStore
+from deploy.common.errors import APIError
+from deploy.jobs.events import EventLog, follow_record, last_event_id
+from deploy.jobs.media_store import MediaStore
+from deploy.jobs.store import JobPolicy, JobStore
 
 
 def parse(chunks: list[bytes]) -> list[dict]:

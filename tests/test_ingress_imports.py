@@ -1,7 +1,7 @@
-"""The ingress process starts without the model's libraries: importing deploy.api (H3Ingress and everything it
-imports) loads no torch, diffusers, transformers or peft. Each of them costs an ingress seconds of CPU at every
-start (tests/README.md: most of the suite's time is processes starting); the platform probe's worker loads torch
-alone (``deploy/probe.py``). What made that possible is held here too: the torch-free restatement of diffusers'
+"""The ingress process starts without the model's libraries: importing deploy.ingress.routes (H3Ingress and
+everything it imports) loads no torch, diffusers, transformers or peft. Each of them costs an ingress seconds of CPU at
+every start (tests/README.md: most of the suite's time is processes starting); the platform probe's worker loads torch
+alone (``deploy/driver/probe.py``). What made that possible is held here too: the torch-free restatement of diffusers'
 clip and canvas geometry (``pipelines/h3/geometry.py``) equals diffusers' own."""
 
 import itertools
@@ -24,14 +24,14 @@ def heavy_modules_after(statement: str) -> list[str]:
 
 @pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_importing_the_ingress_loads_no_torch_diffusers_transformers_or_peft():
-    assert heavy_modules_after("import deploy.api") == []
+    assert heavy_modules_after("import deploy.ingress.routes") == []
 
 
 @pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_the_platform_probe_task_loads_torch_but_no_diffusers_transformers_or_peft():
     # Ray imports a task's module in the worker that runs it, and the builds of `h3serve serve` run at once, so
     # there is about one new probe worker per application: it pays torch (the probe asks it), not admission's rest
-    assert heavy_modules_after("import deploy.probe") == ["torch"]
+    assert heavy_modules_after("import deploy.driver.probe") == ["torch"]
 
 
 @pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)

@@ -35,7 +35,7 @@ DASHBOARD = K8S / "monitoring" / "grafana-dashboard.json"
 SERVE_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
 DOCKERFILE = REPO / "Dockerfile"
 OPERATIONS = REPO / "docs" / "OPERATIONS.md"
-BUILDER = "deploy.app:build_app"
+BUILDER = "deploy.driver.app:build_app"
 STAGE_RESOURCE = "h3serve_stage"  # the custom Ray resource only the stage worker groups offer
 
 
@@ -98,7 +98,7 @@ def deployment(deployment_name: str, name: str = RAYSERVICE.name) -> dict:
 
 
 def deploy_args(name: str = RAYSERVICE.name):
-    from deploy.args import DeployArgs  # applies the builder's own defaults
+    from deploy.common.args import DeployArgs  # applies the builder's own defaults
 
     return DeployArgs.model_validate(h3_app(name).get("args") or {})
 
@@ -330,7 +330,7 @@ def dashboard_exprs() -> list[str]:
 
 
 def h3serve_series() -> set[str]:
-    from deploy.metrics import ALL_METRICS
+    from deploy.common.metrics import ALL_METRICS
 
     series = set()
     for metric in ALL_METRICS:
@@ -360,7 +360,7 @@ def test_metric_names_exist(source):
     ours = {n for n in names if n.startswith("ray_h3serve_")}
     assert ours, f"no ray_h3serve_* names found in the {source} expressions: is the extraction broken?"
     unknown = ours - h3serve_series()
-    assert not unknown, f"{source} uses series that deploy/metrics.py does not export: {sorted(unknown)}"
+    assert not unknown, f"{source} uses series that deploy/common/metrics.py does not export: {sorted(unknown)}"
     foreign = names - ours
     missing = sorted(n for n in foreign if not ray_metric_defined(n))
     assert not missing, f"{source} uses Ray metrics not defined in the installed ray.serve: {missing}"
@@ -384,17 +384,17 @@ def label_values(expr: str, label: str) -> set[str]:
 
 
 def test_every_h3serve_metric_is_on_the_dashboard():
-    from deploy.metrics import ALL_METRICS
+    from deploy.common.metrics import ALL_METRICS
 
     shown = set().union(*(promql_metric_names(e) for e in dashboard_exprs()))
     missing = sorted(m.exported for m in ALL_METRICS if not any(n.startswith(m.exported) for n in shown))
-    assert not missing, f"deploy/metrics.py exports series no dashboard panel shows: {missing}"
+    assert not missing, f"deploy/common/metrics.py exports series no dashboard panel shows: {missing}"
 
 
 @pytest.mark.parametrize("source", ["prometheusrule", "grafana"])
 def test_stage_and_reason_label_values_exist(source):
     """A panel or alert that filters on a stage or a failure reason the code never reports shows nothing."""
-    from deploy.metrics import FAILED_STEP_REASONS, FAILURE_REASONS, STAGES
+    from deploy.common.metrics import FAILED_STEP_REASONS, FAILURE_REASONS, STAGES
 
     exprs = rule_exprs() if source == "prometheusrule" else dashboard_exprs()
     stages = set().union(*(label_values(e, "stage") for e in exprs))
@@ -425,7 +425,7 @@ def test_the_dashboard_shows_the_backlog_against_the_replicas():
 def test_drain_fits_in_serves_and_kuberays_grace_periods(manifest):
     """Serve kills a stopping replica graceful_shutdown_timeout_s after it asked it to stop, and KubeRay deletes the
     old cluster of an upgrade rayClusterDeletionDelaySeconds after the switch: both must leave the drain its time."""
-    from deploy.replica import H3Replica
+    from deploy.model_server.h3_replica import H3Replica
 
     args = deploy_args(manifest)
     grace = H3Replica.deployment_options(args)["graceful_shutdown_timeout_s"]
@@ -476,13 +476,13 @@ def deployment_demands(name: str) -> dict[str, tuple[dict[str, float], int, int]
     replica bounds."""
     from ray.serve._private.config import ReplicaConfig
 
-    from deploy.replica import H3Replica
-    from deploy.stages import H3Conditioner, H3Decoder
+    from deploy.model_server.h3_replica import H3Replica
+    from deploy.model_server.stage_deployments import H3Conditioner, H3Decoder
 
     args = deploy_args(name)
     options = H3Replica.deployment_options(args)
     replica = ReplicaConfig.create(
-        "deploy.replica:H3Replica",
+        "deploy.model_server.h3_replica:H3Replica",
         ray_actor_options=options["ray_actor_options"],
         placement_group_bundles=options["placement_group_bundles"],
         placement_group_strategy=options["placement_group_strategy"],
@@ -496,18 +496,20 @@ def deployment_demands(name: str) -> dict[str, tuple[dict[str, float], int, int]
         if stage.role in args.stage_deployments():
             options = stage.deployment_options(args)
             config = ReplicaConfig.create(
-                f"deploy.stages:{stage.__name__}", ray_actor_options=options["ray_actor_options"]
+                f"deploy.model_server.stage_deployments:{stage.__name__}",
+                ray_actor_options=options["ray_actor_options"],
             )
             demands[stage.__name__] = (config.resource_dict, options["num_replicas"], options["num_replicas"])
     ingress = ReplicaConfig.create(
-        "deploy.api:H3Ingress", ray_actor_options=deployment("H3Ingress", name).get("ray_actor_options")
+        "deploy.ingress.routes:H3Ingress", ray_actor_options=deployment("H3Ingress", name).get("ray_actor_options")
     )
     demands["H3Ingress"] = (ingress.resource_dict, *serve_replica_bounds("H3Ingress", name))
     return demands
 
 
 def probe_demand(name: str) -> dict[str, float]:
-    """Admission's platform probe: a task shaped like one SP rank (deploy/admission.py), run on every app build."""
+    """Admission's platform probe: a task shaped like one SP rank (deploy/driver/preflight.py), run on every app
+    build."""
     return dict(deploy_args(name).rank_resources)
 
 

@@ -275,8 +275,8 @@ def test_the_memory_plan_holds_every_adapter_on_every_rank(loras, tiny_checkpoin
     """An adapter's bytes are its lora_A and lora_B tensors as read from its file (float32 here), on each rank."""
     from safetensors.torch import load_file
 
-    from deploy.admission import deployment_memory_plan
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
+    from deploy.driver.preflight import deployment_memory_plan
 
     fields = {name: {"path": str(s.path), "scale": s.scale} for name, s in loras.loras.items()}
     args = DeployArgs(checkpoint=str(tiny_checkpoint), sp_degree=2, loras=fields)
@@ -294,7 +294,7 @@ def test_the_memory_plan_holds_every_adapter_on_every_rank(loras, tiny_checkpoin
 def test_deploy_args_check_adapter_names_and_fields(tmp_path):
     from pydantic import ValidationError
 
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
 
     args = DeployArgs(loras={"turbo-4": {"path": str(tmp_path), "steps": 4, "shift": 5.0}})
     assert args.replica_spec(RESOLUTION).loras.slots == {"turbo-4": 1}

@@ -28,7 +28,7 @@ def gpu_args(name: str = "serve_config.gpu.yaml", stages: bool = True):
     """The shipped config's args; ``stages`` False: without its stages section (the one-deployment layout)."""
     import yaml
 
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
 
     config = yaml.safe_load((REPO / "deploy" / name).read_text())
     raw = config["applications"][0]["args"]
@@ -151,7 +151,7 @@ def test_cuda_without_device_memory_fails_closed_and_cpu_is_not_checked():
 
 
 def test_admit_counts_a_memory_refusal_like_an_attention_refusal():
-    from deploy.admission import admit
+    from deploy.driver.preflight import admit
 
     args = gpu_args(stages=False)  # rank 0 with Qwen3-VL and the VAEs beside the transformer
     recorded: list[dict[str, str]] = []
@@ -218,7 +218,7 @@ def test_the_released_model_fits_h100s_with_stages_and_its_rank0_does_not_withou
 
 
 def memory_plan_of(args):
-    from deploy.admission import deployment_memory_plan
+    from deploy.driver.preflight import deployment_memory_plan
 
     return deployment_memory_plan(args)
 
@@ -244,7 +244,7 @@ def test_a_stage_that_does_not_fit_is_refused_whatever_the_row_budget(tiny_check
 
 
 def test_admit_counts_a_staged_h100_admission_and_the_unstaged_refusal():
-    from deploy.admission import admit
+    from deploy.driver.preflight import admit
 
     recorded: list[dict[str, str]] = []
     h100 = platform("h100-flash-attn.json")

@@ -20,9 +20,10 @@ import ray
 from PIL import Image
 from ray import serve
 
-from deploy.args import DeployArgs
-from deploy.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
-from deploy.replica import SERVE_CONTROLLER, STAGE_ATTEMPTS, ServeStages
+from deploy.common.args import DeployArgs
+from deploy.common.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
+from deploy.common.serve_controller import SERVE_CONTROLLER
+from deploy.model_server.h3_replica import STAGE_ATTEMPTS, ServeStages
 from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, Reference, RequestError
 from pipelines.h3.checkpoint import write_tiny_checkpoint
 from pipelines.h3.pipeline import StagesElsewhere
@@ -218,7 +219,7 @@ def test_a_denoiser_only_pipeline_refuses_to_prepare_or_decode_and_keeps_the_mod
 
 def test_a_replica_refuses_stage_handles_that_do_not_match_its_spec(tiny_checkpoint):
     """A staged spec without the stages' handles would leave a rank 0 that cannot prepare: refused before it builds."""
-    from deploy.replica import H3Replica
+    from deploy.model_server.h3_replica import H3Replica
 
     unbuilt = object.__new__(H3Replica)
     with pytest.raises(ValueError, match="spec.stages='remote' needs both conditioner and decoder handles"):

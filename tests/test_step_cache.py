@@ -211,8 +211,8 @@ def test_the_memory_plan_counts_the_residuals_a_caching_request_holds(tiny_pipel
 
 
 def test_a_deployment_plans_step_caches_only_where_a_request_can_cache():
-    from deploy.admission import deployment_memory_plan
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
+    from deploy.driver.preflight import deployment_memory_plan
     from pipelines.h3.memory import STEP_CACHE_GATHERED_ROWS, STEP_CACHE_GATHERED_ROWS_ONE_DECISION
 
     offered = deployment_memory_plan(DeployArgs()).row_cost.step_cache
@@ -266,7 +266,7 @@ def test_document_cache_computes_in_warmup_and_after_max_skips():
 
 
 def test_deploy_args_offer_the_tiers_and_refuse_those_that_cannot_run():
-    from deploy.args import DeployArgs
+    from deploy.common.args import DeployArgs
 
     assert DeployArgs().cache_tiers == ["off", "high", "low", "medium"]
     assert DeployArgs().engine.step_cache.default == "off"  # off unless a deployment sets it
@@ -281,9 +281,9 @@ def test_deploy_args_offer_the_tiers_and_refuse_those_that_cannot_run():
 
 
 def test_a_body_names_an_offered_tier_or_gets_a_400_naming_them():
-    from deploy.api import ImagesBody, VideosBody
-    from deploy.args import RequestLimits
-    from deploy.errors import invalid
+    from deploy.common.args import RequestLimits
+    from deploy.common.errors import invalid
+    from deploy.ingress.bodies import ImagesBody, VideosBody
 
     context = {"limits": RequestLimits(), "cache": ["off", "high", "low"]}
     body = VideosBody.model_validate({"prompt": "x", "cache": "high"}, context=context)

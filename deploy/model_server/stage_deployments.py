@@ -7,9 +7,9 @@ object store), the denoiser steps it in its packs, and ``H3Decoder.decode`` gets
 (``DecodeHandoff``) and returns the PNG/MP4 bytes. The client sees one request. A stage's error is the
 request's error (a RequestError stays one, an HTTP 400), never retried. A stage replica that dies fails no
 request and never the H3Replica: Serve replaces it, and each H3Replica makes the calls it had in flight there
-again (``deploy.replica.ServeStages``), on another live replica or on the replacement once it is up, up to
-``STAGE_ATTEMPTS`` calls in all, counted in ``h3serve_stage_retries`` by stage. The denoiser holds a request's
-finished latents until its decode returns, so a redone decode repeats no denoising; a redone prepare repeats
+again (``deploy.model_server.h3_replica.ServeStages``), on another live replica or on the replacement once it
+is up, up to ``STAGE_ATTEMPTS`` calls in all, counted in ``h3serve_stage_retries`` by stage. The denoiser holds a
+request's finished latents until its decode returns, so a redone decode repeats no denoising; a redone prepare repeats
 only the prepare. Every H3Replica's rank 0 then loads none of these models
 (``ReplicaSpec.stages`` "remote": the transformer partitions and the tokenizer only), and admission checks
 each stage's memory plan beside the denoiser's ranks (``pipelines/h3/memory.py``).
@@ -28,12 +28,11 @@ from typing import Any
 
 from ray import serve
 
+from deploy.common.args import DeployArgs, StageDeploymentArgs
+from deploy.common.serve_logging import log_through_serve
 from pipelines.h3 import DecodeHandoff, EncodedMedia, GeneratedMedia, GenerationRequest, H3StageModels, PreparedState
 from pipelines.h3.preview import PreviewMap
 from replicas.allocator import cuda_allocator_defaults
-
-from .args import DeployArgs, StageDeploymentArgs
-from .serve_logging import log_through_serve
 
 logger = logging.getLogger(__name__)
 

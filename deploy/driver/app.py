@@ -1,6 +1,6 @@
 """The application builder: the driver. Admission runs here, once, before any replica exists.
 
-serve run deploy/serve_config.yaml      (import_path: deploy.app:build_app)
+serve run deploy/serve_config.yaml      (import_path: deploy.driver.app:build_app)
 """
 
 import logging
@@ -10,13 +10,12 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
+from deploy.common.args import DeployArgs
+from deploy.driver.preflight import ADMISSION_ERRORS, DRIVER, Admission, admit
+from deploy.ingress.routes import H3Ingress, ingress_options
+from deploy.model_server.h3_replica import H3Replica
+from deploy.model_server.stage_deployments import H3Conditioner, H3Decoder
 from pipelines.h3 import ModelRules, checkpoint_rules
-
-from .admission import ADMISSION_ERRORS, DRIVER, Admission, admit
-from .api import H3Ingress, ingress_options
-from .args import DeployArgs
-from .replica import H3Replica
-from .stages import H3Conditioner, H3Decoder
 
 logger = logging.getLogger(__name__)
 

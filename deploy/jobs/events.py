@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from .errors import APIError
+from deploy.common.errors import APIError
 
 TERMINAL = ("completed", "failed", "cancelled")
 KINDS = ("queued", "started", "step", "preview", "decoding", "progress", *TERMINAL)

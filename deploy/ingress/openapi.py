@@ -18,11 +18,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from deploy.common.args import RequestLimits
+from deploy.jobs.store import JOB_ID
 from pipelines.h3 import ModelRules
 from replicas import MAX_PRIORITY, MIN_PRIORITY
-
-from .args import RequestLimits
-from .jobs import JOB_ID
 
 # an X-Request-Id a client may send (Serve's proxy makes a uuid4 when it sends none)
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")

@@ -48,7 +48,7 @@ STAT_KEYS = (BACKLOG, RATE, OLDEST_WAIT, DEADLINE_SLACK)
 # Serve takes numbers only: a replica holding no request with a deadline reports this slack (about 11.6 days)
 NO_DEADLINE_S = 1e6
 SLACK_FLOOR_S = 1.0  # a slack at or past zero weighs as this much: its request is failing now; the rest is not
-POLICY_PATH = "deploy.autoscaling:BacklogPolicy"
+POLICY_PATH = "deploy.common.autoscaling:BacklogPolicy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,8 @@ def replica_stats(backlog_row_steps: int, row_step_rate: float, oldest_wait_s: f
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-    """The policy's own settings (``policy_kwargs``); ``deploy.args.AutoscalingArgs`` validates them for operators."""
+    """The policy's own settings (``policy_kwargs``); ``deploy.common.args.AutoscalingArgs`` validates them for
+    operators."""
 
     target_wait_s: float
     downscale_below: float = 0.5

@@ -47,6 +47,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from attention import selector_calls
+from deploy.common.args import DRAIN_MARGIN_S, DeployArgs
+from deploy.common.autoscaling import replica_stats
+from deploy.common.errors import StageUnavailable
+from deploy.common.metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
+from deploy.common.retry import Backoff, retry
+from deploy.common.serve_controller import ReplicaStates
+from deploy.common.serve_logging import log_through_serve
 from pipelines.h3 import (
     DecodeHandoff,
     EncodedMedia,
@@ -58,12 +65,6 @@ from pipelines.h3 import (
 from replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 from replicas.stage_worker import lower_thread_priority
 
-from .args import DRAIN_MARGIN_S, DeployArgs
-from .autoscaling import replica_stats
-from .errors import StageUnavailable
-from .metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
-from .serve_logging import log_through_serve
-
 logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 1.0  # how often a replica asks the controller whether it is being stopped
 # how long a staged replica's warm-up waits for the conditioner stage to prepare its request: the conditioner
@@ -72,22 +73,22 @@ STAGE_WARMUP_TIMEOUT_S = 900.0
 # a stage call whose replica died under it is made again, on a live replica, up to this many calls in all; the
 # waits between them double from the first to the second (Serve's router meanwhile drops the dead replica)
 STAGE_ATTEMPTS = 3
-STAGE_RETRY_BACKOFF_S = (1.0, 5.0)
+STAGE_BACKOFF = Backoff(first_s=1.0, max_s=5.0, attempts=STAGE_ATTEMPTS)
 # the stage replica (not the stage's code) failed: its actor died or is unreachable, or its result was lost
 # with its node
 STAGE_REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
-SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
 TIMELINES_KEPT = 1024  # finished requests whose stage marks ``timelines`` returns (benchmarks.served_trace)
 
 
 class ServeStages:
-    """The engine's ``StageClient`` over the stage deployments' handles (``deploy/stages.py``); ``caller`` is this
-    H3Replica's replica id, which the stages count their work by.
+    """The engine's ``StageClient`` over the stage deployments' handles
+    (``deploy/model_server/stage_deployments.py``); ``caller`` is this H3Replica's replica id, which the stages
+    count their work by.
 
     A call whose stage replica died under it (``STAGE_REPLICA_LOST``: Ray's actor-died or actor-unavailable error,
     or its result lost with its node) is made again: Serve's router has dropped the dead replica, so the call
     goes to another live replica, or waits for the one Serve starts in its place. At most ``STAGE_ATTEMPTS`` calls
-    in all, ``STAGE_RETRY_BACKOFF_S`` apart; then ``StageUnavailable``. The stage's own exception (a request it
+    in all, ``STAGE_BACKOFF`` apart; then ``StageUnavailable``. The stage's own exception (a request it
     refuses) is never retried. Each retry is logged and counted by stage (``retries``, and the observer's
     ``on_stage_retry``). The arguments stay here until a call returns: a redone decode gets the same finished
     latents, so no denoising is ever repeated."""
@@ -109,36 +110,37 @@ class ServeStages:
         return await self._call("decoder", self.decoder.decode, handoff, output)
 
     async def _call(self, stage: str, method, *args):
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await method.remote(*args, self.caller)
-            except ray.exceptions.RayTaskError as e:  # first: the stage's own exception, whatever its type
-                raise _stage_error(e) from None
-            except STAGE_REPLICA_LOST as e:
-                if attempt >= STAGE_ATTEMPTS:
-                    logger.error("the %s stage's replica died under this call %d times: giving up", stage, attempt)
-                    raise StageUnavailable(
-                        stage,
-                        f"the {stage} stage's replica died under this request {attempt} times in a row "
-                        f"(last: {type(e).__name__}); no live {stage} replica finished it",
-                    ) from e
-                wait_s = min(STAGE_RETRY_BACKOFF_S[0] * 2 ** (attempt - 1), STAGE_RETRY_BACKOFF_S[1])
-                logger.warning(
-                    "the %s stage's replica died under a call (attempt %d of %d, %s: %s); making it again on a live "
-                    "replica in %.1f s",
-                    stage,
-                    attempt,
-                    STAGE_ATTEMPTS,
-                    type(e).__name__,
-                    (str(e).splitlines() or [""])[0],
-                    wait_s,
-                )
-                self.retries[stage] += 1
-                if self.observer is not None:
-                    self.observer.on_stage_retry(stage)
-                await asyncio.sleep(wait_s)
+        def again(error: Exception, attempt: int, wait_s: float) -> None:
+            logger.warning(
+                "the %s stage's replica died under a call (attempt %d of %d, %s: %s); making it again on a live "
+                "replica in %.1f s",
+                stage,
+                attempt,
+                STAGE_ATTEMPTS,
+                type(error).__name__,
+                (str(error).splitlines() or [""])[0],
+                wait_s,
+            )
+            self.retries[stage] += 1
+            if self.observer is not None:
+                self.observer.on_stage_retry(stage)
+
+        try:
+            return await retry(lambda: method.remote(*args, self.caller), STAGE_BACKOFF, _replica_lost, again)
+        except ray.exceptions.RayTaskError as e:  # first: the stage's own exception, whatever its type
+            raise _stage_error(e) from None
+        except STAGE_REPLICA_LOST as e:  # on every attempt
+            logger.error("the %s stage's replica died under this call %d times: giving up", stage, STAGE_ATTEMPTS)
+            raise StageUnavailable(
+                stage,
+                f"the {stage} stage's replica died under this request {STAGE_ATTEMPTS} times in a row "
+                f"(last: {type(e).__name__}); no live {stage} replica finished it",
+            ) from e
+
+
+def _replica_lost(error: Exception) -> bool:
+    """A call to make again: its stage replica failed, not the stage's code (whose exception is a RayTaskError)."""
+    return isinstance(error, STAGE_REPLICA_LOST) and not isinstance(error, ray.exceptions.RayTaskError)
 
 
 def _stage_error(error: ray.exceptions.RayTaskError) -> Exception:
@@ -171,29 +173,23 @@ class ReplicaObserver(EngineMetrics):
 class DrainWatch:
     """Whether Serve has started stopping this replica, from the controller's view of its deployment.
 
-    Uses the controller's ``get_deployment_details`` (what the dashboard's Serve view is built from); a failing
-    poll (a controller restarting) is logged and retried, and never starts a drain."""
+    A failing poll (a controller restarting) is logged and retried, and never starts a drain."""
 
     def __init__(self):
         context = serve.get_replica_context()
-        self.app, self.deployment = context.app_name, context.deployment
         self.replica_id = context.replica_id.unique_id
-        self._controller: ray.actor.ActorHandle | None = None
+        self._states = ReplicaStates(context.app_name, context.deployment)
         self._failing = False
 
     async def stopping(self) -> bool:
         try:
-            if self._controller is None:
-                self._controller = ray.get_actor(*SERVE_CONTROLLER)
-            details = await self._controller.get_deployment_details.remote(self.app, self.deployment)
+            states = await self._states.poll()
         except Exception as e:
-            self._controller = None  # a restarted controller is a new actor: look it up again
             if not self._failing:  # once per streak: the controller may be restarting for a while
                 logger.warning("cannot ask the Serve controller whether replica %s stops: %r", self.replica_id, e)
             self._failing = True
             return False
         self._failing = False
-        states = {replica.replica_id: replica.state for replica in details.replicas}
         return states.get(self.replica_id) == "STOPPING"  # a str enum: equal to its value
 
 
@@ -467,7 +463,8 @@ class H3Replica:
 
     # -- load: Serve's autoscaler and the gauges -------------------------------------------------
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metrics (args.autoscaling, ``deploy/autoscaling.py``): backlog in row-steps,
+        """Serve's custom autoscaling metrics (args.autoscaling, ``deploy/common/autoscaling.py``): backlog in
+        row-steps,
         the measured row-step rate, the oldest wait of a request not started, the tightest deadline slack."""
         load = self.engine.load()
         return replica_stats(load.backlog_row_steps, load.row_step_rate, load.oldest_wait_s, load.deadline_slack_s)

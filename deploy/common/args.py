@@ -8,13 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attention import Platform, Resolution
+from deploy.common.autoscaling import POLICY_PATH
 from pipelines.h3 import AUTO, TransformerGeometry, default_dtype, preset
 from pipelines.h3.lora_spec import LoraSpec, LoraSpecs
 from pipelines.h3.step_cache_tiers import OFF, StepCacheTiers
 from pipelines.h3.uploads import MAX_UPLOAD_PIXELS
 from replicas import EngineLimits, ReplicaSpec
-
-from .autoscaling import POLICY_PATH
 
 # graceful_shutdown_timeout_s beyond engine.drain_timeout_s, for the replica and the ingress: the replica's drain
 # poll, encoding the last MP4s, Serve's wait loop, and stopping the SP workers
@@ -185,7 +184,7 @@ class StagesArgs(BaseModel):
 
 
 class AutoscalingArgs(BaseModel):
-    """H3Replica scaled on its backlog (``deploy/autoscaling.py``): the builder sets the deployment's Serve
+    """H3Replica scaled on its backlog (``deploy/common/autoscaling.py``): the builder sets the deployment's Serve
     ``autoscaling_config`` from these, with the backlog policy. Choosing ``target_wait_s``: docs/OPERATIONS.md#scale.
     """
 
@@ -267,7 +266,7 @@ class AutoscalingArgs(BaseModel):
         return self
 
     def policy_kwargs(self) -> dict[str, float]:
-        """``deploy.autoscaling.BacklogPolicy``'s keyword arguments."""
+        """``deploy.common.autoscaling.BacklogPolicy``'s keyword arguments."""
         return {
             "target_wait_s": self.target_wait_s,
             "downscale_below": self.downscale_below,

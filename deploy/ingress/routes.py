@@ -1,73 +1,75 @@
 """The OpenAI-style HTTP API (FastAPI under @serve.ingress).
 
 Every route is a method under ``@route``, which runs it through ``H3Ingress._call``: the request id,
-bearer auth, error mapping to OpenAI's error shape (``deploy.errors``), and request
-metrics, in one place. Request bodies are parsed here (not by FastAPI's body binding) so that every
-malformed body gets a 4xx that says what is wrong; the deployment's limits are checked by the body
-models' validators, and ``deploy.openapi`` documents them. Video jobs run in ``deploy.video_jobs``, their event
-streams are ``deploy.events``'s, the playground page at ``/`` is ``deploy.playground``'s. Only ``PUBLIC_ROUTES``
-answer without the token.
+bearer auth, error mapping to OpenAI's error shape (``deploy.common.errors``), and request
+metrics, in one place. Request bodies are read here and parsed by ``deploy.ingress.bodies`` (not by FastAPI's body
+binding) so that every malformed body gets a 4xx that says what is wrong; the deployment's limits are checked by the
+body models' validators, and ``deploy.ingress.openapi`` documents them. Video jobs run in
+``deploy.jobs.video_jobs``, their event streams are ``deploy.jobs.events``'s, the playground page at ``/`` is
+``deploy.ingress.playground``'s. Only ``PUBLIC_ROUTES`` answer without the token.
 
 Backpressure: an ingress replica holds at most ``DeployArgs.generation_slots`` generation requests (what
 the H3 replicas can queue and run together; more get 503 here) plus ``ingress.headroom`` other requests,
 so job polls and /health never wait behind generations, and ``ingress.event_streams`` open event streams (each an
 ongoing request for Serve while it lasts); ``ingress_options`` gives Serve those numbers.
+
+Over 600 lines on purpose: every route is a method of the one Serve deployment class (``@serve.ingress`` binds
+FastAPI's routes on it), each a few lines over what it calls (``deploy.ingress.bodies``, ``deploy.jobs``, the H3
+replicas' handle); split, a route would live apart from the ``_call`` that authorizes, maps and counts it.
 """
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import functools
-import json
 import logging
 import os
-import re
 import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipelines.h3 import GenerationRequest, ModelRules, Reference
+from deploy.common.args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs
+from deploy.common.errors import (
+    DEADLINE_MESSAGE,
+    QUEUE_FULL_MESSAGE,
+    RETRY_AFTER_S,
+    APIError,
+    http_error,
+)
+from deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
+from deploy.common.retry import retry
+from deploy.common.serve_logging import log_through_serve
+from deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
+from deploy.ingress.cold_start import ColdStart
+from deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page
+from deploy.ingress.playground import playground_page
+from deploy.jobs.events import follow_record, last_event_id
+from deploy.jobs.media_store import MediaStore
+from deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
+from deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
+from pipelines.h3 import GenerationRequest, ModelRules
 from pipelines.h3.lora_spec import asked_steps, check_request_steps
 from pipelines.h3.paths import cache_dir
-from pipelines.h3.uploads import image_problem
-from replicas import MAX_PRIORITY, MIN_PRIORITY, EngineDraining
-
-from .args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs, RequestLimits
-from .cold_start import ColdStart
-from .errors import DEADLINE_MESSAGE, QUEUE_FULL_MESSAGE, RETRY_AFTER_S, APIError, FieldError, http_error, invalid
-from .events import follow_record, last_event_id
-from .jobs import JobPolicy, JobStore, epoch_seconds
-from .media_store import MediaStore
-from .metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
-from .openapi import REQUEST_ID, document, redoc_page, swagger_page
-from .playground import playground_page
-from .serve_logging import log_through_serve
-from .video_jobs import RESUBMIT_BACKOFF_S, RESUBMIT_FOR_S, VideoJobs, caused_by
+from replicas import EngineDraining
 
 logger = logging.getLogger(__name__)
-# Not parameters of a guidance-distilled model: refused by name rather than silently ignored.
-DISTILLED = ("guidance_scale", "negative_prompt")
 # A liveness probe answers without the token, and so does the playground page (a page a browser opens cannot send
 # one: it holds no data and asks for the key, which its scripts then send as a bearer token); everything else needs
 # it, the API docs included (they list this deployment's limits). Unknown routes answer 404 either way.
 PUBLIC_ROUTES = ("/health", "/")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer an event stream
-MAX_SEED = 2**63 - 1  # GenerationRequest's seed is a signed 64-bit integer
-# a form field carries text: an optional sign and at most a few digits (no int of thousands of digits is built)
-FORM_INTEGER = re.compile(r"[+-]?[0-9]{1,4}")
 
 
 def resolve_api_key(env: str | None) -> str | None:
@@ -87,285 +89,6 @@ def resolve_api_key(env: str | None) -> str | None:
 def unknown_job(video_id: str) -> APIError:
     """A 404 for an id the job store does not hold (cut to 80 characters: it is the caller's input, echoed)."""
     return APIError(404, f"no video job {video_id[:80]!r}", "video_id")
-
-
-# -- request bodies ----------------------------------------------------------------------------
-def limits_of(info: ValidationInfo) -> RequestLimits:
-    """The deployment's limits, which every body is validated under (``context={"limits": ...}``)."""
-    if not isinstance(info.context, dict) or "limits" not in info.context:
-        raise TypeError("request bodies are validated under the deployment's limits: context={'limits': ...}")
-    return info.context["limits"]
-
-
-class Body(BaseModel):
-    """Fields every generation request shares, checked against the deployment's ``RequestLimits``."""
-
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields h3serve does not use (quality, style, user...)
-
-    prompt: str = Field(min_length=1)
-    model: str | None = None
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT; default: the model's own canvas")
-    seed: int = Field(default=0, ge=0, le=MAX_SEED)
-    # None is replaced by the deployment's default_steps
-    num_inference_steps: int | None = Field(default=None, ge=2, validate_default=True)
-    # the request's deadline, seconds from arrival; None: the engine's default_deadline_s
-    timeout_s: float | None = Field(default=None, gt=0)
-    # higher runs first under the deployment's "priority" policy (engine.policy); the other policies ignore it
-    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
-    # step caching: "off" or one of the deployment's tiers (engine.step_cache); None: the deployment's default
-    cache: str | None = None
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _unicode(cls, prompt: Any) -> Any:
-        """JSON may escape a lone surrogate ("\\ud800"): no text encoder takes it, so say so by name."""
-        try:
-            if isinstance(prompt, str):
-                prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
-        return prompt
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, prompt: str, info: ValidationInfo) -> str:
-        if not prompt.strip():
-            raise ValueError("must not be blank")
-        limit = limits_of(info).max_prompt_chars
-        if len(prompt) > limit:
-            raise ValueError(f"is {len(prompt)} characters; the limit is {limit}")
-        return prompt
-
-    @field_validator("size")
-    @classmethod
-    def _size(cls, size: str | None, info: ValidationInfo) -> str | None:
-        if size is not None:
-            width, height = parse_size(size)
-            limit = limits_of(info).max_pixels
-            if not 0 < width * height <= limit:
-                raise ValueError(f"size {width}x{height} is {width * height} pixels; this server allows 1..{limit}")
-        return size
-
-    @field_validator("num_inference_steps")
-    @classmethod
-    def _steps(cls, steps: int | None, info: ValidationInfo) -> int:
-        limits = limits_of(info)
-        steps = limits.default_steps if steps is None else steps
-        if steps > limits.max_steps:
-            raise ValueError(f"num_inference_steps={steps} exceeds this server's limit of {limits.max_steps}")
-        return steps
-
-    @field_validator("priority", mode="before")
-    @classmethod
-    def _priority(cls, priority: Any, info: ValidationInfo) -> int:
-        """A JSON integer (not a bool, a float or a string), or in a form the text of one, within the range."""
-        form = isinstance(info.context, dict) and info.context.get("form", False)
-        if isinstance(priority, str) and form and FORM_INTEGER.fullmatch(priority.strip()):
-            priority = int(priority)
-        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            shown = repr(priority)[:40]
-            raise ValueError(f"must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} (default 0), got {shown}")
-        return priority
-
-    @field_validator("cache")
-    @classmethod
-    def _cache(cls, cache: str | None, info: ValidationInfo) -> str | None:
-        """One of the names the deployment offers (``context={"cache": [...]}``), checked before anything runs."""
-        if not isinstance(info.context, dict) or "cache" not in info.context:
-            raise TypeError(
-                "a body naming a cache tier is validated under the deployment's tiers: context={'cache': ...}"
-            )
-        allowed = info.context["cache"]
-        if cache is not None and cache not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}, got {cache[:40]!r}")
-        return cache
-
-    @field_validator("timeout_s")
-    @classmethod
-    def _timeout(cls, timeout_s: float | None, info: ValidationInfo) -> float | None:
-        limit = limits_of(info).max_timeout_s
-        if timeout_s is not None and not timeout_s <= limit:  # `not <=`: NaN too
-            raise ValueError(f"timeout_s={timeout_s:g} exceeds this server's limit of {limit:g} seconds")
-        return timeout_s
-
-    def generation(self) -> dict[str, Any]:
-        """The fields of a ``GenerationRequest`` this body sets."""
-        width, height = parse_size(self.size) if self.size else (None, None)
-        fields: dict[str, Any] = dict(
-            prompt=self.prompt,
-            width=width,
-            height=height,
-            seed=self.seed,
-            num_inference_steps=self.num_inference_steps,
-        )
-        if self.cache is not None:  # else the deployment's default tier
-            fields["cache"] = self.cache
-        return fields
-
-
-AnyBody = TypeVar("AnyBody", bound="Body")
-
-
-class ImagesBody(Body):
-    n: int = Field(default=1, ge=1)
-    response_format: Literal["b64_json"] = "b64_json"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_video_fields(cls, data: Any) -> Any:
-        """A field of the video route here (a first frame, a length) would change the output if it were honoured;
-        ignored like OpenAI's unused fields, it would be lost without a word."""
-        if isinstance(data, dict):
-            for name in sorted((set(VideosBody.model_fields) - set(cls.model_fields)) & data.keys()):
-                raise FieldError(name, "is a field of POST /v1/videos; an image is made from the prompt alone")
-        return data
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, n: int, info: ValidationInfo) -> int:
-        limit = limits_of(info).max_n
-        if n > limit:
-            raise ValueError(f"n={n} exceeds the limit of {limit}")
-        return n
-
-    @model_validator(mode="after")
-    def _seeds(self) -> "ImagesBody":
-        """Image i uses seed + i, so the last one must still be a valid seed."""
-        if self.seed + self.n - 1 > MAX_SEED:
-            raise FieldError(
-                "seed",
-                f"must be at most {MAX_SEED - self.n + 1} with n={self.n}: image i uses seed + i, "
-                f"and seeds range from 0 to 2**63 - 1 ({MAX_SEED})",
-            )
-        return self
-
-
-class VideosBody(Body):
-    seconds: float | None = Field(default=None, description="clip length; default: the shortest the model makes")
-    fps: int | None = None
-    input_reference: bytes | None = None  # the first frame (FL2VA)
-    last_reference: bytes | None = None  # the last frame (FL2VA)
-    references: list[Reference] = Field(default_factory=list)  # ordered references (Ref2VA)
-
-    @field_validator("seconds")
-    @classmethod
-    def _seconds(cls, seconds: float | None, info: ValidationInfo) -> float | None:
-        limit = limits_of(info).max_seconds
-        if seconds is not None and seconds > limit:
-            raise ValueError(f"seconds={seconds:g} exceeds this server's limit of {limit:g}")
-        return seconds
-
-    @field_validator("input_reference", "last_reference")
-    @classmethod
-    def _keyframe(cls, data: bytes | None, info: ValidationInfo) -> bytes | None:
-        """Opened header-only at submit: an image over the pixel bound or undecodable never becomes a job."""
-        problem = None if data is None else image_problem(data, limits_of(info).max_image_pixels)
-        if problem is not None:
-            raise ValueError(problem)
-        return data
-
-    @model_validator(mode="after")
-    def _image_references(self, info: ValidationInfo) -> "VideosBody":
-        """Image references as keyframes (video and audio ones are decoded on the replica)."""
-        for i, reference in enumerate(self.references):
-            problem = (
-                image_problem(reference.data, limits_of(info).max_image_pixels) if reference.kind == "image" else None
-            )
-            if problem is not None:
-                raise FieldError(f"references[{i}]", problem)
-        return self
-
-
-def parse_json_object(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400 saying why not (never a 500, whatever the bytes)."""
-    try:
-        fields = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise APIError(400, "the body must be a JSON object: it is not UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"the body must be a JSON object: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise APIError(400, "the body must be a JSON object: it is nested too deeply") from None
-    except ValueError as e:  # an integer of thousands of digits
-        raise APIError(400, f"the body must be a JSON object: {str(e).split(':')[0]}") from None
-    if not isinstance(fields, dict):
-        raise APIError(400, f"the body must be a JSON object, not {type(fields).__name__}")
-    return fields
-
-
-def parse_size(size: str) -> tuple[int, int]:
-    """'WIDTHxHEIGHT' as integers (at most 5 digits each: no int of thousands of digits is ever built)."""
-    width, sep, height = size.strip().partition("x")
-    if not (sep and width.isdigit() and height.isdigit() and len(width) <= 5 and len(height) <= 5):
-        raise ValueError(f"must look like 'WIDTHxHEIGHT' (e.g. '1280x768'), got {size[:40]!r}")
-    return int(width), int(height)
-
-
-def decode_upload(value: Any, field: str) -> bytes:
-    """An uploaded file, or in JSON a base64 string or data URL."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str):
-        payload = value.split(",", 1)[1] if value.startswith("data:") else value
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise APIError(400, f"{field} must be an uploaded file, a base64 string or a data: URL", field) from None
-    raise APIError(400, f"{field} must be an uploaded file, a base64 string or a data: URL", field)
-
-
-def closed_multipart(content_type: str, raw: bytes) -> bool:
-    """Whether a multipart body ends with its closing delimiter; the parser accepts a truncated one."""
-    from python_multipart.multipart import parse_options_header
-
-    boundary = parse_options_header(content_type)[1].get(b"boundary", b"")
-    return bool(boundary) and b"--" + boundary + b"--" in raw
-
-
-MEDIA_KINDS = {"image": "image", "video": "video", "audio": "audio"}
-EXTENSION_KINDS = {
-    ".png": "image",
-    ".jpg": "image",
-    ".jpeg": "image",
-    ".webp": "image",
-    ".mp4": "video",
-    ".mov": "video",
-    ".webm": "video",
-    ".wav": "audio",
-    ".mp3": "audio",
-    ".flac": "audio",
-    ".ogg": "audio",
-    ".m4a": "audio",
-}
-
-
-def upload_kind(content_type: str | None, filename: str | None) -> str | None:
-    """image / video / audio from an upload's content type, else its file extension."""
-    major = (content_type or "").split("/")[0].lower()
-    if major in MEDIA_KINDS:
-        return MEDIA_KINDS[major]
-    return EXTENSION_KINDS.get(os.path.splitext(filename or "")[1].lower())
-
-
-def parse_references(value: Any) -> list[Reference]:
-    """Ordered Ref2VA references: uploads (kind from their type) or JSON {"kind", "data": base64}."""
-    if not isinstance(value, list):
-        raise APIError(400, "references must be a list", "references")
-    references = []
-    for i, item in enumerate(value):
-        field = f"references[{i}]"
-        if isinstance(item, dict) and isinstance(item.get("data"), str):
-            item = {**item, "data": decode_upload(item["data"], field)}
-        try:
-            references.append(Reference.model_validate(item))
-        except ValidationError as e:
-            raise APIError(
-                400,
-                f"{field}: {e.errors()[0]['msg']} (a reference is an uploaded image, video or "
-                'audio file, or {"kind": ..., "data": base64})',
-                field,
-            ) from None
-    return references
 
 
 app = FastAPI(
@@ -546,63 +269,8 @@ class H3Ingress:
 
     async def _parse(self, request: Request, model: type[AnyBody], uploads: tuple[str, ...] = ()) -> AnyBody:
         """A JSON object, or (where ``uploads`` are allowed) a multipart/urlencoded form, validated."""
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         raw = await self._body(request)
-        if kind == "application/json" or (not uploads and kind in ("", "text/plain")):
-            fields = parse_json_object(raw)
-        elif uploads and kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-            fields = await self._form(request, raw, uploads)
-        else:
-            allowed = "application/json" + (", multipart/form-data" if uploads else "")
-            raise APIError(415, f"content-type {kind or 'none'!r} is not accepted here; send {allowed}")
-        for name in DISTILLED:
-            if name in fields:
-                raise APIError(400, f"{name}: MiniMax-H3 is guidance-distilled and takes no {name}", name)
-        for name in uploads:
-            if fields.get(name) is not None:
-                fields[name] = decode_upload(fields[name], name)
-        if "references" in fields and uploads:
-            fields["references"] = parse_references(fields["references"])
-        try:
-            form = kind != "application/json" and bool(uploads)  # form fields arrive as text
-            context = {"limits": self.limits, "form": form, "cache": self.cache_tiers}
-            return model.model_validate(fields, context=context)
-        except ValidationError as e:
-            raise invalid(e) from None
-
-    @staticmethod
-    async def _form(request: Request, raw: bytes, uploads: tuple[str, ...]) -> dict[str, Any]:
-        from starlette.datastructures import UploadFile
-        from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
-
-        async def stream():
-            yield raw
-
-        content_type = request.headers.get("content-type", "")
-        multipart = content_type.lower().startswith("multipart/")
-        try:
-            form = await (MultiPartParser if multipart else FormParser)(request.headers, stream()).parse()
-        except (MultiPartException, ValueError, KeyError) as e:
-            raise APIError(400, f"malformed form body: {e}") from None
-        if multipart and not closed_multipart(content_type, raw):
-            raise APIError(400, "malformed form body: no closing boundary (a truncated upload?)")
-        fields: dict[str, Any] = {}
-        for name, value in form.multi_items():
-            if name in ("references", "references[]"):
-                if not isinstance(value, UploadFile):
-                    raise APIError(400, "references must be uploaded files", "references")
-                kind = upload_kind(value.content_type, value.filename)
-                if kind is None:
-                    raise APIError(
-                        400,
-                        f"reference {value.filename!r}: cannot tell whether it is an image, a video "
-                        "or audio; send it with an image/*, video/* or audio/* content type",
-                        "references",
-                    )
-                fields.setdefault("references", []).append({"kind": kind, "data": await value.read()})
-            else:
-                fields[name] = await value.read() if isinstance(value, UploadFile) else value
-        return fields
+        return await parse_body(request.headers, raw, model, uploads, self.limits, self.cache_tiers)
 
     async def rules(self) -> ModelRules:
         if self._rules is None and self.cold is not None and self.cold.rules is not None:
@@ -641,7 +309,7 @@ class H3Ingress:
         """The ids a request's ``model`` may name: the base model, then one per LoRA adapter."""
         return [self.model_name, *self.adapter_ids]
 
-    def _adapter(self, request: Request, body: "Body") -> str | None:
+    def _adapter(self, request: Request, body: Body) -> str | None:
         """The LoRA adapter ``body.model`` names (None: the base model, also when omitted); 400 for another id."""
         model = body.model
         if model in (None, "", self.model_name):
@@ -654,7 +322,7 @@ class H3Ingress:
         request.state.model = model
         return self.adapter_ids[model]
 
-    def _fields(self, body: "Body", adapter: str | None) -> dict[str, Any]:
+    def _fields(self, body: Body, adapter: str | None) -> dict[str, Any]:
         """The body's ``GenerationRequest`` fields on ``adapter``: its own steps unless the body gives some (a
         few-step adapter refuses others: 400 naming both), then the deployment's default_steps."""
         fields = body.generation()
@@ -705,8 +373,8 @@ class H3Ingress:
         self, request: Request, body: ImagesBody, generation: GenerationRequest, i: int, adapter: str | None
     ) -> bytes:
         """Image i's PNG; one a draining replica hands back unstarted (a scale-down) is sent again, to another."""
-        give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
-        while True:
+
+        async def generate() -> bytes:
             deadline_s = self._deadline_s(request, body.timeout_s)
             call = self.replica.generate_image.remote(
                 generation, f"{request.state.request_id}-{i}", deadline_s, body.priority, adapter
@@ -716,12 +384,11 @@ class H3Ingress:
             except asyncio.CancelledError:
                 call.cancel()
                 raise
-            except Exception as e:
-                if not caused_by(e, EngineDraining) or time.monotonic() + wait > give_up:
-                    raise
-                logger.info("request %s-%d: handed back by a draining replica; again", request.state.request_id, i)
-                await asyncio.sleep(wait)
-                wait = min(2 * wait, RESUBMIT_BACKOFF_S[1])
+
+        def again(error: Exception, attempt: int, wait_s: float) -> None:
+            logger.info("request %s-%d: handed back by a draining replica; again", request.state.request_id, i)
+
+        return await retry(generate, RESUBMIT, lambda e: caused_by(e, EngineDraining), again)
 
     # -- videos --------------------------------------------------------------------------------
     @app.post("/v1/videos")
@@ -842,7 +509,7 @@ class H3Ingress:
     @app.get("/v1/videos/{video_id}/events")
     @route("/v1/videos/{id}/events")
     async def video_events(self, request: Request, video_id: str):
-        """Server-Sent Events of the job (``deploy.events``), resumed after ``Last-Event-ID`` when it is sent."""
+        """Server-Sent Events of the job (``deploy.jobs.events``), resumed after ``Last-Event-ID`` when it is sent."""
         after = last_event_id(request.headers.get("last-event-id"))
         video = await self._job(video_id)
         if self.streams >= self.event_streams:
@@ -948,7 +615,8 @@ class H3Ingress:
     @app.get("/")
     @route("/")
     async def playground(self, request: Request):
-        """The playground page (``deploy/playground/``): plain HTML, CSS and JS, nothing fetched from elsewhere."""
+        """The playground page (``deploy/ingress/playground/``): plain HTML, CSS and JS, nothing fetched from
+        elsewhere."""
         return HTMLResponse(playground_page(auth=self.api_key is not None, model=self.model_name))
 
     @app.get("/openapi.json")

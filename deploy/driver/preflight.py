@@ -10,6 +10,9 @@ from typing import Any
 import ray
 
 from attention import AttentionSelectionError, Platform, Resolution
+from deploy.common.args import DeployArgs
+from deploy.common.metrics import RECORD_TIMEOUT_S, admission_recorder
+from deploy.driver.probe import PlatformProbeError, probe_replica
 from pipelines.h3 import (
     AUTO,
     CheckpointConfigs,
@@ -25,10 +28,6 @@ from pipelines.h3.admission import check_memory
 from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.lora import AdapterFootprint, LoraError, check_adapters
 from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, MemoryPlan, checkpoint_partitions, gib, memory_plan
-
-from .args import DeployArgs
-from .metrics import RECORD_TIMEOUT_S, admission_recorder
-from .probe import PlatformProbeError, probe_replica
 
 logger = logging.getLogger(__name__)
 

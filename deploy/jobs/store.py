@@ -22,7 +22,7 @@ import re
 import threading
 import time
 
-from .media_store import MediaStore
+from deploy.jobs.media_store import MediaStore
 
 logger = logging.getLogger(__name__)
 FINISHED = ("completed", "failed", "cancelled")

@@ -1,4 +1,4 @@
-"""The playground page at ``/``: ``deploy/playground/`` (plain HTML, CSS and JS, package data), served as one
+"""The playground page at ``/``: ``deploy/ingress/playground/`` (plain HTML, CSS and JS, package data), served as one
 document with its stylesheet, script and this deployment's few facts inline, so it works under any route prefix
 and fetches nothing from elsewhere. It holds no data: everything it shows comes from the API, with the key the
 person types in (a server with ``api_key_env``) sent as a bearer token."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from .openapi import html_json
+from deploy.ingress.openapi import html_json
 
 
 @functools.cache
 def _asset(name: str) -> str:
-    return resources.files("deploy").joinpath("playground", name).read_text(encoding="utf-8")
+    return resources.files("deploy.ingress").joinpath("playground", name).read_text(encoding="utf-8")
 
 
 def playground_page(auth: bool, model: str) -> str:

@@ -14,9 +14,8 @@ from pydantic import BaseModel
 
 from attention.platform import DeviceType, Platform
 from attention.registry import probe_platform
+from deploy.common.args import DeployArgs
 from pipelines.h3.checkpoint import CheckpointConfigs, CheckpointError, resolve_checkpoint
-
-from .args import DeployArgs
 
 
 class PlatformProbeError(RuntimeError):

@@ -15,22 +15,21 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
+from deploy.common.metrics import RequestMetrics
+from deploy.common.retry import Backoff, retry
+from deploy.jobs.events import TERMINAL, JobEvents, event_data
+from deploy.jobs.store import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
 from pipelines.h3 import GenerationRequest
 from replicas import DeadlineExceeded, EngineDraining
-
-from .errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
-from .events import TERMINAL, JobEvents, event_data
-from .jobs import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
-from .metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat covers the rest
 JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 # A handed-back job is submitted again while no replica can take it (queues full, replicas draining or being
-# replaced), backing off from the first wait to the second, for at most RESUBMIT_FOR_S; then it fails (503).
+# replaced), backing off as RESUBMIT says, for at most its for_s; then it fails (503).
 RETRYABLE = QUEUE_FULL + UNAVAILABLE
-RESUBMIT_BACKOFF_S = (0.5, 5.0)
-RESUBMIT_FOR_S = 600.0
+RESUBMIT = Backoff(first_s=0.5, max_s=5.0, for_s=600.0)
 
 
 def rounded(seconds: float | None) -> float | None:
@@ -297,31 +296,28 @@ class VideoJobs:
         again: bool = True,
     ) -> DeploymentResponseGenerator:
         """Queue a handed-back job on another replica with the same priority, waiting out full queues and draining
-        replicas for up to RESUBMIT_FOR_S (the job stays queued meanwhile; its heartbeat keeps the lease).
+        replicas for up to RESUBMIT.for_s (the job stays queued meanwhile; its heartbeat keeps the lease).
         ``again`` False: its first submission (none ran when it was accepted), not counted as a re-submission; the
         wait for a replica to load is the stream's first event, not a retry."""
-        give_up, wait = time.monotonic() + RESUBMIT_FOR_S, RESUBMIT_BACKOFF_S[0]
-        while True:
+
+        async def start():
             remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if remaining is not None and remaining <= 0:  # not retryable: raised as it is
                 raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
-            try:
-                stream, first = await self._start(request, request_id, remaining, priority, adapter)
-            except Exception as e:
-                if not caused_by(e, RETRYABLE) or time.monotonic() + wait > give_up:
-                    raise
-                logger.info("video job %s (request %s): no replica took it yet (%r)", runner.job_id, request_id, e)
-                await asyncio.sleep(wait)
-                wait = min(2 * wait, RESUBMIT_BACKOFF_S[1])
-                continue
-            try:
-                if again:
-                    await self._io(runner.resubmitted)
-            except BaseException:
-                stream.cancel()
-                raise
-            self.events.publish(runner.job_id, *event_data(first))  # its place in the new replica's queue
-            return stream
+            return await self._start(request, request_id, remaining, priority, adapter)
+
+        def again_later(error: Exception, attempt: int, wait_s: float) -> None:
+            logger.info("video job %s (request %s): no replica took it yet (%r)", runner.job_id, request_id, error)
+
+        stream, first = await retry(start, RESUBMIT, lambda e: caused_by(e, RETRYABLE), again_later)
+        try:
+            if again:
+                await self._io(runner.resubmitted)
+        except BaseException:
+            stream.cancel()
+            raise
+        self.events.publish(runner.job_id, *event_data(first))  # its place in the new replica's queue
+        return stream
 
     async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
         """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""

@@ -168,7 +168,7 @@ ADAPTER_DOCUMENT_STEPS = MetricDef(
 )
 
 # the work a replica holds, refreshed every GAUGE_REFRESH_S (and what it reports to Serve's autoscaler,
-# deploy/autoscaling.py); beside ray_serve_autoscaling_target_replicas it shows why the replica count moves
+# deploy/common/autoscaling.py); beside ray_serve_autoscaling_target_replicas it shows why the replica count moves
 BACKLOG_ROW_STEPS = MetricDef(
     "h3serve_backlog_row_steps",
     "gauge",
@@ -338,14 +338,16 @@ class EngineMetrics:
     def on_duty_cycle(self, fraction: float) -> None:
         self.duty_cycle.set(fraction)
 
-    def on_load(self, load: EngineLoad) -> None:  # deploy.replica.H3Replica, every GAUGE_REFRESH_S
+    def on_load(self, load: EngineLoad) -> None:  # deploy.model_server.h3_replica.H3Replica, every GAUGE_REFRESH_S
         self.backlog.set(load.backlog_row_steps)
         self.rate.set(load.row_step_rate)
         self.oldest_wait.set(load.oldest_wait_s)
         if load.deadline_slack_s is not None:
             self.slack.set(load.deadline_slack_s)
 
-    def on_stage_retry(self, stage: str) -> None:  # deploy.replica.ServeStages: a stage replica died under a call
+    def on_stage_retry(
+        self, stage: str
+    ) -> None:  # deploy.model_server.h3_replica.ServeStages: a stage replica died under a call
         self.stage_retries.inc(1, tags={"stage": checked(stage, STAGE_ROLES, "stage role")})
 
     def on_adapters(self, served: Sequence[str]) -> None:

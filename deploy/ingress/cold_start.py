@@ -16,13 +16,12 @@ import logging
 import math
 import time
 
-import ray
 from ray.serve.handle import DeploymentHandle
 
+from deploy.common.serve_controller import ReplicaStates
 from pipelines.h3 import ModelRules
 
 logger = logging.getLogger(__name__)
-SERVE_CONTROLLER = ("SERVE_CONTROLLER_ACTOR", "serve")  # ray.serve._private.constants: name, namespace
 RUNNING_CACHE_S = 1.0  # how long one answer of the controller stands
 
 
@@ -35,6 +34,7 @@ class ColdStart:
         self._running = 0
         self._woke_at: float | None = None  # when the wake in flight was sent (None: none is)
         self._wake: asyncio.Task | None = None
+        self._states = ReplicaStates(app, deployment)
 
     async def running(self) -> int:
         """H3Replica replicas RUNNING now, by the controller (cached); 1 when it cannot be asked."""
@@ -42,9 +42,7 @@ class ColdStart:
         if now - self._asked_at < RUNNING_CACHE_S:
             return self._running
         try:
-            controller = ray.get_actor(*SERVE_CONTROLLER)
-            details = await controller.get_deployment_details.remote(self.app, self.deployment)
-            self._running = sum(replica.state == "RUNNING" for replica in details.replicas)
+            self._running = sum(state == "RUNNING" for state in (await self._states.poll()).values())
         except Exception as e:
             logger.warning("cannot ask the Serve controller how many %s replicas run: %r", self.deployment, e)
             self._running = 1
