@@ -31,9 +31,9 @@ from pipelines.h3.config import preset
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.memory import ACTIVATION_FORMULA, activation_row_cost, memory_plan
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, build_transformer, clip_document
 
 from .common import main_for, say, table
-from .h3_shapes import Clip, build_transformer, clip_document
 
 TOLERANCE = 0.05  # |formula slope / measured slope - 1|
 # Each pack is measured this many times and its least peak kept. Under Ulysses, gloo's worker thread can hold a

@@ -36,9 +36,9 @@ from attention import Ranking, get_backend, probe_platform
 from attention.ranking import save as save_ranking
 from pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, block_flops, clip_document, transformer_config
 
 from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table
-from .h3_shapes import Clip, block_flops, clip_document, transformer_config
 
 BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa", "flex_attn")  # Part 2 builds its block with the first
 NOTES = [
@@ -404,7 +404,7 @@ def part2_block(s, device, dtype, status, budget, res) -> None:
         rows,
     )
     say(
-        "  FLOPs (benchmarks/h3_shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
+        "  FLOPs (pipelines/h3/shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
         "  distinct timestep, attention 4 L^2 H D per document."
     )
     say("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")

@@ -34,9 +34,7 @@ from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
 from pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
-
-from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table, write_json
-from .h3_shapes import (
+from pipelines.h3.shapes import (
     FLOPS_FORMULA,
     Clip,
     activation_bytes_per_row,
@@ -48,6 +46,8 @@ from .h3_shapes import (
     rows_that_fit,
     transformer_config,
 )
+
+from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table, write_json
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
 LENGTHS = (124, 141, 158, 175)  # the 17n+5 clip lengths of the packing part, 5.2 to 7.3 s

@@ -31,9 +31,9 @@ from pipelines.h3.attention_processor import install
 from pipelines.h3.checkpoint import random_tiny_checkpoint
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
 
 from .common import say
-from .h3_shapes import Clip, build_transformer, clip_document, transformer_config
 
 BACKEND = "torch_sdpa"  # available on CUDA and CPU; the kernels are gpu_kernels' subject, placement is this one's
 SETTINGS = {

@@ -64,6 +64,7 @@ from pipelines.h3.lora import (
     LoraSpecs,
     linear_kinds,
 )
+from pipelines.h3.shapes import keeps_fp32, transformer_config
 from replicas import Engine, EngineLimits, StepBoundary, StepGate, Ticket, WorkerGroup
 from replicas.scheduler import POLICIES
 
@@ -82,7 +83,6 @@ from .common import (
     tiny_spec,
     write_json,
 )
-from .h3_shapes import keeps_fp32, transformer_config
 from .lora_step import run as step_cost
 from .packing import PROMPTS
 from .trace import TINY_CLASSES, Arrival, RequestClass, at_rate, engine_replay, stats_of, summarize

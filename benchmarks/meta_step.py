@@ -7,14 +7,14 @@
 The ``full`` transformer (diffusers' ``MiniMaxH3Transformer3DModel`` at the released config, 33.1B parameters, bf16
 with diffusers' fp32 modules kept fp32) is built on the meta device inside a real ``H3Pipeline`` (its denoiser, the
 released schedulers and model rules; conditioning and decoding belong to stages, as in the shipped GPU configs).
-Requests are admitted from what a conditioner stage hands over (``h3_shapes.clip_prepared``: diffusers' layout and
+Requests are admitted from what a conditioner stage hands over (``shapes.clip_prepared``: diffusers' layout and
 row-timestep builders), then stepped by ``H3Pipeline.packs``/``forward``/``apply``, the calls an engine step makes:
 ``pack_documents``, ``packed_forward`` through h3serve's attention processor, each request's two schedulers. Only the
 attention kernel and the collectives stand in (``benchmarks.meta_device``).
 
 Each pack runs one warm-up step (each scheduler finds its place in its schedule, each step cache takes its first
 residuals) and one measured step, which reports: the FLOPs ``FlopCounterMode`` counts against
-``h3_shapes.forward_flops``; the host syncs, each with its line; the collectives and their bytes; the bytes live
+``shapes.forward_flops``; the host syncs, each with its line; the collectives and their bytes; the bytes live
 before the step (the requests' own tensors on the device) and the step's peak above them, against
 ``pipelines/h3/memory.py``'s plan for the same pack; which tensors ran in fp32.
 """
@@ -38,11 +38,7 @@ from pipelines.h3.lora import LoraAdapter, LoraLayer, LoraSpec, LoraSpecs
 from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, GiB, activation_row_cost, request_row_cost
 from pipelines.h3.pipeline import H3Denoiser, H3Pipeline, PreparedState, RequestState
 from pipelines.h3.request import GenerationRequest
-from pipelines.h3.step_cache import StepCachePolicy
-from replicas.sequence_parallel import UlyssesGroup
-
-from .common import say, table, write_json
-from .h3_shapes import (
+from pipelines.h3.shapes import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,
     Clip,
@@ -53,6 +49,10 @@ from .h3_shapes import (
     parameter_bytes,
     transformer_config,
 )
+from pipelines.h3.step_cache import StepCachePolicy
+from replicas.sequence_parallel import UlyssesGroup
+
+from .common import say, table, write_json
 from .meta_device import MetaRun, MetaVarlenImpl, dtype_log, fake_group
 from .projection import (
     ALL_TO_ALL_GBPS,

@@ -30,12 +30,12 @@ import ray
 import torch
 
 from pipelines.h3 import GenerationRequest
+from pipelines.h3.shapes import Clip, clip_rows, human_bytes, transformer_config
 from pipelines.h3.step_cache import StepCachePolicy
 from replicas import WorkerGroup
 
 from . import packing
 from .common import machine, main_for, median, say, table, time_ms, tiny_spec
-from .h3_shapes import Clip, clip_rows, human_bytes, transformer_config
 from .packing_report import one_pack
 from .step_cache import denoise
 

@@ -73,7 +73,7 @@ GPU = dataclasses.replace(TRACE_GPU, loads=(LOAD,))
 RELEASED_CANVAS = (1344, 768)
 RELEASED_FRAMES = (124, 345)
 RELEASED_STEPS = 50
-RELEASED_TEXT_TOKENS = 256  # benchmarks.h3_shapes.TEXT_TOKENS: a prompt of a few sentences
+RELEASED_TEXT_TOKENS = 256  # pipelines.h3.shapes.TEXT_TOKENS: a prompt of a few sentences
 
 
 # -- object-store bytes, from diffusers' own builders --------------------------------------------------
@@ -95,7 +95,7 @@ def handoff_bytes(
     from diffusers import MiniMaxH3Scheduler
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
-    from .h3_shapes import KEYFRAME_NOISE_AUG, Clip, clip_layout
+    from pipelines.h3.shapes import KEYFRAME_NOISE_AUG, Clip, clip_layout
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
@@ -142,7 +142,7 @@ def prepared_bytes_by_key(prepared) -> dict[str, int]:
 
 def released_bytes(embed_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """``handoff_bytes`` of released-size requests on the released transformer's config."""
-    from .h3_shapes import transformer_config
+    from pipelines.h3.shapes import transformer_config
 
     config = transformer_config("full")
     width, height = RELEASED_CANVAS

@@ -1,7 +1,7 @@
 """The per-step data path of an SP replica (issue 38): bytes through Ray, and how long the event loop is blocked.
 
 1. Bytes per step at the released size, from the real pack: 8 T2VA requests of 1344x768, 124 frames, laid out by
-   diffusers' builders (``benchmarks.h3_shapes``), packed for sp=4. *Before* (to 72d41b8): rank 0 copied the pack to
+   diffusers' builders (``pipelines.h3.shapes``), packed for sp=4. *Before* (to 72d41b8): rank 0 copied the pack to
    the host and ``ray.put`` it (its pickle, what the object store held); *after*: each worker gets a ``StepOrder``
    (the pack's layout, the step-cache mirror: host metadata), inlined in the call below Ray's 100 KiB inline limit,
    and the pack's tensors come by one broadcast over the group's own backend (NCCL on GPU).
@@ -35,8 +35,8 @@ def step_bytes(smoke: bool = False) -> dict:
     """Ray bytes of one step at sp=4 for a pack of 8 released-size requests, before and after."""
     import torch
 
-    from benchmarks.h3_shapes import Clip, clip_document, transformer_config
     from pipelines.h3.packing import flatten_pack, pack_documents
+    from pipelines.h3.shapes import Clip, clip_document, transformer_config
     from pipelines.h3.step_cache import BUILTIN_TIERS, CachedPack, CacheMirrorWriter, DocumentCache, PackCache
     from replicas.worker_group import StepOrder
 

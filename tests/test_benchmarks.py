@@ -34,10 +34,10 @@ from benchmarks import (
     step_cache_step,
     trace,
 )
-from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
 from pipelines.h3.step_cache import BUILTIN_TIERS, OFF
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ inside a real ``H3Pipeline``; requests laid out by diffusers' builders are admit
 work and stepped by ``H3Pipeline.packs``/``forward``/``apply``. Only the attention kernel and the Ulysses collectives
 stand in (``benchmarks.meta_device``). Each path is held to: no tensor off the model's device; fp32 exactly where
 diffusers keeps it; its host syncs exactly ``meta_step.SYNC_BUDGET``'s sites and counts; ``FlopCounterMode``'s FLOPs
-equal to ``h3_shapes.forward_flops`` within 1%; its activation peak and its requests' own tensors within 10% of
+equal to ``shapes.forward_flops`` within 1%; its activation peak and its requests' own tensors within 10% of
 ``pipelines/h3/memory.py``'s plan. ~40 s on 2 cores.
 """
 

@@ -24,11 +24,11 @@ import torch
 
 from attention import get_backend
 from benchmarks.activation_memory import CLIP, LiveStorages
-from benchmarks.h3_shapes import Clip, clip_document
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.memory import activation_row_cost
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, clip_document
 from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
 SLACK = 1.5  # the plan may exceed the dearest measured pack's extra by this factor, no more

@@ -1,4 +1,4 @@
-"""MiniMax-H3 at any size without a checkpoint, for the GPU benchmarks: model, requests, FLOPs, memory.
+"""MiniMax-H3 at any size without a checkpoint: model, synthetic requests, FLOPs, memory (beside ``memory.py``'s plan).
 
 * ``build_transformer``: ``MiniMaxH3Transformer3DModel(**config)`` on the meta device, then random
   weights straight on the target device, at ``dtype`` except where diffusers' ``_keep_in_fp32_modules``
@@ -7,7 +7,8 @@
   and row-timestep builders from the request's geometry (random latents and prompt embeddings).
 * ``forward_flops``: the matmul and attention FLOPs of one ``packed_forward`` over a pack (formula below).
 
-Needs torch, diffusers and this repo's pipelines package (pydantic); no Ray, no checkpoint.
+Needs torch, diffusers and this repo's pipelines package (pydantic); no Ray, no checkpoint. The benchmarks, the
+meta-device run and the tests build their synthetic requests and FLOP counts here.
 """
 
 from __future__ import annotations
@@ -28,16 +29,21 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_TAG,
     MINIMAX_H3_TEXT_TAG,
     MINIMAX_H3_VIDEO_TAG,
+    MiniMaxH3ModularPipeline,
     audio_latent_num_frames,
     video_latent_num_frames,
 )
 
 from pipelines.h3.packing import Document, Pack
 
-# The released VAEs' geometry (diffusers' MiniMaxH3ModularPipeline defaults; the tiny preset keeps them too).
-SPATIAL, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK = 16, 17, 5
+# The released VAEs' geometry and the conditioning rows' timestep floor, read from diffusers' MiniMaxH3ModularPipeline:
+# its properties fall back to the released values when no VAE is loaded (the tiny preset keeps them too).
+_RELEASED = MiniMaxH3ModularPipeline
+SPATIAL: int = _RELEASED.vae_spatial_compression_ratio.fget(None)  # 16
+FRAMES_PER_CHUNK: int = _RELEASED.vae_frames_per_chunk.fget(None)  # 17
+LATENTS_PER_CHUNK: int = _RELEASED.vae_latents_per_chunk.fget(None)  # 5
+KEYFRAME_NOISE_AUG: float = _RELEASED.keyframe_noise_aug.fget(None)  # 0.999
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0  # the released scheduler/ and audio_scheduler/ (ARCHITECTURE.md)
-KEYFRAME_NOISE_AUG = 0.999  # MiniMaxH3ModularPipeline.keyframe_noise_aug: conditioning rows' timestep floor
 TEXT_TOKENS = 256  # prompt rows of a synthetic request (Qwen3-VL hidden states of a prompt of a few sentences)
 
 FLOPS_FORMULA = """\
@@ -83,7 +89,8 @@ def transformer_config(name: str) -> dict:
 
 def keeps_fp32(model: torch.nn.Module, name: str) -> bool:
     """diffusers' loading rule: a parameter stays float32 when a path component is in ``_keep_in_fp32_modules``."""
-    return any(m in name.split(".") for m in (model._keep_in_fp32_modules or []))
+    keep: list[str] = getattr(model, "_keep_in_fp32_modules", None) or []
+    return any(m in name.split(".") for m in keep)
 
 
 @torch.no_grad()
