@@ -30,7 +30,7 @@ from deploy.args import DeployArgs
 from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
 from replicas import Engine, WorkerGroup
 
-from .common import machine, main_for, median, percentile, say, table, time_ms, tiny_spec
+from .harness import machine, median, percentile, say, smoke_main, table, time_ms, tiny_spec
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "deploy" / "platforms" / "h200-flash-attn.json"
@@ -194,7 +194,7 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = main_for(__doc__, run)
+main = smoke_main(__doc__, run)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
 import torch
 
+from deploy.client import H3Client
 from pipelines.h3 import GenerationRequest, H3Pipeline
 from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.media import probe_media
 
-from .common import cpu_resolution, machine, main_for, now, say, table
-from .served import H3SERVE, ServedDefault, default_args, served_checkpoint, video_job
+from .harness import (
+    H3SERVE,
+    ServedDefault,
+    cpu_resolution,
+    default_args,
+    machine,
+    now,
+    say,
+    served_checkpoint,
+    smoke_main,
+    table,
+)
 
 PROMPT = "a red circle moving left with a high beep"
 TARGET_S = 60.0
@@ -109,7 +119,7 @@ def _phases(steps: int, checkpoint: str | None) -> dict:
 
 def http(default_steps: int) -> list[dict]:
     rows = []
-    with ServedDefault() as served, httpx.Client(base_url=served.url, timeout=900) as client:
+    with ServedDefault() as served, H3Client(served.url, timeout=900) as client:
         say(f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s")
         for label, body in (
             ("HTTP video job, server defaults (first request)", {"prompt": PROMPT}),
@@ -117,7 +127,7 @@ def http(default_steps: int) -> list[dict]:
             ("HTTP video job, 50 steps (warm)", {"prompt": PROMPT, "num_inference_steps": 50}),
         ):
             t0 = now()
-            job, mp4 = video_job(client, body)
+            job, mp4 = client.video_job(body)
             wall = now() - t0
             info = probe_media(mp4)
             rows.append(
@@ -199,7 +209,7 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = main_for(__doc__, run)
+main = smoke_main(__doc__, run)
 
 
 if __name__ == "__main__":

@@ -1,68 +1,165 @@
-"""Shared helpers for the benchmarks: arguments, timing, percentiles, tables, JSON, output checks; GPU timing.
+"""The benchmarks' one harness: the entry point, timing, percentiles, tables, JSON results, a served app, a trace.
 
-No framework: each CPU benchmark is a plain module with ``main(argv) -> int`` and ``run(smoke) -> dict``.
-The GPU scripts (gpu_kernels, gpu_pipeline) use only the torch-only helpers here: nothing at module
-level imports Ray, the deploy package or the model pipeline.
+Every benchmark is a plain module, ``python -m benchmarks.NAME [--smoke] [--json PATH] ...``, ending in
+
+    main = cli(__doc__, run, options)   # options(ap) adds its own arguments; run(args) -> result dict
+
+``cli`` parses the arguments (``--smoke``, ``--json``, ``--address``: join a running Ray cluster, as the tests'
+session cluster, instead of starting one), runs, stamps the result with the machine and the git commit
+(``stamp``), writes it to ``--json`` and exits 1 when ``result["ok"]`` is false (a refusal returns an int: 2).
+The shared pieces: ``table``/``say``/``fmt`` print, ``percentile``/``median``/``time_ms``/``Phases`` time,
+``ServedConfig``/``ServedDefault`` start ``h3serve serve`` as a user does (or ``Attached`` to one already up,
+``--url``), ``at_times`` replays a trace's arrivals; the API calls themselves are ``deploy.client``'s.
+
+The GPU scripts (gpu_kernels, gpu_pipeline, gpu_smoke) use only the torch-only helpers: nothing at module level here
+imports Ray, the deploy package or the model pipeline (gpu_session.sh carries only torch, diffusers and pydantic).
+
+Over 600 lines: the one harness by design (entry point, results, timing and tables, engine observers, a served
+app, a trace, the GPU scripts' timing), in that order, one section each.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+REPO = Path(__file__).resolve().parents[1]
+H3SERVE = str(Path(sys.executable).parent / "h3serve")  # the installed console script
 
+
+# -- the entry point --------------------------------------------------------------------------------
 def parser(doc: str | None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None)
+    ap = argparse.ArgumentParser(
+        description=(doc or "").strip().splitlines()[0] if doc else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds long (CI)")
     ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    ap.add_argument(
+        "--address", metavar="GCS", help="join this running Ray cluster (namespace serve) instead of starting one"
+    )
     return ap
 
 
-def main_for(doc: str | None, run: Callable[[bool], dict]) -> Callable[..., int]:
-    """The `python -m benchmarks.X [--smoke] [--json PATH]` entry point; exits 1 when a check fails."""
+def cli(
+    doc: str | None,
+    run: Callable[[argparse.Namespace], dict | int],
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> Callable[..., int]:
+    """The ``python -m benchmarks.NAME`` entry point: ``main(argv) -> exit status`` (see the module's docstring)."""
 
-    def main(argv=None) -> int:
-        args = parser(doc).parse_args(argv)
-        result = run(args.smoke)
+    def entry(argv: Sequence[str] | None = None) -> int:
+        ap = parser(doc)
+        if options is not None:
+            options(ap)
+        args = ap.parse_args(argv)
+        if args.address:
+            join_ray(args.address)
+        result = run(args)
+        if isinstance(result, int):  # a refusal, said already
+            return result
         write_json(args.json, result)
-        return 0 if result["ok"] else 1
+        return 0 if result.get("ok", True) else 1
 
-    return main
+    return entry
+
+
+def smoke_main(doc: str | None, run: Callable[[bool], dict]) -> Callable[..., int]:
+    """``cli`` for a benchmark whose only option is ``--smoke``: ``run(smoke) -> dict``."""
+    return cli(doc, lambda args: run(args.smoke))
 
 
 def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable[..., dict]) -> Callable[..., int]:
-    """The `python -m benchmarks.NAME [--quick | --smoke | --gpu] [--json PATH]` entry point of a per-step cost
-    measured on CPU at a smaller width or, with ``--gpu``, on CUDA at the released width: ``run(quick, gpu, smoke)``.
-    """
+    """``cli`` of a per-step cost measured on CPU at a smaller width or, with ``--gpu``, on CUDA at the released width:
+    ``python -m benchmarks.NAME [--quick | --smoke | --gpu] [--json PATH]``, ``run(quick, gpu=, smoke=)``."""
 
-    def main(argv=None) -> int:
-        ap = parser(doc)
+    def options(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(
             "--quick", action="store_true", help="CPU: hidden 512 and 1.4k rows (else hidden 1024, 4k rows)"
         )
         ap.add_argument("--gpu", action="store_true", help="CUDA, the released width: " + what_gpu_measures)
-        args = ap.parse_args(argv)
+
+    def run_args(args: argparse.Namespace) -> dict | int:
         if args.gpu and not torch.cuda.is_available():
             say(f"{name} --gpu: no CUDA device here; nothing measured. It measures: {what_gpu_measures}")
             return 2
         if args.gpu:
             say(f"{name} --gpu measures: {what_gpu_measures}")
-        result = run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
-        write_json(args.json, result)
-        return 0 if result["ok"] else 1
+        return run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
 
-    return main
+    return cli(doc, run_args, options)
 
 
+def join_ray(address: str) -> None:
+    """This process joins the Ray cluster at ``address`` in namespace "serve" (where `h3serve serve` deploys, so
+    Serve handles reach its replicas); a benchmark then starts no cluster of its own and leaves this one running."""
+    import logging
+
+    import ray
+
+    ray.init(address=address, namespace="serve", log_to_driver=False, logging_level=logging.WARNING)
+
+
+# -- results ----------------------------------------------------------------------------------------
+@functools.cache
+def git_commit() -> str | None:
+    """The checkout's commit (``+dirty`` when it has changes), or None outside a git checkout (a GPU node's copy)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def stamp(result: dict) -> dict:
+    """``result`` with where it was measured: ``machine`` (kept when the benchmark filled it), ``commit``, ``argv``."""
+    return {**result, "machine": result.get("machine") or machine(), "commit": git_commit(), "argv": sys.argv}
+
+
+def write_json(path: str | None, result: dict, quiet: bool = False) -> None:
+    """``result``, stamped, to ``path`` (nothing when None)."""
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(stamp(result), indent=1, default=str))
+    if not quiet:
+        say(f"wrote {path}")
+
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_1m": os.getloadavg()[0],
+    }  # a shared machine: other work skews absolute times
+
+
+# -- timing, tables -------------------------------------------------------------------------------
 def descendants(pid: int) -> list[int]:
     """Every process under ``pid`` (Linux /proc; ``pid`` itself not included), children before their own children."""
     children: dict[int, list[int]] = {}
@@ -107,6 +204,22 @@ def time_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]
         fn()
         out.append((now() - t0) * 1e3)
     return out
+
+
+class Phases:
+    """Wall seconds of named phases: ``with phases("decode"): ...``; ``phases.seconds`` in the order first timed
+    (a phase timed again adds up)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = now()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + now() - t0
 
 
 def fmt(value) -> str:
@@ -154,26 +267,6 @@ def judge_targets(checks: Sequence[tuple[str, float, str, float]], load: float, 
 
 def say(msg: str = "") -> None:
     print(msg, flush=True)
-
-
-def machine() -> dict:
-    return {
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_1m": os.getloadavg()[0],
-    }  # a shared machine: other work skews absolute times
-
-
-def write_json(path: str | None, result: dict, quiet: bool = False) -> None:
-    if not path:
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1, default=str))
-    if not quiet:
-        say(f"wrote {path}")
 
 
 def compare_media(got, want, audio_rtol: float = 1e-4, audio_atol: float = 1e-5) -> dict:
@@ -302,6 +395,179 @@ def aten_ops(fn) -> int:
         counter.n = 0
         fn()
     return counter.n
+
+
+# -- a served app -----------------------------------------------------------------------------------
+def served_checkpoint() -> str | None:
+    """What the default config serves: None (the shipped demo checkpoint) where it exists; else the tiny
+    preset with random weights (the same architecture, so the same cost), which the config then names."""
+    from pipelines.h3.checkpoint import CheckpointError, random_tiny_checkpoint, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(None)
+        return None
+    except CheckpointError:
+        return str(random_tiny_checkpoint())
+
+
+def default_args():
+    """The ``DeployArgs`` of the default config's one H3 application (limits.default_steps, engine bounds...)."""
+    from deploy.args import DeployArgs
+    from deploy.cli import h3_apps, load_config
+
+    ((_, args),) = h3_apps(load_config(None))
+    return DeployArgs.model_validate(args)
+
+
+def default_config(port: int) -> dict:
+    """deploy/serve_config.yaml with only the HTTP port changed (127.0.0.1) and, in a checkout without the shipped
+    demo checkpoint, the checkpoint set to ``served_checkpoint()``'s tiny preset with random weights."""
+    import copy
+
+    from deploy.cli import BUILDER, load_config
+
+    config, checkpoint = copy.deepcopy(load_config(None)), served_checkpoint()
+    config["http_options"].update(host="127.0.0.1", port=port)
+    if checkpoint is not None:  # no shipped demo checkpoint in this checkout
+        for app in config["applications"]:
+            if app.get("import_path") == BUILDER:
+                app["args"]["checkpoint"] = checkpoint
+    return config
+
+
+class ServedConfig:
+    """`h3serve serve CONFIG --address <this cluster>` until ``apps`` applications serve; a context manager.
+
+    Joins the caller's Ray session when there is one (it must be in namespace "serve", where `h3serve serve`
+    deploys, for the caller's handles to reach the replicas); else starts a local cluster of ``num_cpus`` CPUs
+    (None: all of this node's, and its GPUs). The command joins this process's cluster, so the benchmark can also
+    reach the replica through a Serve handle."""
+
+    def __init__(self, config: dict, apps: int = 1, startup_timeout_s: float = 300.0, num_cpus: int | None = 2):
+        import tempfile
+
+        self.config, self.apps, self.timeout, self.num_cpus = config, apps, startup_timeout_s, num_cpus
+        self.dir = tempfile.TemporaryDirectory(prefix="h3serve-bench-")
+        self.started_ray = False
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config['http_options']['port']}"  # every config here serves on 127.0.0.1
+
+    def __enter__(self):
+        import logging
+
+        import ray
+        import yaml
+
+        if not ray.is_initialized():  # Serve's controller lives in namespace "serve", where `h3serve serve` puts it
+            ray.init(
+                num_cpus=self.num_cpus,
+                namespace="serve",
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+            self.started_ray = True
+        elif ray.get_runtime_context().namespace != "serve":
+            raise RuntimeError(
+                "the caller's Ray session must be in namespace 'serve' (where `h3serve serve` "
+                "deploys) for this process to reach the replicas through handles"
+            )
+        path = Path(self.dir.name) / "serve_config.yaml"
+        path.write_text(yaml.safe_dump(self.config))
+        self.log = open(path.with_suffix(".log"), "w+")
+        started = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [H3SERVE, "serve", str(path), "--address", ray.get_runtime_context().gcs_address],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        while self.output().count("is serving at") < self.apps:
+            if self.proc.poll() is not None or time.perf_counter() - started > self.timeout:
+                text = self.output()[-4000:]
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"h3serve serve did not start its {self.apps} application(s):\n{text}")
+            time.sleep(0.5)
+        self.startup_s = time.perf_counter() - started
+        return self
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        import ray
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the command shuts Serve down on SIGTERM
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        # the command shut Serve down (its controller is gone): forget this driver's cached controller client, or
+        # the next Serve app in this Ray session is looked up through the dead one (ActorDiedError)
+        from ray.serve.context import _disconnect
+
+        _disconnect()
+        if self.started_ray:
+            ray.shutdown()
+        self.log.close()
+        self.dir.cleanup()
+
+
+class ServedDefault(ServedConfig):
+    """`h3serve serve deploy/serve_config.yaml` on a free port of 127.0.0.1 (``default_config``)."""
+
+    def __init__(self, startup_timeout_s: float = 300.0):
+        from replicas.worker_group import free_port
+
+        self.port, self.checkpoint = free_port(), served_checkpoint()
+        super().__init__(default_config(self.port), 1, startup_timeout_s)
+
+    def __enter__(self) -> ServedDefault:
+        return super().__enter__()
+
+
+class Attached:
+    """A server of the default config already up at ``url`` (``--url``: a test's, joined with ``--address``), in
+    place of ``ServedDefault``: nothing started, nothing stopped; ``startup_s`` None."""
+
+    def __init__(self, url: str):
+        self.url, self.checkpoint, self.startup_s = url.rstrip("/"), served_checkpoint(), None
+
+    def __enter__(self) -> Attached:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def startup(served) -> str:
+    """How long the server took to start, for a line of output: "in 12.3 s", or "(already up)" when attached."""
+    return "(already up)" if served.startup_s is None else f"in {served.startup_s:.1f} s"
+
+
+def served_default(url: str | None) -> ServedDefault | Attached:
+    """The default config served for a benchmark: the one at ``url`` when given, else a fresh ``ServedDefault``."""
+    return Attached(url) if url else ServedDefault()
+
+
+# -- a trace ----------------------------------------------------------------------------------------
+async def at_times(arrivals: Iterable[tuple[float, Any]], send: Callable[[int, Any], Awaitable[dict]]) -> list[dict]:
+    """Each ``(seconds after the start, item)`` sent at its time, all concurrently: ``send(index, item)``'s results,
+    in the arrivals' order, each with its ``index`` and its ``arrival`` (``time.monotonic()``)."""
+    t0 = time.monotonic()
+
+    async def at(i: int, when: float, item: Any) -> dict:
+        await asyncio.sleep(max(0.0, t0 + when - time.monotonic()))
+        return {**(await send(i, item)), "index": i, "arrival": t0 + when}
+
+    return await asyncio.gather(*(at(i, when, item) for i, (when, item) in enumerate(arrivals)))
 
 
 # -- GPU scripts ----------------------------------------------------------------------------------
