@@ -34,6 +34,7 @@ from pipelines.h3.media import probe_media
 
 from .harness import (
     H3SERVE,
+    Phases,
     ServedDefault,
     cpu_resolution,
     default_args,
@@ -88,22 +89,19 @@ def phases(steps: int, checkpoint: str | None, threads: int = 1) -> dict:
 
 
 def _phases(steps: int, checkpoint: str | None) -> dict:
-    t0 = now()
-    pipe = H3Pipeline.load(resolve_checkpoint(checkpoint), cpu_resolution().backend)
-    t = {"load_s": now() - t0}
-    t0 = now()
-    state = pipe.prepare(GenerationRequest(prompt=PROMPT, num_inference_steps=steps))
-    t["prepare_s"] = now() - t0
-    t0 = now()
-    while not state.done:
-        pipe.step([state])
-    t["denoise_s"] = now() - t0
-    t0 = now()
-    media = pipe.decode(state)
-    t["decode_s"] = now() - t0
-    t0 = now()
-    mp4 = media.mp4()
-    t["mp4_s"] = now() - t0
+    phase = Phases()
+    with phase("load_s"):
+        pipe = H3Pipeline.load(resolve_checkpoint(checkpoint), cpu_resolution().backend)
+    with phase("prepare_s"):
+        state = pipe.prepare(GenerationRequest(prompt=PROMPT, num_inference_steps=steps))
+    with phase("denoise_s"):
+        while not state.done:
+            pipe.step([state])
+    with phase("decode_s"):
+        media = pipe.decode(state)
+    with phase("mp4_s"):
+        mp4 = media.mp4()
+    t = phase.seconds
     info = probe_media(mp4)
     return {
         "steps": steps,
