@@ -12,7 +12,7 @@ non-zero if any benchmark's correctness check failed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -61,10 +61,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda", action="store_true", help="with --dry-run: the commands of a node with CUDA")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() or (args.dry_run and args.cuda)
-    if args.dry_run:  # exit 1 if a command names no benchmark module
+    if args.dry_run:  # exit 1 if a command names no benchmark module with a callable main
         todo = commands(args.smoke, args.json_dir, cuda)
         print(json.dumps(todo, indent=1))
-        return 0 if all(importlib.util.find_spec(cmd[2]) for cmd in todo.values()) else 1
+        runnable = [callable(getattr(importlib.import_module(cmd[2]), "main", None)) for cmd in todo.values()]
+        return 0 if all(runnable) else 1
     results = []
     for name, cmd in commands(args.smoke, args.json_dir, cuda).items():
         say(f"\n{'=' * 100}\n$ {' '.join(cmd[1:])}\n{'=' * 100}")

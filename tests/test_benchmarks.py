@@ -323,8 +323,8 @@ def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outpu
 
 
 def test_run_all_commands_name_runnable_benchmarks(tmp_path):
-    """``run_all --dry-run`` prints its commands (name -> argv) and checks each names a benchmark module (exit 1 if
-    one does not); ``--cuda``: the commands of a CUDA node."""
+    """``run_all --dry-run`` prints its commands (name -> argv) and checks each names a benchmark module with a callable
+    ``main`` (exit 1 if one does not); ``--cuda``: the commands of a CUDA node."""
     run = bench("run_all", "--dry-run", "--smoke", "--json-dir", str(tmp_path))
     assert run.code == 0
     cpu = json.loads(run.out)

@@ -42,6 +42,7 @@ def written(tiny_checkpoint):
     )
 
 
+@pytest.mark.slow  # a process of its own: the benchmark, as a user runs it
 def test_layer_50_of_the_written_checkpoint_stays_as_far_apart_as_the_embeddings(tiny_checkpoint, tmp_path):
     """``python -m benchmarks.text_encoder --checkpoint`` (the cosines of six prompts) on the written checkpoint."""
     out = tmp_path / "text_encoder.json"
