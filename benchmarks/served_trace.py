@@ -205,11 +205,21 @@ def process_role(pid: int) -> str:
     return "client (this process)" if pid == os.getpid() else "ray other"
 
 
+def cluster_root() -> int:
+    """The process that started this Ray cluster: this one, or (``--address``) the one it joined, whose pid ends the
+    session's name (``session_<date>_<time>_<pid>``). The cluster's processes are its descendants."""
+    try:
+        return int(ray._private.worker._global_node.session_name.rsplit("_", 1)[1])
+    except (AttributeError, IndexError, ValueError):
+        return os.getpid()
+
+
 def cpu_snapshot(replica_pid: int) -> tuple[dict[str, float], dict[int, float]]:
-    """CPU seconds by role of this cluster's processes (this process's descendants), and of the replica's threads by
-    native id."""
+    """CPU seconds by role of this cluster's processes (the descendants of the process that started it, and this
+    process's own), and of the replica's threads by native id."""
     out: dict[str, float] = {}
-    for pid in [os.getpid(), *descendants(os.getpid())]:
+    root = cluster_root()
+    for pid in dict.fromkeys([os.getpid(), *descendants(os.getpid()), *descendants(root)]):
         role = process_role(pid)
         out[role] = out.get(role, 0.0) + cpu_of(f"/proc/{pid}/stat")
     tids = {}
