@@ -17,13 +17,10 @@ is a per-document constant (in ``a``), as flash-attn's workspace is on the GPU.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import weakref
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention import get_backend
 from pipelines.h3.attention_processor import install
@@ -31,9 +28,9 @@ from pipelines.h3.config import preset
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.memory import ACTIVATION_FORMULA, activation_row_cost, memory_plan
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, LiveStorages, build_transformer, clip_document
 
-from .common import main_for, say, table
-from .h3_shapes import Clip, build_transformer, clip_document
+from .harness import say, smoke_main, table
 
 TOLERANCE = 0.05  # |formula slope / measured slope - 1|
 # Each pack is measured this many times and its least peak kept. Under Ulysses, gloo's worker thread can hold a
@@ -44,59 +41,6 @@ REPEATS = 5  # 3 left one rank 5.3% over on a quiet fresh-clone CI run (2026-12-
 CLIP = Clip(width=128, height=64, num_frames=22)  # the tiny default canvas, one 17n+5 chunk
 DEVICE_BYTES = {"H200 (141 GB)": 143771 * 2**20, "H100 (80 GB)": 81559 * 2**20}  # nvidia-smi's MiB
 GPU_ROWS, GPU_SP = 80000, 4  # deploy/serve_config.gpu.yaml
-
-
-class LiveStorages(TorchDispatchMode):
-    """Bytes of the tensor storages created under this mode that are still referenced; and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.views: collections.Counter[int] = collections.Counter()  # storage address -> live tensors on it
-        self.sizes: dict[int, int] = {}
-        self.live = self.peak = 0
-        self.peak_op = ""
-        self.in_attention = False  # set by hooks around the blocks' attention modules
-        self.attention_peak = 0
-
-    def _release(self, key: int) -> None:
-        self.views[key] -= 1
-        if self.views[key] == 0:
-            del self.views[key]
-            self.live -= self.sizes.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            if storage.nbytes() == 0:
-                continue
-            key = storage.data_ptr()
-            if key not in self.views:
-                self.sizes[key] = storage.nbytes()
-                self.live += storage.nbytes()
-            self.views[key] += 1
-            weakref.finalize(tensor, self._release, key)
-        if self.live > self.peak:
-            self.peak, self.peak_op = self.live, str(func)
-        if self.in_attention:
-            self.attention_peak = max(self.attention_peak, self.live)
-        return out
-
-    def watch_attention(self, model: torch.nn.Module) -> list:
-        """Hooks marking the blocks' attention calls, so the attention phase's own peak is known."""
-
-        def enter(*_):
-            self.in_attention = True
-
-        def leave(*_):
-            self.in_attention = False
-
-        handles = []
-        for block in model.transformer_blocks:
-            handles += [block.attn.register_forward_pre_hook(enter), block.attn.register_forward_hook(leave)]
-        return handles
 
 
 def _points(copies: tuple[int, ...], sp=None) -> list[dict]:
@@ -312,7 +256,7 @@ def run(smoke: bool) -> dict:
     return result
 
 
-main = main_for(__doc__, run)
+main = smoke_main(__doc__, run)
 
 if __name__ == "__main__":
     raise SystemExit(main())

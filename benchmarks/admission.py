@@ -2,7 +2,7 @@
 
     python -m benchmarks.admission [--smoke] [--json PATH]
 
-Part 1 times ``deploy.admission.admit(args, stage, platform)`` (``validate_deployment(model=..., geometry=...,
+Part 1 times ``deploy.driver.preflight.admit(args, stage, platform)`` (``validate_deployment(model=..., geometry=...,
 ...)``: the SP layout against the preset's heads, the device, then ``attention.resolve``) and the raw
 ``attention.resolve``, with the selector cache cleared before every call (cold, as a fresh driver sees
 it), for the default CPU args and for ``deploy/serve_config.gpu.yaml``'s args against
@@ -30,14 +30,14 @@ from deploy.driver.preflight import admit
 from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
 from replicas import Engine, WorkerGroup
 
-from .common import machine, main_for, median, percentile, say, table, time_ms, tiny_spec
+from .harness import machine, median, percentile, say, smoke_main, table, time_ms, tiny_spec
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "deploy" / "platforms" / "h200-flash-attn.json"
 # modules whose code is admission: none of their functions may run while serving
 PACKAGES = ("attention", "pipelines", "replicas", "deploy")
 LIBRARIES = "(libraries: diffusers, transformers, torch, asyncio, stdlib)"
-ADMISSION_FILES = ("attention/selector.py", "deploy/admission.py", "pipelines/h3/admission.py", "attention/platform.py")
+ADMISSION_FILES = ("attention/selector.py", "deploy/driver/preflight.py", "pipelines/h3/admission.py", "attention/platform.py")
 
 
 GPU_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
@@ -194,7 +194,7 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = main_for(__doc__, run)
+main = smoke_main(__doc__, run)
 
 
 if __name__ == "__main__":

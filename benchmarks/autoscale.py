@@ -18,7 +18,7 @@ The trace is replayed against the default config's application (tiny checkpoint,
 and 2 single-thread replicas (``rank_resources {CPU: 1}`` on a 2-CPU Ray cluster: Ray gives each one torch
 thread), under each policy in turn, the application deployed fresh for each run:
   default   Serve's own ``target_ongoing_requests`` policy (``deployments: H3Replica: autoscaling_config``)
-  backlog   ``args.autoscaling`` (``deploy/autoscaling.py``: the fewest replicas whose projected drain time of
+  backlog   ``args.autoscaling`` (``deploy/common/autoscaling.py``: the fewest replicas whose projected drain time of
             the summed backlog in row-steps stays under ``target_wait_s``)
 Both with the same Serve delays (up ``UPSCALE_DELAY_S``, down ``DOWNSCALE_DELAY_S``) and metric intervals. Each
 policy's setting (``target_ongoing_requests``, ``target_wait_s``) is the best of a small grid on a trace of
@@ -40,13 +40,14 @@ import copy
 import dataclasses
 import math
 import random
+import sys
 import threading
 import time
 
 import httpx
 import torch
 
-from .common import judge_targets, machine, now, parser, percentile, say, table, write_json
+from .harness import cli, judge_targets, machine, now, percentile, say, table
 
 LOAD = 2.0  # the step's arrival rate, in one replica's capacity
 UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 2.0, 15.0  # Serve's delays, the same for both policies
@@ -476,8 +477,7 @@ def settings_arg(text: str) -> dict[str, float]:
     return settings
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="the trace both policies are reported on")
     ap.add_argument("--tune-seed", type=int, default=1, help="the trace each policy's setting is chosen on")
     ap.add_argument(
@@ -485,14 +485,17 @@ def main(argv=None) -> int:
         type=settings_arg,
         help="each policy's setting, e.g. default=4,backlog=40 (the best a tuning run printed): no tuning runs",
     )
-    args = ap.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> dict:
     sizes = SMOKE if args.smoke else FULL
     if args.settings:
         sizes = dataclasses.replace(sizes, tune={policy: (args.settings[policy],) for policy in POLICIES})
-    result = run(sizes, args.seed, args.tune_seed, args.smoke)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+    return run(sizes, args.seed, args.tune_seed, args.smoke)
+
+
+main = cli(__doc__, run_args, options)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

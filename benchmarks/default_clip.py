@@ -25,15 +25,26 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
 import torch
 
+from deploy.client import H3Client
 from pipelines.h3 import GenerationRequest, H3Pipeline
 from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.media import probe_media
 
-from .common import cpu_resolution, machine, main_for, now, say, table
-from .served import H3SERVE, ServedDefault, default_args, served_checkpoint, video_job
+from .harness import (
+    H3SERVE,
+    Phases,
+    ServedDefault,
+    cpu_resolution,
+    default_args,
+    machine,
+    now,
+    say,
+    served_checkpoint,
+    smoke_main,
+    table,
+)
 
 PROMPT = "a red circle moving left with a high beep"
 TARGET_S = 60.0
@@ -78,22 +89,19 @@ def phases(steps: int, checkpoint: str | None, threads: int = 1) -> dict:
 
 
 def _phases(steps: int, checkpoint: str | None) -> dict:
-    t0 = now()
-    pipe = H3Pipeline.load(resolve_checkpoint(checkpoint), cpu_resolution().backend)
-    t = {"load_s": now() - t0}
-    t0 = now()
-    state = pipe.prepare(GenerationRequest(prompt=PROMPT, num_inference_steps=steps))
-    t["prepare_s"] = now() - t0
-    t0 = now()
-    while not state.done:
-        pipe.step([state])
-    t["denoise_s"] = now() - t0
-    t0 = now()
-    media = pipe.decode(state)
-    t["decode_s"] = now() - t0
-    t0 = now()
-    mp4 = media.mp4()
-    t["mp4_s"] = now() - t0
+    phase = Phases()
+    with phase("load_s"):
+        pipe = H3Pipeline.load(resolve_checkpoint(checkpoint), cpu_resolution().backend)
+    with phase("prepare_s"):
+        state = pipe.prepare(GenerationRequest(prompt=PROMPT, num_inference_steps=steps))
+    with phase("denoise_s"):
+        while not state.done:
+            pipe.step([state])
+    with phase("decode_s"):
+        media = pipe.decode(state)
+    with phase("mp4_s"):
+        mp4 = media.mp4()
+    t = phase.seconds
     info = probe_media(mp4)
     return {
         "steps": steps,
@@ -109,7 +117,7 @@ def _phases(steps: int, checkpoint: str | None) -> dict:
 
 def http(default_steps: int) -> list[dict]:
     rows = []
-    with ServedDefault() as served, httpx.Client(base_url=served.url, timeout=900) as client:
+    with ServedDefault() as served, H3Client(served.url, timeout=900) as client:
         say(f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s")
         for label, body in (
             ("HTTP video job, server defaults (first request)", {"prompt": PROMPT}),
@@ -117,7 +125,7 @@ def http(default_steps: int) -> list[dict]:
             ("HTTP video job, 50 steps (warm)", {"prompt": PROMPT, "num_inference_steps": 50}),
         ):
             t0 = now()
-            job, mp4 = video_job(client, body)
+            job, mp4 = client.video_job(body)
             wall = now() - t0
             info = probe_media(mp4)
             rows.append(
@@ -199,7 +207,7 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = main_for(__doc__, run)
+main = smoke_main(__doc__, run)
 
 
 if __name__ == "__main__":

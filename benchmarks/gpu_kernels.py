@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import random
@@ -36,9 +35,9 @@ from attention import Ranking, get_backend, probe_platform
 from attention.ranking import save as save_ranking
 from pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, block_flops, clip_document, transformer_config
 
-from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table
-from .h3_shapes import Clip, block_flops, clip_document, transformer_config
+from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
 
 BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa", "flex_attn")  # Part 2 builds its block with the first
 NOTES = [
@@ -404,15 +403,14 @@ def part2_block(s, device, dtype, status, budget, res) -> None:
         rows,
     )
     say(
-        "  FLOPs (benchmarks/h3_shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
+        "  FLOPs (pipelines/h3/shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
         "  distinct timestep, attention 4 L^2 H D per document."
     )
     say("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="write every number and the environment to this JSON file")
+def options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", dest="json", help="write every number and the environment to this JSON file (= --json)")
     ap.add_argument("--quick", action="store_true", help="much smaller sizes, to dry-run in seconds")
     ap.add_argument("--max-seconds", type=float, default=270.0, help="skip remaining cases past this")
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU, float32")
@@ -422,16 +420,15 @@ def main(argv=None) -> int:
         help="write the measured backend ranking here (default: attention_ranking.json beside --out); "
         "point H3SERVE_ATTENTION_RANKING at it for auto selection",
     )
-    args = ap.parse_args(argv)
-    if args.ranking_out is None and args.out:
-        args.ranking_out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "attention_ranking.json")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.ranking_out is None and args.json:
+        args.ranking_out = os.path.join(os.path.dirname(os.path.abspath(args.json)), "attention_ranking.json")
     res: dict = {}
 
     def save() -> None:  # every number so far, before the next case: a step cut at its timeout loses one case
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({**res, "wall_s": budget.elapsed()}, f, indent=1, default=str)
+        write_json(args.json, {**res, "wall_s": budget.elapsed()}, quiet=True)
 
     budget = Budget(args.max_seconds, checkpoint=save)
     if args.cpu_dry_run:
@@ -491,10 +488,10 @@ def main(argv=None) -> int:
     if budget.skipped:
         say(f"\nskipped ({len(budget.skipped)}): {', '.join(budget.skipped)}")
     say(f"\nwall {res['wall_s']:.1f} s")
-    if args.out:
-        save()
-        say(f"wrote {args.out}")
-    return 0
+    return res  # written to --out by the harness; the exit status is 0 whatever was measured
+
+
+main = cli(__doc__, run, options)
 
 
 if __name__ == "__main__":

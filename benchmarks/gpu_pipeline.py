@@ -34,9 +34,7 @@ from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
 from pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
-
-from .common import PEAK_TFLOPS, Budget, attempt, median_ms, say, table, write_json
-from .h3_shapes import (
+from pipelines.h3.shapes import (
     FLOPS_FORMULA,
     Clip,
     activation_bytes_per_row,
@@ -48,6 +46,8 @@ from .h3_shapes import (
     rows_that_fit,
     transformer_config,
 )
+
+from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
 LENGTHS = (124, 141, 158, 175)  # the 17n+5 clip lengths of the packing part, 5.2 to 7.3 s
@@ -313,20 +313,19 @@ def choose_backend(name: str, device: str, dtype: torch.dtype, head_dim: int) ->
     ).backend
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", metavar="PATH", help="write every number here (rewritten after each part)")
+def options(ap: argparse.ArgumentParser) -> None:  # --json: every number, rewritten after each part
     ap.add_argument("--backend", default="auto", help="attention backend (default: auto, as a deployment resolves)")
     ap.add_argument("--max-seconds", type=float, default=230.0, help="skip the remaining parts past this")
     ap.add_argument("--skip", nargs="*", default=[], choices=["packing", "compile"], help="parts to leave out")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same code paths at the tiny dims on CPU, fp32")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     mode = "cpu" if args.cpu_dry_run else "full"
     s = SETTINGS[mode]
     if s["device"] == "cuda" and not torch.cuda.is_available():
         say("no CUDA device: nothing measured (use --cpu-dry-run to exercise the script on CPU)")
-        write_json(args.json, {"mode": mode, "error": "no CUDA device"})
-        return 0
+        return {"mode": mode, "error": "no CUDA device"}
     budget = Budget(args.max_seconds)
     say(f"{probe_platform(s['device']).describe()}; torch {torch.__version__}")
     res: dict = {"mode": mode, "skipped": budget.skipped}
@@ -355,8 +354,10 @@ def main(argv=None) -> int:
     if budget.skipped:
         say(f"\nskipped: {', '.join(budget.skipped)}")
     say(f"wall {budget.elapsed():.1f} s")
-    write_json(args.json, res)
-    return 0
+    return res  # the exit status is 0 whatever was measured
+
+
+main = cli(__doc__, run, options)
 
 
 if __name__ == "__main__":

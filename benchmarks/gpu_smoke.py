@@ -31,9 +31,9 @@ from pipelines.h3.attention_processor import install
 from pipelines.h3.checkpoint import random_tiny_checkpoint
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
 
-from .common import say
-from .h3_shapes import Clip, build_transformer, clip_document, transformer_config
+from .harness import cli, say
 
 BACKEND = "torch_sdpa"  # available on CUDA and CPU; the kernels are gpu_kernels' subject, placement is this one's
 SETTINGS = {
@@ -108,10 +108,11 @@ def released_size_step(device: str) -> None:
     )
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same steps at the tiny dims on CPU")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict | int:
     device = "cpu" if args.cpu_dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         say("gpu_smoke: FAILED: no CUDA device (use --cpu-dry-run on CPU)")
@@ -126,7 +127,10 @@ def main(argv=None) -> int:
             failed.append(name)
             say(f"gpu_smoke: FAILED: {name} on {device}\n{traceback.format_exc()}")
     say(f"gpu_smoke: {'FAILED: ' + ', '.join(failed) if failed else 'ok'}")
-    return 1 if failed else 0
+    return {"device": device, "failed": failed, "ok": not failed}
+
+
+main = cli(__doc__, run, options)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,15 @@ against co-batched's (max |pixel diff| <= 1, audio allclose); issue 25's targets
 adapter per batch: mean <= 0.7x, P99 <= 0.5x, throughput >= 1.0x); and the merge-swap cost, measured on
 the tiny model and computed at the released size from the layer shapes (lower bounds at H200 spec peaks).
 One torch thread.
+
+Over 600 lines: two measurements of one feature (the per-step cost through ``benchmarks.lora_step``, and the
+co-batching trace with the peers' two modes, merge-swap's weight fusing and its released-size cost); splitting
+the peers' modes from the trace would scatter one comparison over two files.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import dataclasses
@@ -64,25 +69,24 @@ from pipelines.h3.lora import (
     LoraSpecs,
     linear_kinds,
 )
+from pipelines.h3.shapes import keeps_fp32, transformer_config
 from replicas import Engine, EngineLimits, StepBoundary, StepGate, Ticket, WorkerGroup
 from replicas.scheduler import POLICIES
 
-from .common import (
+from .harness import (
     PEAK_TFLOPS,
     StepLog,
+    cli,
     compare_media,
     judge_targets,
     machine,
     median,
     now,
-    parser,
     say,
     summarize_agreement,
     table,
     tiny_spec,
-    write_json,
 )
-from .h3_shapes import keeps_fp32, transformer_config
 from .lora_step import run as step_cost
 from .packing import PROMPTS
 from .trace import TINY_CLASSES, Arrival, RequestClass, at_rate, engine_replay, stats_of, summarize
@@ -712,8 +716,7 @@ def _run_trace(
     }
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -728,10 +731,12 @@ def main(argv=None) -> int:
         "--steps", type=int, help="trace: base and style requests' num_inference_steps (default 50; turbo: its own)"
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
-    args = ap.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> dict:
     trace_mode = args.trace or args.smoke
     if args.quick and trace_mode:
-        ap.error("--quick sizes the per-step cost; the trace's small size is --smoke")
+        raise SystemExit("lora: --quick sizes the per-step cost; the trace's small size is --smoke")
     own_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -741,13 +746,13 @@ def main(argv=None) -> int:
                 sizes = dataclasses.replace(sizes, requests=args.requests)
             if args.steps is not None:  # GenerationRequest refuses fewer than 2
                 sizes = dataclasses.replace(sizes, steps=args.steps)
-            result = run_trace(sizes, args.policy, args.seed, args.aging_s)
-        else:
-            result = step_cost(args.quick)
+            return run_trace(sizes, args.policy, args.seed, args.aging_s)
+        return step_cost(args.quick)
     finally:
         torch.set_num_threads(own_threads)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+
+
+main = cli(__doc__, run_args, options)
 
 
 if __name__ == "__main__":

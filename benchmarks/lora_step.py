@@ -29,9 +29,9 @@ from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.lora import BASE_SLOT, LoraAdapter, LoraLayer, LoraSpec, adapting, pack_slots, stream_of
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
 
-from .common import machine, median, now, say, table, width_main
-from .h3_shapes import Clip, build_transformer, clip_document, transformer_config
+from .harness import machine, median, now, say, table, width_main
 
 RANKS = (16, 64)
 ADAPTERS = 3  # documents 1..3 each on their own adapter, document 0 on the base model

@@ -7,16 +7,20 @@
 The ``full`` transformer (diffusers' ``MiniMaxH3Transformer3DModel`` at the released config, 33.1B parameters, bf16
 with diffusers' fp32 modules kept fp32) is built on the meta device inside a real ``H3Pipeline`` (its denoiser, the
 released schedulers and model rules; conditioning and decoding belong to stages, as in the shipped GPU configs).
-Requests are admitted from what a conditioner stage hands over (``h3_shapes.clip_prepared``: diffusers' layout and
+Requests are admitted from what a conditioner stage hands over (``shapes.clip_prepared``: diffusers' layout and
 row-timestep builders), then stepped by ``H3Pipeline.packs``/``forward``/``apply``, the calls an engine step makes:
 ``pack_documents``, ``packed_forward`` through h3serve's attention processor, each request's two schedulers. Only the
 attention kernel and the collectives stand in (``benchmarks.meta_device``).
 
 Each pack runs one warm-up step (each scheduler finds its place in its schedule, each step cache takes its first
 residuals) and one measured step, which reports: the FLOPs ``FlopCounterMode`` counts against
-``h3_shapes.forward_flops``; the host syncs, each with its line; the collectives and their bytes; the bytes live
+``shapes.forward_flops``; the host syncs, each with its line; the collectives and their bytes; the bytes live
 before the step (the requests' own tensors on the device) and the step's peak above them, against
 ``pipelines/h3/memory.py``'s plan for the same pack; which tensors ran in fp32.
+
+Over 600 lines: the released step's paths, their budgets (syncs, FLOPs, memory), the check, the projection and its
+tables; the meta-device runtime itself is ``benchmarks/meta_device.py``, the seconds' assumptions
+``benchmarks/projection.py``.
 """
 
 from __future__ import annotations
@@ -38,11 +42,7 @@ from pipelines.h3.lora import LoraAdapter, LoraLayer, LoraSpec, LoraSpecs
 from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, GiB, activation_row_cost, request_row_cost
 from pipelines.h3.pipeline import H3Denoiser, H3Pipeline, PreparedState, RequestState
 from pipelines.h3.request import GenerationRequest
-from pipelines.h3.step_cache import StepCachePolicy
-from replicas.sequence_parallel import UlyssesGroup
-
-from .common import say, table, write_json
-from .h3_shapes import (
+from pipelines.h3.shapes import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,
     Clip,
@@ -53,6 +53,10 @@ from .h3_shapes import (
     parameter_bytes,
     transformer_config,
 )
+from pipelines.h3.step_cache import StepCachePolicy
+from replicas.sequence_parallel import UlyssesGroup
+
+from .harness import cli, say, table
 from .meta_device import MetaRun, MetaVarlenImpl, dtype_log, fake_group
 from .projection import (
     ALL_TO_ALL_GBPS,
@@ -530,7 +534,7 @@ def _report_projection(rows: list[dict], efficiency: float = 0.6) -> None:
     )  # fmt: skip
 
 
-def run(json_path: str | None, session: bool = False, smoke: bool = False) -> dict:
+def run(session: bool = False, smoke: bool = False, self_test: bool = False) -> dict:
     say(__doc__.split("\n\n")[0])
     replica = MetaReplica(adapters=() if session else ADAPTERS)
     say(f"built the released transformer on meta: {replica.weight_bytes / GiB:.1f} GiB of weights (adapters included)")
@@ -543,9 +547,7 @@ def run(json_path: str | None, session: bool = False, smoke: bool = False) -> di
         }
         rows = project(replica, packs, degrees=(1,))
         _report_projection([r for r in rows if r["gpu"] == "H200"])
-        result = {"ok": True, "projection": rows, "assumptions": ASSUMPTIONS}
-        write_json(json_path, result)
-        return result
+        return {"ok": True, "projection": rows, "assumptions": ASSUMPTIONS}
     results = {name: measure_path(replica, path) for name, path in PATHS.items()}
     _report_measured(results)
     rows = project(replica, PROJECTED_PACKS)
@@ -562,10 +564,65 @@ def run(json_path: str | None, session: bool = False, smoke: bool = False) -> di
           title="== the peers' published seconds per clip beside h3serve's PROJECTED denoising time")  # fmt: skip
     for assumption, replaced_by in ASSUMPTIONS.items():
         say(f"  assumed {assumption}: a GPU run replaces it with {replaced_by}")
-    ok = all(check(name, r) == [] for name, r in results.items())
-    result = {"ok": ok, "paths": results, "projection": rows, "peers": peers, "assumptions": ASSUMPTIONS}
-    write_json(json_path, result)
+    checks = {name: check(name, r) for name, r in results.items()}
+    model = replica.model
+    result = {
+        "ok": all(problems == [] for problems in checks.values()),
+        "checks": checks,
+        "paths": results,
+        "sync_budgets": {name: sync_budget(path.parts) for name, path in PATHS.items()},
+        "model": {
+            "keep_in_fp32_modules": sorted(model._keep_in_fp32_modules or []),
+            "rope_inv_freq_dtype": str(model.rope.inv_freq.dtype),
+            "parameter_bytes": parameter_bytes(model),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        "projection": rows,
+        "peers": peers,
+        "assumptions": ASSUMPTIONS,
+    }
+    if self_test:
+        result["self_test"] = run_self_test(replica)
+        say(f"self-test: {result['self_test']}")
     return result
+
+
+def run_self_test(replica: MetaReplica) -> dict:
+    """The run catches what it exists for (``--self-test``), each as the exception it raised (its class and bases):
+
+    - ``planted_cpu_zeros``: the padding document made on the CPU (``torch.zeros`` without ``device=``, as the pack
+      path once had it); a 37,966-row pack over 4 ranks needs 2 padding rows. Also the run's last violation.
+    - ``stand_in_kernel``: the stand-in attention kernel given CPU tensors.
+    """
+    from pipelines.h3 import packing
+
+    class CpuZeros:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*size, device=None, **kwargs):  # drops the device: made on torch's default device, the CPU
+            return torch.zeros(*size, **kwargs)
+
+    def raised(fn) -> dict:
+        try:
+            fn()
+        except Exception as e:
+            return {"raised": [c.__name__ for c in type(e).__mro__], "message": str(e)}  # the class and its bases
+        return {"raised": [], "message": None}
+
+    real, packing.torch = packing.torch, CpuZeros()  # type: ignore[assignment]
+    try:
+        planted = raised(lambda: measure(replica, PATHS["(a) one 1344x768x124"].asks, sp_degree=4))
+    finally:
+        packing.torch = real
+    planted["last_violation"] = replica.run.violations[-1] if replica.run.violations else None
+    q = torch.zeros(4, 2, 8)
+    kernel = MetaVarlenImpl(MetaRun())
+    stand_in = raised(
+        lambda: kernel.forward_varlen(q, q, q, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32), max_seqlen=4)
+    )
+    return {"planted_cpu_zeros": planted, "stand_in_kernel": stand_in}
 
 
 def check(name: str, result: dict) -> list[str]:
@@ -585,13 +642,12 @@ def check(name: str, result: dict) -> list[str]:
     return problems
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
-    ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+def options(ap: argparse.ArgumentParser) -> None:  # --smoke: with --session, its single request only (CI)
     ap.add_argument("--session", action="store_true", help="only the projection of gpu_pipeline's packs on one H200")
-    ap.add_argument("--smoke", action="store_true", help="with --session: its single request only (CI)")
-    args = ap.parse_args(argv)
-    return 0 if run(args.json, args.session, args.smoke)["ok"] else 1
+    ap.add_argument("--self-test", action="store_true", help="also show the checks catch a planted CPU tensor")
+
+
+main = cli(__doc__, lambda args: run(args.session, args.smoke, args.self_test), options)
 
 
 if __name__ == "__main__":

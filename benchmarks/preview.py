@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.common import machine, parser, say, tiny_spec, write_json
+from benchmarks.harness import cli, machine, say, tiny_spec
 from pipelines.h3 import GenerationRequest
 from pipelines.h3.checkpoint import BUILT_IN_TINY
 from pipelines.h3.preview import PreviewLayout, clean_rows
@@ -116,16 +116,13 @@ def released_capture(reps: int) -> dict:
     return {"rows": int(rows.shape[0]), "captured_rows": int(index.numel()), "seconds": statistics.median(times)}
 
 
-def run(smoke: bool = False, rounds: int | None = None, threads: int = 1, group: WorkerGroup | None = None) -> dict:
-    """The benchmark on ``group`` (the test's sp=1 group: its smoke starts no worker of its own) or on a new sp=1
-    group of the built-in tiny checkpoint."""
+def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dict:
+    """The benchmark on a new sp=1 group of the built-in tiny checkpoint."""
     rounds = rounds or (1 if smoke else 7)
     requests, steps = (2, 4) if smoke else (4, 16)
     own_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    own_group = group is None
-    if group is None:
-        group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(BUILT_IN_TINY)))
+    group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(BUILT_IN_TINY)))
     try:
         fit = group.pipeline.fit_preview()
         say(f"machine: {machine()}, torch threads {threads}")
@@ -139,8 +136,7 @@ def run(smoke: bool = False, rounds: int | None = None, threads: int = 1, group:
         cpu = cpu_costs(group, requests, steps, 3 if smoke else 20)
     finally:
         torch.set_num_threads(own_threads)
-        if own_group:
-            group.shutdown()
+        group.shutdown()
     median = {mode: statistics.median(x["rows_per_s"] for x in runs) for mode, runs in results.items()}
     # previews per step of the pack: each request shows one every ``every_steps`` (at least every step)
     per_preview = cpu["capture_cpu_s"] + cpu["render_cpu_s"]
@@ -188,14 +184,12 @@ def run(smoke: bool = False, rounds: int | None = None, threads: int = 1, group:
     }
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
+def options(ap) -> None:
     ap.add_argument("--rounds", type=int, help="rounds of each mode, interleaved (default 7; smoke 1)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a CPU replica runs)")
-    args = ap.parse_args(argv)
-    result = run(args.smoke, args.rounds, args.threads)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+
+
+main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options)
 
 
 if __name__ == "__main__":

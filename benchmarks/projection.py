@@ -1,7 +1,7 @@
 """**Projected**, not measured: seconds per step and per clip on H200s and H100s, from what a meta-device step counts.
 
 What the meta device counts exactly (``benchmarks.meta_step``): each rank's GEMM and attention FLOPs of the real step
-(``FlopCounterMode``, equal to ``h3_shapes.forward_flops``), the bytes each rank sends through Ulysses' all-to-alls,
+(``FlopCounterMode``, equal to ``shapes.forward_flops``), the bytes each rank sends through Ulysses' all-to-alls,
 and the bytes eager elementwise ops read and write (norms, RoPE, AdaLN modulation, activations, residual adds,
 copies: everything that is neither a matmul nor a view). What turns them into seconds is assumed, each assumption a
 number a GPU run must replace (``ASSUMPTIONS``):

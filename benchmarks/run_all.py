@@ -1,6 +1,6 @@
 """Run every CPU benchmark in sequence (``make bench``), each in its own process.
 
-    python -m benchmarks.run_all [--smoke] [--json-dir DIR]
+    python -m benchmarks.run_all [--smoke] [--json-dir DIR] [--dry-run [--cuda]]
 
 packing, admission, serving, sp, trace, default_clip, step_cache, lora (``--smoke``: its co-batching trace), stages
 (the one-replica app against the staged app), preview (its cost to the step loop);
@@ -12,6 +12,8 @@ non-zero if any benchmark's correctness check failed.
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .common import say, table
+from .harness import say, table
 
 CPU_BENCHMARKS = (
     "packing",
@@ -55,8 +57,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds each")
     ap.add_argument("--json-dir", help="write <name>.json for each benchmark here")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands as JSON (name -> argv), run none")
+    ap.add_argument("--cuda", action="store_true", help="with --dry-run: the commands of a node with CUDA")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() or (args.dry_run and args.cuda)
+    if args.dry_run:  # exit 1 if a command names no benchmark module with a callable main
+        todo = commands(args.smoke, args.json_dir, cuda)
+        print(json.dumps(todo, indent=1))
+        runnable = [callable(getattr(importlib.import_module(cmd[2]), "main", None)) for cmd in todo.values()]
+        return 0 if all(runnable) else 1
     results = []
     for name, cmd in commands(args.smoke, args.json_dir, cuda).items():
         say(f"\n{'=' * 100}\n$ {' '.join(cmd[1:])}\n{'=' * 100}")

@@ -25,10 +25,15 @@ seconds per replica thread (step loop, stage worker, encoders, the rest: torch's
 process of this cluster (ingress, proxy, controller, raylet, GCS, the `h3serve serve` command, this client) from
 /proc. Per config: the median and the min-max of each over the runs. Against ``max_active=1`` (request-level):
 issue 44's targets, judged for ``default``.
+
+Over 600 lines: one scenario end to end (configs, the client side, CPU per thread from /proc, timelines, the
+queue model, tables and targets); nothing here is used elsewhere but the trace and the CPU accounting belong
+together.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import copy
@@ -49,10 +54,21 @@ import ray
 from ray import serve
 
 from deploy.driver.cli import BUILDER, load_config
+from deploy.client import AsyncH3Client
 from replicas.worker_group import free_port
 
-from .common import descendants, machine, parser, percentile, say, table, write_json
-from .served import ServedConfig, served_checkpoint
+from .harness import (
+    Attached,
+    ServedConfig,
+    at_times,
+    cli,
+    descendants,
+    machine,
+    percentile,
+    say,
+    served_checkpoint,
+    table,
+)
 
 POLL_S = 0.1  # a video client's poll interval
 REQUEST_LEVEL = "max_active=1"
@@ -134,39 +150,27 @@ def body(kind: Kind, seed: int, steps: int | None) -> dict:
     return out
 
 
-async def one(http: httpx.AsyncClient, kind: Kind, rid: str, payload: dict) -> dict:
+async def one(api: AsyncH3Client, kind: Kind, rid: str, payload: dict) -> dict:
     """One request as a user makes it; its replica request id and its client-side times (time.monotonic())."""
     sent = time.monotonic()
     headers = {"X-Request-Id": rid}
     if kind.seconds is None:
-        (await http.post("/v1/images/generations", json=payload, headers=headers)).raise_for_status()
+        await api.image(payload, headers)
         return {"id": f"{rid}-0", "sent": sent, "done": time.monotonic()}
-    response = (await http.post("/v1/videos", json=payload, headers=headers)).raise_for_status()
-    video_id = response.json()["id"]
-    while True:
-        job = (await http.get(f"/v1/videos/{video_id}")).raise_for_status().json()
-        if job["status"] in ("completed", "failed", "cancelled"):
-            break
-        await asyncio.sleep(POLL_S)
-    if job["status"] != "completed":
-        raise RuntimeError(f"video job {video_id} ended {job['status']}: {job.get('error')}")
-    mp4 = (await http.get(f"/v1/videos/{video_id}/content")).raise_for_status().content
-    done = time.monotonic()
-    (await http.delete(f"/v1/videos/{video_id}")).raise_for_status()
-    return {"id": rid, "sent": sent, "done": done, "mp4_bytes": len(mp4)}
+    done: list[float] = []  # the MP4 is in: the clock stops before the DELETE
+    _, mp4 = await api.video_job(payload, POLL_S, math.inf, headers, on_content=lambda: done.append(time.monotonic()))
+    return {"id": rid, "sent": sent, "done": done[0], "mp4_bytes": len(mp4)}
 
 
 async def replay(url: str, arrivals: list[tuple[float, Kind, dict]], tag: str) -> list[dict]:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
-        t0 = time.monotonic()
+    async with AsyncH3Client(url, timeout=900, limits=limits) as api:
 
-        async def at(i: int, when: float, kind: Kind, payload: dict) -> dict:
-            await asyncio.sleep(max(0.0, t0 + when - time.monotonic()))
-            out = await one(http, kind, f"{tag}-{i}", payload)
-            return {**out, "index": i, "kind": kind.name, "arrival": t0 + when}
+        async def send(i: int, item: tuple[Kind, dict]) -> dict:
+            kind, payload = item
+            return {**(await one(api, kind, f"{tag}-{i}", payload)), "kind": kind.name}
 
-        return await asyncio.gather(*(at(i, w, k, p) for i, (w, k, p) in enumerate(arrivals)))
+        return await at_times([(when, (kind, payload)) for when, kind, payload in arrivals], send)
 
 
 # -- CPU from /proc -------------------------------------------------------------------------------
@@ -201,11 +205,21 @@ def process_role(pid: int) -> str:
     return "client (this process)" if pid == os.getpid() else "ray other"
 
 
+def cluster_root() -> int:
+    """The process that started this Ray cluster: this one, or (``--address``) the one it joined, whose pid ends the
+    session's name (``session_<date>_<time>_<pid>``). The cluster's processes are its descendants."""
+    try:
+        return int(ray._private.worker._global_node.session_name.rsplit("_", 1)[1])
+    except (AttributeError, IndexError, ValueError):
+        return os.getpid()
+
+
 def cpu_snapshot(replica_pid: int) -> tuple[dict[str, float], dict[int, float]]:
-    """CPU seconds by role of this cluster's processes (this process's descendants), and of the replica's threads by
-    native id."""
+    """CPU seconds by role of this cluster's processes (the descendants of the process that started it, and this
+    process's own), and of the replica's threads by native id."""
     out: dict[str, float] = {}
-    for pid in [os.getpid(), *descendants(os.getpid())]:
+    root = cluster_root()
+    for pid in dict.fromkeys([os.getpid(), *descendants(os.getpid()), *descendants(root)]):
         role = process_role(pid)
         out[role] = out.get(role, 0.0) + cpu_of(f"/proc/{pid}/stat")
     tids = {}
@@ -266,7 +280,7 @@ def serve_replica_threads() -> dict:
 
 
 def run_once(
-    name: str, overlay: dict, arrivals, checkpoint: str | None, tag: str, running: ServedConfig | None = None
+    name: str, overlay: dict, arrivals, checkpoint: str | None, tag: str, running: Attached | None = None
 ) -> dict:
     """One run of ``arrivals`` through a server of ``overlay``, started for it; ``running`` (a server of the default
     config already up, the caller's) serves the default config's run instead, without a start of its own."""
@@ -320,7 +334,7 @@ def measure_service(checkpoint: str | None, steps: int | None) -> dict[str, floa
     with ServedConfig(serve_config(CONFIGS[REQUEST_LEVEL], port, checkpoint)):
 
         async def alone() -> None:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=900) as http:
+            async with AsyncH3Client(f"http://127.0.0.1:{port}", timeout=900) as http:
                 for round_ in range(3):
                     for k in KINDS:
                         t = time.monotonic()
@@ -511,7 +525,7 @@ def run(
     steps: int | None,
     candidate: str,
     project: bool = True,
-    running: ServedConfig | None = None,
+    running: Attached | None = None,
 ) -> dict:
     checkpoint = served_checkpoint()
     own_ray = not ray.is_initialized()  # else the caller's session (in namespace "serve": ServedConfig checks)
@@ -556,7 +570,8 @@ def run(
                 say(
                     f"  run {r + 1} {name}: mean {out['mean_s']:.2f} s, P99 {out['p99_s']:.2f} s, stills P99 "
                     f"{out['stills_p99_s']:.2f} s, {out['throughput_rps']:.3f} req/s; load avg "
-                    f"{out['loadavg'][0]:.1f} -> {out['loadavg'][1]:.1f}; server up in {out['startup_s']:.0f} s"
+                    f"{out['loadavg'][0]:.1f} -> {out['loadavg'][1]:.1f}; server up "
+                    + ("before the run" if out["startup_s"] is None else f"in {out['startup_s']:.0f} s")
                 )
     finally:
         if own_ray:
@@ -583,33 +598,44 @@ def run(
     }
 
 
-def main(argv=None, running: ServedConfig | None = None) -> int:
-    """``running``: a server of the default config already up (the caller's), for the default config's runs."""
-    ap = parser(__doc__)
+def configs_arg(text: str) -> list[str]:
+    configs = text.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+    return configs
+
+
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs", type=int, default=5, help="runs of each config, interleaved (default 5)")
     ap.add_argument("--requests", type=int, default=12, help="requests in the trace (default 12)")
     ap.add_argument(
-        "--configs", default=f"before,{REQUEST_LEVEL},default", help=f"comma-separated, of {', '.join(CONFIGS)}"
+        "--configs",
+        type=configs_arg,
+        default=f"before,{REQUEST_LEVEL},default",
+        help=f"comma-separated, of {', '.join(CONFIGS)}",
     )
     ap.add_argument("--load", type=float, default=0.8, help="fraction of the request-level capacity (default 0.8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, help="num_inference_steps of every request (default: the server's)")
     ap.add_argument("--service", help="kind=seconds,... service times alone (skips measuring them)")
     ap.add_argument("--candidate", default="default", help="the config judged against max_active=1")
-    args = ap.parse_args(argv)
+    ap.add_argument("--url", help="a server of the default config already up (joined with --address), for its runs")
+
+
+def run_args(args: argparse.Namespace) -> dict:
     service = {k: float(v) for k, v in (x.split("=") for x in args.service.split(","))} if args.service else None
-    configs = args.configs.split(",")
+    configs = args.configs
     if args.smoke:  # one config, one short run: counts and fields (CI), never timings
         configs, runs, requests = ["default"], 1, 4
         service, steps = service or {"still": 0.5, "clip5": 0.5, "clip10": 0.5}, args.steps or 2
     else:
         runs, requests, steps = args.runs, args.requests, args.steps
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
-    result = run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke, running)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+    running = Attached(args.url) if args.url else None
+    return run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke, running)
+
+
+main = cli(__doc__, run_args, options)
 
 
 if __name__ == "__main__":

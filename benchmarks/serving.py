@@ -20,24 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import sys
 
-import httpx
 import numpy as np
 import ray
 import torch
 from PIL import Image
 from ray import serve
 
+from deploy.client import H3Client
 from pipelines.h3 import GenerationRequest
 from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.media import probe_media
 from replicas import Engine, WorkerGroup
 
-from .common import machine, main_for, median, now, percentile, say, table, tiny_spec
-from .served import ServedDefault, default_args, video_job
+from .harness import cli, default_args, machine, median, now, percentile, say, served_default, startup, table, tiny_spec
 
 TARGET = 1.2
 
@@ -47,8 +45,8 @@ def replica_threads() -> int:
     return torch.get_num_threads()
 
 
-def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
-    """``running``: a server of the default config already up (the caller's), used instead of starting one."""
+def run(smoke: bool = False, url: str | None = None) -> dict:
+    """``url``: a server of the default config already up (the caller's, ``--url``), used instead of starting one."""
     args = default_args()
     size, steps, reps = ((64, 64), 2, 1) if smoke else (None, args.limits.default_steps, 3)
     body = {
@@ -61,11 +59,11 @@ def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
     )
     own_threads = torch.get_num_threads()
     out: dict = {}
-    with contextlib.nullcontext(running) if running is not None else ServedDefault() as served:
+    with served_default(url) as served:
         threads = ray.get(replica_threads.options(num_cpus=args.rank_resources["CPU"]).remote())
         say(f"checkpoint: {resolve_checkpoint(served.checkpoint)}")
         say(
-            f"`h3serve serve` (default config) serving in {served.startup_s:.1f} s at {served.url}; a replica of "
+            f"`h3serve serve` (default config) serving {startup(served)} at {served.url}; a replica of "
             f"{args.rank_resources} runs torch with {threads} thread(s), so this process uses {threads} too"
         )
         torch.set_num_threads(threads)
@@ -74,7 +72,7 @@ def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
         group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(resolve_checkpoint(served.checkpoint))))
         engine = Engine(group, args.engine)
         loop = asyncio.new_event_loop()
-        http = httpx.Client(base_url=served.url, timeout=600)
+        api = H3Client(served.url, timeout=600)
 
         def in_process():
             out["media"] = loop.run_until_complete(engine.generate(request))
@@ -89,17 +87,16 @@ def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
             out["handle_png"] = handle.generate_image.remote(request, "bench-handle").result()
 
         def via_http_image():
-            response = http.post("/v1/images/generations", json=body).raise_for_status()
-            out["http_png"] = base64.b64decode(response.json()["data"][0]["b64_json"])
+            out["http_png"] = base64.b64decode(api.image(body)["data"][0]["b64_json"])
 
         def via_http_video():
-            out["job"], out["http_mp4"] = video_job(http, body)
+            out["job"], out["http_mp4"] = api.video_job(body)
 
         def ping_handle():  # the hop alone: a replica method that does no model work
             handle.diagnostics.remote().result()
 
         def ping_ingress():  # HTTP + proxy + ingress, no replica hop
-            http.get("/v1/models").raise_for_status()
+            api.models()
 
         paths = {
             "in-process engine": in_process,
@@ -129,7 +126,7 @@ def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
             want.height,
             want.audio_channels,
         )
-        http.close()
+        api.close()
         loop.run_until_complete(engine.close("benchmark done"))
         loop.close()
         group.shutdown()
@@ -197,7 +194,11 @@ def run(smoke: bool = False, running: ServedDefault | None = None) -> dict:
     }
 
 
-main = main_for(__doc__, run)
+def options(ap) -> None:
+    ap.add_argument("--url", help="a server of the default config already up (joined with --address) instead of one")
+
+
+main = cli(__doc__, lambda args: run(args.smoke, args.url), options)
 
 
 if __name__ == "__main__":

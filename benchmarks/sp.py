@@ -30,13 +30,13 @@ import ray
 import torch
 
 from pipelines.h3 import GenerationRequest
+from pipelines.h3.shapes import Clip, clip_rows, human_bytes, transformer_config
 from pipelines.h3.step_cache import StepCachePolicy
 from replicas import WorkerGroup
 
 from . import packing
-from .common import machine, main_for, median, say, table, time_ms, tiny_spec
-from .h3_shapes import Clip, clip_rows, human_bytes, transformer_config
-from .packing_report import one_pack
+from .harness import machine, median, say, smoke_main, table, time_ms, tiny_spec
+from .packing import one_pack
 from .step_cache import denoise
 
 RELEASED_PACK = (Clip(1344, 768, 124), Clip(1344, 768, 141))  # two T2VA requests at the released canvas
@@ -246,7 +246,7 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = main_for(__doc__, run)
+main = smoke_main(__doc__, run)
 
 
 if __name__ == "__main__":

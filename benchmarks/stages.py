@@ -9,7 +9,7 @@ checkpoint with seeded random weights (``random_tiny_checkpoint``: the tiny pres
   solo     today's app: one H3Replica that prepares (text encoder, layout) and decodes (both VAEs, the MP4)
            on its stage worker thread beside the forwards
   staged   ``args.stages``: one H3Replica that holds the transformer alone, an H3Conditioner and an H3Decoder
-           deployment (``deploy/stages.py``); prepared state and latents cross the Ray object store
+           deployment (``deploy/model_server/stage_deployments.py``); prepared state and latents cross the Ray object store
 Both apps' H3Replica have the same engine limits (``max_active`` 8, ``max_rows_per_step`` 2048, policy fcfs),
 rank resources {CPU: 0.5} and stages {num_cpus: 0.2}: each process gets one torch thread (Ray's
 OMP_NUM_THREADS), so on both sides a prepare or decode can run on a second core beside a forward.
@@ -40,6 +40,7 @@ embeddings in bfloat16): printed last. The decoded frames of each staged MP4 aga
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import dataclasses
@@ -52,7 +53,7 @@ from typing import Any
 
 import torch
 
-from .common import judge_targets, machine, now, parser, percentile, say, table, tiny_spec, write_json
+from .harness import cli, judge_targets, machine, now, percentile, say, table, tiny_spec
 from .trace import GPU as TRACE_GPU
 from .trace import TINY_CLASSES, Arrival, RequestClass, Sizes, at_rate, capacity, draw_trace, warm_up
 
@@ -69,88 +70,14 @@ SMOKE = Sizes(
     loads=(LOAD,),
 )
 GPU = dataclasses.replace(TRACE_GPU, loads=(LOAD,))
-# a released-size request (the default canvas; the shortest and the longest clip; the request's default steps)
-RELEASED_CANVAS = (1344, 768)
-RELEASED_FRAMES = (124, 345)
-RELEASED_STEPS = 50
-RELEASED_TEXT_TOKENS = 256  # benchmarks.h3_shapes.TEXT_TOKENS: a prompt of a few sentences
 
 
-# -- object-store bytes, from diffusers' own builders --------------------------------------------------
-def handoff_bytes(
-    config: dict,
-    width: int,
-    height: int,
-    num_frames: int,
-    steps: int,
-    text_tokens: int,
-    embed_dtype: torch.dtype,
-    shifts: tuple[float, float] = (12.0, 3.0),
-) -> dict[str, int]:
-    """The bytes of each tensor of a T2VA request's ``PreparedState`` (``PREPARED_KEYS``) and of its
-    ``DecodeHandoff`` ("handoff latents"), built as the conditioner's blocks build them: diffusers' layout
-    (``build_packed_sequence``) and row-timestep (``build_row_timesteps``) builders on the request's geometry,
-    its two schedulers (video and audio shifts) for ``steps``; latents float32, prompt embeddings ``embed_dtype``.
-    ``config``: the transformer's (patch, channels, text width)."""
-    from diffusers import MiniMaxH3Scheduler
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
-
-    from .h3_shapes import KEYFRAME_NOISE_AUG, Clip, clip_layout
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    patch = tuple(config["patch_size"])
-    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = clip_layout(
-        config, Clip(width=width, height=height, num_frames=num_frames, text_tokens=text_tokens)
-    )
-    video, audio = MiniMaxH3Scheduler(shift=shifts[0]), MiniMaxH3Scheduler(shift=shifts[1])
-    video.set_timesteps(steps, device="cpu")
-    audio.set_timesteps(steps, device="cpu")
-    plan = 0  # one (distinct timesteps [K] fp32, row -> index [rows] int64) pair per step
-    for t, t_audio in zip(video.timesteps, audio.timesteps, strict=True):
-        unique, inverse = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            video_idx, audio_idx, cond_video, cond_audio, text_tokens, float(t), float(t_audio),
-            max(float(t), KEYFRAME_NOISE_AUG), 1.0,
-        )  # fmt: skip
-        plan += nbytes(unique) + nbytes(inverse)
-    columns = config["in_channels"] * patch[0] * patch[1] * patch[2]
-    latents = video_idx.numel() * columns * 4  # [n_video, C*p] float32
-    audio_latents = audio_idx.numel() * config["audio_in_channels"] * 4  # [n_audio, C_audio] float32
-    embed_size = torch.empty((), dtype=embed_dtype, device="cpu").element_size()
-    prepared = {
-        "latents": latents,
-        "audio_latents": audio_latents,
-        "row_timestep_plan": plan,
-        "timesteps": nbytes(video.timesteps),
-        "prompt_embeds": text_tokens * config["text_dim"] * embed_size,  # [1, n_text, text_dim]
-        "position_ids": nbytes(position_ids),  # [rows, 3] float64
-        "token_tags": nbytes(token_tags),
-        "video_indices": nbytes(video_idx),
-        "audio_indices": nbytes(audio_idx),
-        "text_indices": nbytes(text_idx),
-    }
-    return {**prepared, "prepared": sum(prepared.values()), "handoff latents": latents + audio_latents}
-
-
+# -- object-store bytes, measured (pipelines.h3.shapes.handoff_bytes: the formula) -----------------------------
 def prepared_bytes_by_key(prepared) -> dict[str, int]:
     """A measured ``PreparedState``'s bytes by key (its tensors only; the layout sizes are Python ints)."""
     from pipelines.h3.pipeline import payload_bytes
 
     return {key: payload_bytes(value) for key, value in prepared.values.items() if payload_bytes(value)}
-
-
-def released_bytes(embed_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """``handoff_bytes`` of released-size requests on the released transformer's config."""
-    from .h3_shapes import transformer_config
-
-    config = transformer_config("full")
-    width, height = RELEASED_CANVAS
-    out = []
-    for frames in RELEASED_FRAMES:
-        sizes = handoff_bytes(config, width, height, frames, RELEASED_STEPS, RELEASED_TEXT_TOKENS, embed_dtype)
-        out.append({"request": f"{width}x{height}x{frames}, {RELEASED_STEPS} steps", **sizes})
-    return out
 
 
 # -- the two apps ------------------------------------------------------------------------------------------
@@ -291,6 +218,7 @@ def print_table(rows: list[dict], requests: int, rate: float) -> str:
 def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None = None, rate: float | None = None):
     from pipelines.h3 import PreparedState
     from pipelines.h3.checkpoint import random_tiny_checkpoint
+    from pipelines.h3.shapes import handoff_bytes, released_bytes
     from replicas import EngineLimits, WorkerGroup
     from replicas.worker_group import free_port
 
@@ -341,7 +269,7 @@ def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None =
     config = apps_config(checkpoint, sizes, free_port(), gpu)
     rows, outputs = [], {}
     reports: dict[str, Any] = {}
-    from .served import ServedConfig  # imports Ray: not for --gpu's refusal on a node without it
+    from .harness import ServedConfig  # imports Ray: not for --gpu's refusal on a node without it
 
     with ServedConfig(config, len(APPS), startup_timeout_s=900 if gpu else 600, num_cpus=None if gpu else 2) as served:
         say(f"both apps serving after {served.startup_s:.1f} s")
@@ -438,8 +366,7 @@ def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None =
     }
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, help="requests in the trace")
     ap.add_argument("--steps", type=int, help="num_inference_steps of every request")
     ap.add_argument("--load", type=float, help=f"fraction of the measured capacity (default {LOAD})")
@@ -450,7 +377,9 @@ def main(argv=None) -> int:
         "--checkpoint",
         help="checkpoint directory (default: the tiny preset with random weights; --gpu: $H3SERVE_CHECKPOINT)",
     )
-    args = ap.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> dict | int:
     if args.gpu:
         args.checkpoint = args.checkpoint or os.environ.get("H3SERVE_CHECKPOINT")
         why = gpu_refusal(args.checkpoint, args.rate)
@@ -464,9 +393,10 @@ def main(argv=None) -> int:
         steps=args.steps or sizes.steps,
         loads=(args.load,) if args.load else sizes.loads,
     )
-    result = run(sizes, args.seed, args.gpu, args.checkpoint, args.rate)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+    return run(sizes, args.seed, args.gpu, args.checkpoint, args.rate)
+
+
+main = cli(__doc__, run_args, options)
 
 
 def gpu_refusal(checkpoint: str | None, rate: float | None) -> str | None:

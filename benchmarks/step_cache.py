@@ -34,7 +34,7 @@ from pipelines.h3 import GenerationRequest, H3Pipeline
 from pipelines.h3.checkpoint import resolve_checkpoint
 from pipelines.h3.step_cache import BUILTIN_TIERS, OFF, StepCachePolicy
 
-from .common import machine, median, now, say, table, write_json
+from .harness import cli, machine, median, now, say, table
 
 TIERS: list[str] = [OFF, "high", "medium", "low"]
 
@@ -242,26 +242,23 @@ def run(sizes: Sizes, checkpoint: str | None = None) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument(
-        "--quick", action="store_true", help="3 requests x 16 steps, 2 reps: a few minutes on a loaded CPU"
-    )
-    size.add_argument("--smoke", action="store_true", help="2 requests x 10 steps, 1 rep (run_all --smoke)")
-    size.add_argument("--gpu", action="store_true", help="CUDA, the released width: benchmarks.step_cache_step --gpu")
-    ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+def options(ap: argparse.ArgumentParser) -> None:  # --smoke: 2 requests x 10 steps, 1 rep (run_all --smoke)
+    ap.add_argument("--quick", action="store_true", help="3 requests x 16 steps, 2 reps: a few minutes on a loaded CPU")
+    ap.add_argument("--gpu", action="store_true", help="CUDA, the released width: benchmarks.step_cache_step --gpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--checkpoint", metavar="DIR", help="a tiny checkpoint directory (default: the built-in, trained)")
-    args = ap.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> dict | int:
     if args.gpu:  # no released checkpoint on the lent machine: the per-step cost at the released width, random weights
         from . import step_cache_step
 
         return step_cache_step.main(["--gpu", *(["--json", args.json] if args.json else [])])
     torch.set_num_threads(args.threads)
-    result = run(SMOKE if args.smoke else QUICK if args.quick else FULL, args.checkpoint)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+    return run(SMOKE if args.smoke else QUICK if args.quick else FULL, args.checkpoint)
+
+
+main = cli(__doc__, run_args, options)
 
 
 if __name__ == "__main__":

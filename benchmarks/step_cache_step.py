@@ -26,7 +26,7 @@ import torch
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
-from .common import machine, median, now, say, table, width_main
+from .harness import machine, median, now, say, table, width_main
 from .lora_step import model_and_pack
 
 BLOCKS, RELEASED_BLOCKS = 4, 50

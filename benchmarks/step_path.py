@@ -1,7 +1,7 @@
 """The per-step data path of an SP replica (issue 38): bytes through Ray, and how long the event loop is blocked.
 
 1. Bytes per step at the released size, from the real pack: 8 T2VA requests of 1344x768, 124 frames, laid out by
-   diffusers' builders (``benchmarks.h3_shapes``), packed for sp=4. *Before* (to 72d41b8): rank 0 copied the pack to
+   diffusers' builders (``pipelines.h3.shapes``), packed for sp=4. *Before* (to 72d41b8): rank 0 copied the pack to
    the host and ``ray.put`` it (its pickle, what the object store held); *after*: each worker gets a ``StepOrder``
    (the pack's layout, the step-cache mirror: host metadata), inlined in the call below Ray's 100 KiB inline limit,
    and the pack's tensors come by one broadcast over the group's own backend (NCCL on GPU).
@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import pickle
@@ -24,7 +23,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import say, write_json
+from benchmarks.harness import cli, say
 
 RELEASED_CLIP = (1344, 768, 124)
 RELEASED_REQUESTS, RELEASED_SP = 8, 4
@@ -35,8 +34,8 @@ def step_bytes(smoke: bool = False) -> dict:
     """Ray bytes of one step at sp=4 for a pack of 8 released-size requests, before and after."""
     import torch
 
-    from benchmarks.h3_shapes import Clip, clip_document, transformer_config
     from pipelines.h3.packing import flatten_pack, pack_documents
+    from pipelines.h3.shapes import Clip, clip_document, transformer_config
     from pipelines.h3.step_cache import BUILTIN_TIERS, CachedPack, CacheMirrorWriter, DocumentCache, PackCache
     from replicas.worker_group import StepOrder
 
@@ -112,7 +111,7 @@ class LoopBlocks:
 
 def loop_blocks(sp: int, smoke: bool = False) -> dict:
     """The loop's callbacks while 8 default requests step on an sp-rank group (the engine's model thread busy)."""
-    from benchmarks.common import tiny_spec
+    from benchmarks.harness import tiny_spec
     from deploy.common.args import DeployArgs
     from pipelines.h3 import GenerationRequest
     from replicas import Engine, WorkerGroup
@@ -160,14 +159,13 @@ def loop_blocks(sp: int, smoke: bool = False) -> dict:
     return result
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds long (CI)")
-    ap.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+def options(ap) -> None:
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--bytes-only", action="store_true")
     what.add_argument("--loop-only", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def run_args(args) -> dict:
     import replicas
 
     say(f"replicas from {replicas.__file__}")
@@ -178,13 +176,18 @@ def main(argv=None) -> int:
     if not args.bytes_only:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        own_ray = not ray.is_initialized()  # else --address's cluster
+        if own_ray:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             result["loop"] = [loop_blocks(sp, args.smoke) for sp in (1, 2)]
         finally:
-            ray.shutdown()
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+            if own_ray:
+                ray.shutdown()
+    return result
+
+
+main = cli(__doc__, run_args, options)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ than 0.1.
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .common import parser, say, table, write_json
+from .harness import cli, say, table
 
 PROMPT_A = "a red circle moving left with a high beep"
 PROMPT_B = "a blue square moving right with a low hum"
@@ -152,15 +153,13 @@ def run(checkpoint: str | None = None, seed: int = 0) -> dict:
     return {"benchmark": "text_encoder", "checkpoint": str(directory), "seed": seed, "results": results, "ok": ok}
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
+def options(ap) -> None:
     ap.add_argument("--checkpoint", help="checkpoint directory (default: the built-in tiny one)")
     ap.add_argument("--seed", type=int, default=0, help="the tiny writer's seed (library init and default checkpoint)")
-    args = ap.parse_args(argv)
-    result = run(args.checkpoint, args.seed)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+
+
+main = cli(__doc__, lambda args: run(args.checkpoint, args.seed), options)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

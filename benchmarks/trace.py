@@ -28,10 +28,14 @@ request-level FCFS its forward time over the union of its requests' arrival-to-d
 preemptions; and every request's output against request-level FCFS's at the first load (max |pixel
 diff| <= 1, audio allclose). Idle latency: each class alone on the engine (policy priority). One torch
 thread (a default Serve replica's), like ``benchmarks.packing``.
+
+Over 600 lines: one scenario end to end (the trace, request-level FCFS as a baseline engine, the replay, the
+per-class tables and issue 23's targets); its parts are used by lora and stages, so it stays one module.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import math
@@ -47,19 +51,18 @@ import torch
 from pipelines.h3 import GenerationRequest, H3Pipeline
 from replicas import Engine, EngineLimits, WorkerGroup
 
-from .common import (
+from .harness import (
     StepLog,
+    cli,
     compare_media,
     judge_targets,
     machine,
     now,
-    parser,
     percentile,
     say,
     summarize_agreement,
     table,
     tiny_spec,
-    write_json,
 )
 from .packing import PROMPTS, sequential
 
@@ -556,8 +559,7 @@ def gpu_group(checkpoint: str) -> WorkerGroup:
     return WorkerGroup.create(args.replica_spec(resolution))
 
 
-def main(argv=None) -> int:
-    ap = parser(__doc__)
+def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="6 requests, 3 steps, load 0.8 only (the test's smoke)")
     ap.add_argument("--requests", type=int, help="requests in the trace")
     ap.add_argument("--steps", type=int, help="num_inference_steps of every request")
@@ -571,7 +573,9 @@ def main(argv=None) -> int:
         default=os.environ.get("H3SERVE_CHECKPOINT"),
         help="the released checkpoint directory for --gpu (default $H3SERVE_CHECKPOINT)",
     )
-    args = ap.parse_args(argv)
+
+
+def run_args(args: argparse.Namespace) -> dict | int:
     if args.gpu:
         if not torch.cuda.is_available():
             say(
@@ -597,12 +601,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     group = gpu_group(args.checkpoint) if args.gpu else WorkerGroup.create(tiny_spec(sp=1))
     try:
-        result = run(sizes, group, args.seed)
+        return run(sizes, group, args.seed)
     finally:
         group.shutdown()
         torch.set_num_threads(own_threads)
-    write_json(args.json, result)
-    return 0 if result["ok"] else 1
+
+
+main = cli(__doc__, run_args, options)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ CANCEL_STAGES = ("waiting", "running", "decoding")
 @dataclasses.dataclass(frozen=True)
 class EngineLoad:
     """The work one engine holds at one instant, and how fast it gets through it: what the replica reports to
-    Serve's autoscaler (``deploy/autoscaling.py``) and to Prometheus."""
+    Serve's autoscaler (``deploy/common/autoscaling.py``) and to Prometheus."""
 
     backlog_row_steps: int  # rows x denoising steps left, over every request held, waiting or running
     row_step_rate: float  # row-steps per second of busy time, measured (0.0 before the warm-up or any step)

@@ -4,7 +4,6 @@ import contextlib
 import copy
 import functools
 import io
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.client import parse_events
 from replicas.worker_group import free_port as free_port  # the tests pick their ports with it
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,18 +168,7 @@ def client(url: str, timeout: float = 120) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout)
 
 
-def event_stream(text: str) -> list[dict]:
-    """text/event-stream -> [{"id", "event", "data"}] (comments and the retry line dropped)."""
-    events = []
-    for block in text.split("\n\n"):
-        fields: dict = {}
-        for line in block.split("\n"):
-            name, _, value = line.partition(": ")
-            if name in ("id", "event", "data"):
-                fields[name] = value
-        if "event" in fields:
-            events.append({"id": fields.get("id"), "event": fields["event"], "data": json.loads(fields["data"])})
-    return events
+event_stream = parse_events  # text/event-stream -> [{"id", "event", "data"}]: the library client's reader
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

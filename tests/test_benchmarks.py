@@ -1,15 +1,18 @@
 """CI smoke of every benchmark (``--smoke`` sizes, GPU scripts' ``--cpu-dry-run``): checks, counts, table rows.
 
+Each runs as a user runs it, ``python -m benchmarks.NAME ... --json PATH`` in a process of its own (``bench``), and
+is judged by its exit status, its output and its JSON; the Ray ones join the session's cluster (``--address``).
 Never asserts on timings: this machine is shared and small; the numbers live in docs/BENCHMARKS.md.
 """
 
-import importlib
+import dataclasses
 import importlib.metadata
 import itertools
 import json
 import math
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,38 +20,59 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from attention import get_backend
-from benchmarks import (
-    admission,
-    autoscale,
-    default_clip,
-    gpu_kernels,
-    gpu_pipeline,
-    gpu_smoke,
-    lora,
-    packing,
-    run_all,
-    serving,
-    sp,
-    stages,
-    step_cache,
-    step_cache_step,
-    trace,
-)
-from benchmarks.h3_shapes import Clip, build_transformer, clip_document, forward_flops, transformer_config
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import (
+    RELEASED_TEXT_TOKENS,
+    Clip,
+    build_transformer,
+    clip_document,
+    forward_flops,
+    released_bytes,
+    transformer_config,
+)
 from pipelines.h3.step_cache import BUILTIN_TIERS, OFF
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULERS = ["(a) sequential", "(b) bucketed", "(c) packed engine"]
+# the benchmarks' own names, as their output and JSON spell them
+TRACE_REQUEST_LEVEL, TRACE_POLICIES, TRACE_HIGH_PRIORITY = "request-level FCFS", ("fcfs", "srpt", "priority"), 5
+TRACE_MODES = (TRACE_REQUEST_LEVEL, *(f"engine {p}" for p in TRACE_POLICIES))
+GPU_PIPELINE_LENGTHS = (124, 141, 158, 175)
+TURBO, STYLE_A, STYLE_B = "turbo-4", "style-a", "style-b"
+CO_BATCHED, ONE_PER_BATCH, MERGE_SWAP = "co-batched", "one adapter per batch", "merge-swap"
+LORA_SMOKE_TURBO_STEPS, LORA_RELEASED_RANKS = 2, (16, 64)
+CPU_BENCHMARKS = ["packing", "admission", "serving", "sp", "trace", "default_clip", "step_cache", "lora", "stages"]
+CPU_BENCHMARKS += ["preview"]
+SERVED_TRACE_PHASES = ["to_engine", "queue", "prepare", "first_step", "steps", "decode_wait", "decode", "encode"]
+SERVED_TRACE_PHASES += ["http"]
 
 
-def test_packing_smoke_outputs_agree_and_every_scheduler_does_the_same_rows(capsys, tmp_path):
-    assert packing.main(["--smoke", "--json", str(tmp_path / "packing.json")]) == 0
-    out = capsys.readouterr().out
+@dataclasses.dataclass(frozen=True)
+class Run:
+    code: int  # the exit status
+    out: str  # what it printed (stdout)
+    result: dict | None  # its --json, when it wrote one
+
+
+def bench(name: str, *args: str, json_path: Path | None = None, address: str | None = None, timeout: float = 1500):
+    """``python -m benchmarks.NAME ARGS [--json PATH] [--address GCS]`` from the repository root, as a user runs it."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
+    cmd += ["--json", str(json_path)] if json_path else []
+    cmd += ["--address", address] if address else []
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    print(done.stdout[-20000:], done.stderr[-20000:], sep="\n")  # shown when the test fails
+    result = json.loads(json_path.read_text()) if json_path and json_path.exists() else None
+    return Run(done.returncode, done.stdout, result)
+
+
+def test_packing_smoke_outputs_agree_and_every_scheduler_does_the_same_rows(tmp_path):
+    run = bench("packing", "--smoke", json_path=tmp_path / "packing.json")
+    assert run.code == 0
+    out = run.out
     for row in SCHEDULERS + ["b-vs-a", "c-vs-a", "(c)/(a) throughput", "(c) padding", "join TTFS p50 s"]:
         assert row in out
     assert "outputs agree across schedulers: YES" in out
@@ -74,17 +98,18 @@ def test_packing_smoke_outputs_agree_and_every_scheduler_does_the_same_rows(caps
     assert sum(s["requests"] for s in staggered["engine_steps"]) == a["forwards"]  # request-steps, however packed
 
 
-def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(capsys, tmp_path):
-    assert trace.main(["--quick", "--json", str(tmp_path / "trace.json")]) == 0
-    out = capsys.readouterr().out
+def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(tmp_path):
+    run = bench("trace", "--quick", json_path=tmp_path / "trace.json")
+    assert run.code == 0
+    out = run.out
     result = json.loads((tmp_path / "trace.json").read_text())
     sizes = result["sizes"]
     assert (sizes["requests"], sizes["steps"], sizes["loads"]) == (6, 3, [0.8])
     kinds = [r["class"] for r in result["trace"]]
     assert sorted(kinds) == ["clip", "clip", "long", "still", "still", "still"]  # the mix: a half, a third, the rest
-    assert [r["priority"] for r in result["trace"]].count(trace.HIGH_PRIORITY) == 1  # a tenth, at least one
+    assert [r["priority"] for r in result["trace"]].count(TRACE_HIGH_PRIORITY) == 1  # a tenth, at least one
     rows = result["results"]["0.8"]
-    assert [r["mode"] for r in rows] == list(trace.MODES)
+    assert [r["mode"] for r in rows] == list(TRACE_MODES)
     for row in rows:
         assert set(row["per_class"]) == {"still", "clip", "long", "high priority"}
         assert [row["per_class"][k]["latency"]["n"] for k in ("still", "clip", "long", "high priority")] == [3, 2, 1, 1]
@@ -95,13 +120,13 @@ def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(
     by_mode = {r["mode"]: r for r in rows}
     # counts, not times: request-level FCFS runs one forward per model evaluation and never pauses a request;
     # the engines pack some of those evaluations together
-    assert by_mode[trace.REQUEST_LEVEL]["forwards"] == 6 * (3 - 1)
-    assert by_mode[trace.REQUEST_LEVEL]["preemptions"] == 0
-    assert all(0 < by_mode[f"engine {p}"]["forwards"] <= 12 for p in trace.POLICY_MODES)
+    assert by_mode[TRACE_REQUEST_LEVEL]["forwards"] == 6 * (3 - 1)
+    assert by_mode[TRACE_REQUEST_LEVEL]["preemptions"] == 0
+    assert all(0 < by_mode[f"engine {p}"]["forwards"] <= 12 for p in TRACE_POLICIES)
     # each engine mode splits its high-priority request's latency into phases that add up to it
-    high = [i for i, r in enumerate(result["trace"]) if r["priority"] == trace.HIGH_PRIORITY]
-    assert by_mode[trace.REQUEST_LEVEL]["high_timelines"] == {}
-    for policy in trace.POLICY_MODES:
+    high = [i for i, r in enumerate(result["trace"]) if r["priority"] == TRACE_HIGH_PRIORITY]
+    assert by_mode[TRACE_REQUEST_LEVEL]["high_timelines"] == {}
+    for policy in TRACE_POLICIES:
         [(index, phases)] = by_mode[f"engine {policy}"]["high_timelines"].items()
         assert [int(index)] == high
         parts = [phases[k] for k in ("to_first_step_s", "steps_s", "to_decoded_s")]
@@ -130,15 +155,16 @@ def test_trace_quick_replays_one_trace_through_every_mode_with_the_same_outputs(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_trace_gpu_mode_refuses_at_once_without_cuda(capsys):
-    assert trace.main(["--gpu", "--checkpoint", str(REPO)]) == 2
-    assert "CUDA is not available here" in capsys.readouterr().out
+def test_trace_gpu_mode_refuses_at_once_without_cuda():
+    run = bench("trace", "--gpu", "--checkpoint", str(REPO))
+    assert run.code == 2
+    assert "CUDA is not available here" in run.out
 
 
-def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
-    result = admission.run(smoke=True)
-    out = capsys.readouterr().out
-    assert result["ok"]
+def test_admission_smoke_selector_never_runs_on_the_request_path(tmp_path):
+    run = bench("admission", "--smoke", json_path=tmp_path / "admission.json")
+    result, out = run.result, run.out
+    assert run.code == 0 and result["ok"]
     path = result["request_path"]
     assert path["completed"] == path["requests"] == 2
     assert path["selector_calls_after"] == path["selector_calls_before"]
@@ -153,7 +179,7 @@ def test_admission_smoke_selector_never_runs_on_the_request_path(capsys):
 
 def test_gpu_kernels_cpu_dry_run_ranks_what_passed_and_runs_the_diffusers_block(tmp_path):
     out = tmp_path / "gpu_kernels.json"
-    assert gpu_kernels.main(["--cpu-dry-run", "--out", str(out)]) == 0
+    assert bench("gpu_kernels", "--cpu-dry-run", "--out", str(out)).code == 0
     result = json.loads(out.read_text())
     assert result["mode"] == "cpu" and not result.get("error")
     passed = {c["backend"] for c in result["correctness"] if c["result"] == "PASS"}
@@ -162,7 +188,7 @@ def test_gpu_kernels_cpu_dry_run_ranks_what_passed_and_runs_the_diffusers_block(
     assert {b["name"] for b in ranking["backends"]} == passed and ranking["head_dim"] == 32
     assert ranking == result["ranking"]
     cfg = transformer_config("tiny")
-    for pack in gpu_kernels.SIZES["cpu"]["block_packs"]:  # every pack through every passing backend, no error
+    for pack in result["settings"]["block_packs"]:  # every pack through every passing backend, no error
         rows = sum(clip_document(cfg, Clip(*map(int, c.split("x")), text_tokens=32)).length for c in pack)
         runs = [b for b in result["block"] if b["requests"] == pack]
         assert {b["backend"] for b in runs} == passed
@@ -197,25 +223,27 @@ def test_forward_flops_match_counted_matmuls_and_attention_calls():
     assert flops["attention"] == counted[0]
 
 
-def test_gpu_pipeline_cpu_dry_run_measures_every_part(tmp_path, capsys):
+def test_gpu_pipeline_cpu_dry_run_measures_every_part(tmp_path):
     out = tmp_path / "gpu_pipeline.json"
-    assert gpu_pipeline.main(["--cpu-dry-run", "--json", str(out)]) == 0
+    run = bench("gpu_pipeline", "--cpu-dry-run", json_path=out)
+    assert run.code == 0
     result = json.loads(out.read_text())
     assert result["mode"] == "cpu" and not result["errors"] and not result["skipped"]
     cfg = transformer_config("tiny")
     assert result["parameters"] == sum(p.numel() for p in build_transformer(cfg, "cpu", torch.float32).parameters())
-    rows = [clip_document(cfg, Clip(128, 64, n, 32)).length for n in gpu_pipeline.LENGTHS]
+    rows = [clip_document(cfg, Clip(128, 64, n, 32)).length for n in GPU_PIPELINE_LENGTHS]
     assert result["single"]["rows"] == rows[0]
     assert [p["requests"] for p in result["packing"]] == [2, 3, 4]
     assert [p["rows"] for p in result["packing"]] == [sum(rows[:n]) for n in (2, 3, 4)]  # packs carry no padding
     assert result["compiled"]["rows"] == rows[0] and result["compiled"]["unique_graphs"] >= 1
-    printed = capsys.readouterr().out
+    printed = run.out
     assert "FLOPs of one packed forward" in printed and "MFU >= 50%" in printed and "joiner's first step s" in printed
 
 
-def test_gpu_smoke_cpu_dry_run_runs_the_serving_path_with_padded_packs(capsys):
-    assert gpu_smoke.main(["--cpu-dry-run"]) == 0
-    printed = capsys.readouterr().out
+def test_gpu_smoke_cpu_dry_run_runs_the_serving_path_with_padded_packs():
+    run = bench("gpu_smoke", "--cpu-dry-run")
+    assert run.code == 0
+    printed = run.out
     assert "gpu_smoke: ok" in printed and "FAILED" not in printed
     assert "generate: 124 frames 64x64" in printed and "128x64x124 + 128x64x141" in printed
 
@@ -234,7 +262,7 @@ def test_build_transformer_keeps_diffusers_fp32_modules():
 
 
 def test_step_cache_smoke_reports_every_tier_and_a_mixed_pack_equal_to_its_parts(tmp_path):
-    assert step_cache.main(["--smoke", "--json", str(tmp_path / "step_cache.json")]) == 0
+    assert bench("step_cache", "--smoke", json_path=tmp_path / "step_cache.json").code == 0
     result = json.loads((tmp_path / "step_cache.json").read_text())
     tiers = {t["tier"]: t for t in result["tiers"]}
     assert list(tiers) == [OFF, *BUILTIN_TIERS]
@@ -246,21 +274,20 @@ def test_step_cache_smoke_reports_every_tier_and_a_mixed_pack_equal_to_its_parts
     assert mixed["tiers"] == [OFF, "high"] and mixed["each_equals_alone"] == [True, True] and result["ok"]
 
 
-def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outputs(capsys, tmp_path):
-    assert lora.main(["--smoke", "--steps", "4", "--json", str(tmp_path / "lora.json")]) == 0
-    out = capsys.readouterr().out
+def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outputs(tmp_path):
+    run = bench("lora", "--smoke", "--steps", "4", json_path=tmp_path / "lora.json")
+    assert run.code == 0
+    out = run.out
     result = json.loads((tmp_path / "lora.json").read_text())
     sizes, n = result["sizes"], result["sizes"]["requests"]
-    assert sizes["steps"] == 4 and sizes["turbo_steps"] == lora.TRACE_SMOKE.turbo_steps  # --steps: base and style
-    models = ["base", lora.TURBO, lora.STYLE_A, lora.STYLE_B]
+    assert sizes["steps"] == 4 and sizes["turbo_steps"] == LORA_SMOKE_TURBO_STEPS  # --steps: base and style
+    models = ["base", TURBO, STYLE_A, STYLE_B]
     assert sorted(r["model"] for r in result["trace"]) == sorted(models * (n // 4))  # a quarter on each model
     # a turbo request asks no steps and runs its adapter's; the others run the trace's
-    assert all(
-        r["steps"] == (sizes["turbo_steps"] if r["model"] == lora.TURBO else sizes["steps"]) for r in result["trace"]
-    )
-    assert result["adapters"][lora.TURBO]["steps"] == sizes["turbo_steps"]
+    assert all(r["steps"] == (sizes["turbo_steps"] if r["model"] == TURBO else sizes["steps"]) for r in result["trace"])
+    assert result["adapters"][TURBO]["steps"] == sizes["turbo_steps"]
     rows = {r["mode"]: r for r in result["results"]}
-    assert list(rows) == list(lora.TRACE_MODES)
+    assert list(rows) == [CO_BATCHED, ONE_PER_BATCH, MERGE_SWAP]
     for row in rows.values():  # every request completed in every mode: the same requests served
         assert row["completed"] == list(range(n)) and row["latency"]["n"] == n
         assert {name: s["n"] for name, s in row["per_model"].items()} == dict.fromkeys(models, n // 4)
@@ -269,40 +296,46 @@ def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outpu
         assert 0 < row["duty_cycle"] <= 1
     assert len({r["rows"] for r in rows.values()}) == 1  # the same rows through the model, however packed
     # the peers' modes never pack two models together; each model gets batches of its own
-    for mode in (lora.ONE_PER_BATCH, lora.MERGE_SWAP):
+    for mode in (ONE_PER_BATCH, MERGE_SWAP):
         assert rows[mode]["max_models_per_step"] == 1 and set(rows[mode]["batches"]) == set(models)
-    assert rows[lora.CO_BATCHED]["batches"] is None and rows[lora.CO_BATCHED]["swaps"] == []
-    merge = rows[lora.MERGE_SWAP]
+    assert rows[CO_BATCHED]["batches"] is None and rows[CO_BATCHED]["swaps"] == []
+    merge = rows[MERGE_SWAP]
     # a swap exactly where a batch's model differs from the one fused before it (the weights start as the base)
     changes = [cur for prev, cur in itertools.pairwise(["base", *merge["batches"]]) if prev != cur]
     assert [s["to"] for s in merge["swaps"]] == changes and len(changes) >= len(models) - 1
     assert all(s["s"] >= s["restore_s"] >= 0 for s in merge["swaps"]) and merge["restored_exactly"]
-    assert [t["adapter"] for t in result["merge_swap"]["tiny"]] == [lora.TURBO, lora.STYLE_A, lora.STYLE_B]
+    assert [t["adapter"] for t in result["merge_swap"]["tiny"]] == [TURBO, STYLE_A, STYLE_B]
     released = {(r["layout"], r["rank"]): r for r in result["merge_swap"]["released"]}
-    assert set(released) == {(name, rank) for name in lora.ADAPTER_CONFIGS for rank in lora.RELEASED_RANKS}
+    assert set(released) == {(name, rank) for name in (TURBO, STYLE_A, STYLE_B) for rank in LORA_RELEASED_RANKS}
     # style-b adapts the 50 released blocks' q, k, v and out projections: 5376 <-> 7168, bf16
-    attention = released[(lora.STYLE_B, 16)]
+    attention = released[(STYLE_B, 16)]
     assert (attention["layers"], attention["params"]) == (50 * 4, 50 * 4 * 5376 * 7168)
     assert attention["bytes"] == 2 * attention["params"]
-    assert released[(lora.TURBO, 64)]["params"] > released[(lora.STYLE_A, 64)]["params"] > attention["params"]
+    assert released[(TURBO, 64)]["params"] > released[(STYLE_A, 64)]["params"] > attention["params"]
     assert [t["target"] for t in result["targets"]] == [
         "mean latency, co-batched / one adapter per batch",
         "P99 latency, co-batched / one adapter per batch",
         "throughput, co-batched / one adapter per batch",
     ]
     assert result["agreement"]["agree"] and result["ok"]
-    for words in (lora.ONE_PER_BATCH, lora.MERGE_SWAP, "issue 25's targets", "at the released size", "AGREE"):
+    for words in (ONE_PER_BATCH, MERGE_SWAP, "issue 25's targets", "at the released size", "AGREE"):
         assert words in out
 
 
 def test_run_all_commands_name_runnable_benchmarks(tmp_path):
-    cpu = run_all.commands(smoke=True, json_dir=str(tmp_path), cuda=False)
-    assert list(cpu) == list(run_all.CPU_BENCHMARKS)
+    """``run_all --dry-run`` prints its commands (name -> argv) and checks each names a benchmark module with a callable
+    ``main`` (exit 1 if one does not); ``--cuda``: the commands of a CUDA node."""
+    run = bench("run_all", "--dry-run", "--smoke", "--json-dir", str(tmp_path))
+    assert run.code == 0
+    cpu = json.loads(run.out)
+    assert list(cpu) == CPU_BENCHMARKS
     for name, cmd in cpu.items():
         assert cmd[1:4] == ["-m", f"benchmarks.{name}", "--smoke"] and cmd[-1] == str(tmp_path / f"{name}.json")
-        assert callable(importlib.import_module(f"benchmarks.{name}").main)
-    gpu = run_all.commands(smoke=False, json_dir=None, cuda=True)
-    assert set(gpu) == set(run_all.CPU_BENCHMARKS) | set(run_all.GPU_BENCHMARKS)
+        assert (REPO / "benchmarks" / f"{name}.py").is_file()
+    run = bench("run_all", "--dry-run", "--cuda")
+    assert run.code == 0
+    gpu = json.loads(run.out)
+    assert set(gpu) == set(CPU_BENCHMARKS) | {"gpu_kernels", "gpu_pipeline"}
     assert gpu["gpu_pipeline"][1:] == ["-m", "benchmarks.gpu_pipeline"]
 
 
@@ -331,32 +364,32 @@ def test_gpu_session_fits_a_ten_minute_slot_and_opens_with_the_projection():
     assert [m for _, m in others] == ["benchmarks.trace", "benchmarks.stages"]
 
 
-def test_meta_step_session_projects_gpu_pipelines_single_request(capsys, tmp_path):
+def test_meta_step_session_projects_gpu_pipelines_single_request(tmp_path):
     """gpu_session.sh's first step: the released step counted on meta, PROJECTED for one H200."""
-    from benchmarks import meta_step
-
     out = tmp_path / "projection.json"
-    assert meta_step.main(["--session", "--smoke", "--json", str(out)]) == 0
+    run = bench("meta_step", "--session", "--smoke", json_path=out)
+    assert run.code == 0
     rows = json.loads(out.read_text())["projection"]
     assert {(r["pack"], r["rows"], r["gpu"]) for r in rows} == {("1 request", 37966, g) for g in ("H200", "H100")}
     assert sorted(r["gemm_efficiency"] for r in rows if r["gpu"] == "H200") == [0.4, 0.6, 0.8]
     assert all(r["gemm"] > 0 and r["attention"] > 0 and r["all_to_all"] == 0 for r in rows)
-    printed = capsys.readouterr().out
+    printed = run.out
     assert "PROJECTED (not measured)" in printed and "FlashAttention-3" in printed
 
 
-def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(capsys):
-    result = default_clip.run(smoke=True)
-    out = capsys.readouterr().out
-    assert result["ok"] and result["default_steps"] >= 2
+def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(tmp_path):
+    run = bench("default_clip", "--smoke", json_path=tmp_path / "default_clip.json")
+    result, out = run.result, run.out
+    assert run.code == 0 and result["ok"] and result["default_steps"] >= 2
     assert [r["way"] for r in result["rows"]] == ["CLI: h3serve generate", "in-process phases (1 thread)"]
     assert all(r["frames"] == 124 and r["size"] == "128x64" and r["audio_channels"] == 2 for r in result["rows"])
     assert "target: a default video request in under 60 s" in out
 
 
-def test_step_cache_step_smoke_forces_each_decision_and_projects_the_released_depth(capsys):
-    result = step_cache_step.run(quick=True, smoke=True)
-    out = capsys.readouterr().out
+def test_step_cache_step_smoke_forces_each_decision_and_projects_the_released_depth(tmp_path):
+    run = bench("step_cache_step", "--smoke", json_path=tmp_path / "step_cache_step.json")
+    result, out = run.result, run.out
+    assert run.code == 0
     assert result["ok"] and "decisions as forced: YES" in out  # each document skipped or computed as forced
     cases = {c["case"]: c for c in result["cases"]}
     assert [c["skipping"] for c in cases.values()] == [0.0, 0.0, 0.5, 1.0]
@@ -365,10 +398,10 @@ def test_step_cache_step_smoke_forces_each_decision_and_projects_the_released_de
 
 
 @pytest.mark.ray
-def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, capsys):
-    result = sp.run(smoke=True)
-    out = capsys.readouterr().out
-    assert result["ok"] and len(result["rows"]) == 2
+def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, tmp_path):
+    run = bench("sp", "--smoke", json_path=tmp_path / "sp.json", address=ray_cluster.address)
+    result, out = run.result, run.out
+    assert run.code == 0 and result["ok"] and len(result["rows"]) == 2
     for r in result["rows"]:
         assert r["allclose_1e-5"] and r["max_abs_diff"] <= 1e-5
         assert r["sp1_padding_rows"] == 0 and r["sp2_padding_rows"] == r["rows"] % 2
@@ -392,16 +425,36 @@ class TestOnOneServerOfTheDefaultConfig:
     same cluster (a second `h3serve serve` would replace its applications)."""
 
     @pytest.fixture(scope="class")
-    def default_server(self, ray_cluster):
-        from benchmarks.served import ServedDefault
+    def default_server(self, ray_cluster, tiny_checkpoint, tmp_path_factory):
+        """`h3serve serve deploy/serve_config.yaml` on the session's cluster (the tiny preset's random weights where
+        this checkout lacks the shipped demo checkpoint, as the benchmarks' own server)."""
+        from pipelines.h3.checkpoint import CheckpointError, resolve_checkpoint
+        from tests.harness import ServeProcess, default_config, free_port, write_config
 
-        with ServedDefault() as served:
+        config = default_config()
+        try:
+            resolve_checkpoint(None)
+        except CheckpointError:
+            config["applications"][0]["args"]["checkpoint"] = str(tiny_checkpoint)
+        port = free_port()
+        served = ServeProcess(write_config(tmp_path_factory.mktemp("bench"), config, port), ray_cluster.address, port)
+        try:
+            served.wait_serving(timeout=600)
             yield served
+        finally:
+            served.stop()
 
-    def test_serving_smoke_http_handle_and_in_process_agree(self, default_server, capsys):
-        result = serving.run(smoke=True, running=default_server)
-        out = capsys.readouterr().out
-        assert result["ok"] and result["video_same_shape"]
+    def test_serving_smoke_http_handle_and_in_process_agree(self, ray_cluster, default_server, tmp_path):
+        run = bench(
+            "serving",
+            "--smoke",
+            "--url",
+            default_server.url,
+            json_path=tmp_path / "s.json",
+            address=ray_cluster.address,
+        )
+        result, out = run.result, run.out
+        assert run.code == 0 and result["ok"] and result["video_same_shape"]
         assert all(d <= 1 for d in result["pixel_diff_vs_in_process"].values())
         paths = [p["path"] for p in result["paths"]]
         assert paths[:6] == [
@@ -415,20 +468,25 @@ class TestOnOneServerOfTheDefaultConfig:
         assert all(path in out for path in paths) and "target HTTP / in-process" in out
 
     def test_served_trace_smoke_serves_every_request_over_http_with_its_timeline(
-        self, default_server, capsys, tmp_path
+        self, ray_cluster, default_server, tmp_path
     ):
-        from benchmarks import served_trace
-
-        assert served_trace.main(["--smoke", "--json", str(tmp_path / "served_trace.json")], default_server) == 0
-        out = capsys.readouterr().out
-        result = json.loads((tmp_path / "served_trace.json").read_text())
+        run = bench(
+            "served_trace",
+            "--smoke",
+            "--url",
+            default_server.url,
+            json_path=tmp_path / "served_trace.json",
+            address=ray_cluster.address,
+        )
+        assert run.code == 0
+        out, result = run.out, run.result
         (run,) = result["runs"]["default"]
         kinds = [a["kind"] for a in result["trace"]]
         assert len(run["requests"]) == len(kinds) == 4 and {"still", "clip5"} <= set(kinds)
         # every request came back over HTTP and the replica kept every stage mark of it
         assert run["timelines_missing"] == 0 and [r["kind"] for r in run["requests"]] == kinds
         for request in run["requests"]:
-            assert set(request["timeline"]) == set(served_trace.PHASES) and request["latency_s"] > 0
+            assert set(request["timeline"]) == set(SERVED_TRACE_PHASES) and request["latency_s"] > 0
         # the replica's threads were found by name: the step loop's and the stage worker's CPU is counted apart
         assert {"replica", "ingress", "proxy", "thread: step loop", "thread: stage worker"} <= set(run["cpu_s"])
         assert result["targets"] == []  # one config: nothing to judge
@@ -436,17 +494,20 @@ class TestOnOneServerOfTheDefaultConfig:
 
 
 @pytest.mark.ray
-def test_autoscale_smoke_replays_one_trace_under_both_policies_and_loses_no_request(ray_cluster, capsys, tmp_path):
+def test_autoscale_smoke_replays_one_trace_under_both_policies_and_loses_no_request(ray_cluster, tmp_path):
     # --settings replaces the smoke's own (default 2, backlog 1): the settings reach the applications
-    assert autoscale.main(["--smoke", "--settings", "default=3,backlog=1.5", "--json", str(tmp_path / "a.json")]) == 0
-    out = capsys.readouterr().out
-    result = json.loads((tmp_path / "a.json").read_text())
+    run = bench(
+        "autoscale", "--smoke", "--settings", "default=3,backlog=1.5", json_path=tmp_path / "a.json",
+        address=ray_cluster.address,
+    )  # fmt: skip
+    assert run.code == 0
+    out, result = run.out, run.result
     assert result["ok"] and result["targets"] == []  # the smoke judges nothing
     classes = [c["name"] for c in result["sizes"]["classes"]]
     n = len(result["trace"])
     assert n > 0 and {a["class"] for a in result["trace"]} == set(classes)  # seed 0's trace holds both classes
     default, backlog = result["results"]
-    assert (default["policy"], backlog["policy"]) == autoscale.POLICIES
+    assert (default["policy"], backlog["policy"]) == ("default", "backlog")
     for row in (default, backlog):
         # the same trace through each policy's application: every request answered, none lost to a scale change
         assert row["requests"] == row["completed"] == n and row["failed"] == []
@@ -459,24 +520,23 @@ def test_autoscale_smoke_replays_one_trace_under_both_policies_and_loses_no_requ
 
 
 @pytest.mark.parametrize("bad", ["default=4", "default=4,backlog=4,default=2", "default=4,backlog=x", "fast=1"])
-def test_autoscale_settings_name_each_policy_once_with_a_positive_number(bad, capsys):
-    with pytest.raises(SystemExit) as exited:
-        autoscale.main(["--settings", bad])
-    assert exited.value.code == 2 and "argument --settings: '" in capsys.readouterr().err
+def test_autoscale_settings_name_each_policy_once_with_a_positive_number(bad):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.autoscale", "--settings", bad], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "argument --settings: '" in done.stderr
 
 
 @pytest.mark.ray
-def test_stages_smoke_serves_one_trace_through_both_apps_and_counts_the_object_store_bytes(
-    ray_cluster, capsys, tmp_path
-):
-    assert stages.main(["--smoke", "--json", str(tmp_path / "stages.json")]) == 0
-    out = capsys.readouterr().out
-    result = json.loads((tmp_path / "stages.json").read_text())
+def test_stages_smoke_serves_one_trace_through_both_apps_and_counts_the_object_store_bytes(ray_cluster, tmp_path):
+    run = bench("stages", "--smoke", json_path=tmp_path / "stages.json", address=ray_cluster.address)
+    assert run.code == 0
+    out, result = run.out, run.result
     assert result["ok"] and all(c["met"] for c in result["checks"])
     n = result["sizes"]["requests"]
     assert n == 4 and len(result["trace"]) == n
     solo, staged = result["results"]
-    assert (solo["app"], staged["app"]) == (stages.SOLO, stages.STAGED)
+    assert (solo["app"], staged["app"]) == ("solo", "staged")
     for row in (solo, staged):
         assert row["requests"] == n and len(row["latency_by_request"]) == n  # every request got its MP4
         assert 0 < row["duty_cycle"] <= 1 and row["forwards"] > 0
@@ -502,34 +562,36 @@ def test_stages_smoke_serves_one_trace_through_both_apps_and_counts_the_object_s
 
 
 def test_stages_released_bytes_follow_the_model_geometry():
-    short, long = stages.released_bytes()
+    """``pipelines.h3.shapes.released_bytes``: what benchmarks.stages prints for a released-size request."""
+    short, long = released_bytes()
     # 345 frames -> 5 * 20 + 2 latent frames; 16x spatial and a (1, 2, 2) patch -> 24 x 42 rows per latent frame;
     # 24 channels x 4 per row, float32
     video_rows = (5 * 20 + 2) * (768 // 32) * (1344 // 32)
     assert long["latents"] == video_rows * 24 * 4 * 4
     assert long["video_indices"] == video_rows * 8  # int64
     rows = long["position_ids"] // (3 * 8)  # [rows, 3] float64: every row of the document
-    assert rows > video_rows + stages.RELEASED_TEXT_TOKENS
+    assert rows > video_rows + RELEASED_TEXT_TOKENS
     # one row -> timestep index (int64) per step of 50 (49 intervals) and a few distinct timesteps each
     assert 49 * rows * 8 < long["row_timestep_plan"] <= 49 * (rows * 8 + 4 * 4)
-    assert long["prompt_embeds"] == stages.RELEASED_TEXT_TOKENS * 5120 * 2  # bf16
+    assert long["prompt_embeds"] == RELEASED_TEXT_TOKENS * 5120 * 2  # bf16
     assert long["handoff latents"] == long["latents"] + long["audio_latents"]
     assert long["prepared"] == sum(v for k, v in long.items() if k not in ("request", "prepared", "handoff latents"))
     assert short["latents"] * 102 == long["latents"] * (5 * 7 + 2)  # 124 frames: 37 latent frames
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_stages_gpu_mode_refuses_at_once_without_cuda(capsys):
-    assert stages.main(["--gpu", "--checkpoint", str(REPO), "--rate", "0.1"]) == 2
-    assert "CUDA is not available here" in capsys.readouterr().out
+def test_stages_gpu_mode_refuses_at_once_without_cuda():
+    run = bench("stages", "--gpu", "--checkpoint", str(REPO), "--rate", "0.1")
+    assert run.code == 2
+    assert "CUDA is not available here" in run.out
 
 
-def test_step_path_smoke_sends_workers_metadata_only(capsys):
+def test_step_path_smoke_sends_workers_metadata_only(tmp_path):
     """benchmarks.step_path's bytes: a worker's step order is a few KB whatever the pack's rows (its tensors go by a
     broadcast), where the old path put the whole pack in the object store."""
-    from benchmarks.step_path import step_bytes
-
-    result = step_bytes(smoke=True)
+    run = bench("step_path", "--smoke", "--bytes-only", json_path=tmp_path / "step_path.json")
+    assert run.code == 0
+    result = run.result["bytes"]
     assert result["ok"]
     assert max(result["after_ray_bytes_per_worker"].values()) < 4096
     assert result["before_object_store_bytes"]["no caching"] > result["after_broadcast_bytes"] > 100 * 4096

@@ -143,12 +143,24 @@ def test_cancel_leaves_the_queue_at_once_and_the_pack_at_the_next_step_boundary(
     assert media.frames.shape[0] > 0
 
 
-def test_the_preview_benchmark_smoke_counts_previews_by_mode(solo, capsys):
-    """``benchmarks.preview --smoke`` on this module's worker group (the benchmarks' smokes live in test_benchmarks;
-    this one is here to start no worker of its own): counts and shares, never timings."""
-    from benchmarks import preview
+def test_the_preview_benchmark_smoke_counts_previews_by_mode(tmp_path):
+    """``python -m benchmarks.preview --smoke`` as a user runs it (an sp=1 group of the built-in tiny checkpoint, in a
+    process of its own): counts and shares, never timings."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    result = preview.run(smoke=True, group=solo)
+    out = tmp_path / "preview.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.preview", "--smoke", "--json", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    result = json.loads(out.read_text())
     runs = result["runs"]
     assert [r["previews"] for r in runs["off"]] == [0]
     # 2 requests of 3 evaluations: every step captures 3 each; the config's every 2 steps (or second) at least 2 each.
@@ -158,7 +170,7 @@ def test_the_preview_benchmark_smoke_counts_previews_by_mode(solo, capsys):
     assert all(1 <= r["previews"] <= r["captures"] for mode in ("every step", "config") for r in runs[mode])
     assert all(3 <= r["forwards"] <= 6 and r["rows_per_s"] > 0 for mode in runs.values() for r in mode)  # packed or not
     assert result["cpu_share"]["off"] == 0.0 and 0 < result["cpu_share"]["config"] <= result["cpu_share"]["every step"]
-    assert result["released_capture"]["captured_rows"] == 4 * 48 * 84 // 4 and "CPU share" in capsys.readouterr().out
+    assert result["released_capture"]["captured_rows"] == 4 * 48 * 84 // 4 and "CPU share" in done.stdout
 
 
 def test_step_events_are_thinned_to_their_rate_the_last_step_always_and_every_stage_is_marked(solo):

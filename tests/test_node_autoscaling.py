@@ -30,8 +30,24 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.common import descendants
 from tests.harness import default_config, free_port, wait_for
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux /proc; ``pid`` itself not included), children before their own children."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found += frontier
+    return found
+
 
 pytestmark = [
     pytest.mark.ray,

@@ -1,7 +1,7 @@
 """What step caching keeps live during a packed forward, measured, against the memory plan's step-cache bytes.
 
 Real cached packed forwards of the tiny checkpoint's transformer (fp32, CPU, torch_sdpa) under
-``benchmarks.activation_memory``'s ``LiveStorages`` (the bytes of every live tensor storage created in the
+``pipelines.h3.shapes.LiveStorages`` (the bytes of every live tensor storage created in the
 forwards): each caching document first takes a computed step (its warm-up), which leaves its two residuals held;
 the peak of the next forward (those residuals included, as they are live through it) minus the peak of the same
 pack's forward without a cache is step caching's measured extra. The plan's step-cache bytes for the same pack
@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from attention import get_backend
-from benchmarks.activation_memory import CLIP, LiveStorages
-from benchmarks.h3_shapes import Clip, clip_document
 from pipelines.h3.attention_processor import install
 from pipelines.h3.forward import packed_forward
 from pipelines.h3.memory import activation_row_cost
 from pipelines.h3.packing import pack_documents
+from pipelines.h3.shapes import Clip, LiveStorages, clip_document
 from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
+CLIP = Clip(width=128, height=64, num_frames=22)  # benchmarks.activation_memory's: the tiny default canvas
 SLACK = 1.5  # the plan may exceed the dearest measured pack's extra by this factor, no more
 # after one warm-up step: any change of the first-blocks residual computes; nothing short of 1e9 skips
 COMPUTES = StepCachePolicy(threshold=1e-9, warmup_steps=1, max_consecutive_skips=10**6)

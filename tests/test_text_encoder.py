@@ -4,11 +4,32 @@ The library's initialisation collapsed them (per-position cosine of the two prom
 against 0.38 at the embeddings, a prompt's own tokens 0.79): ``keep_tokens_apart`` in the writer.
 """
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from benchmarks.text_encoder import PROMPT_A, PROMPT_B, READ_LAYER, hidden_states, measure
-from pipelines.h3.checkpoint import CheckpointIndex, load_model, load_tokenizer
+from pipelines.h3.checkpoint import CheckpointIndex, ImageOnlyQwen3VLProcessor, load_model, load_tokenizer
+from pipelines.h3.memory import TEXT_ENCODER_LAYER as READ_LAYER  # MiniMax-H3's text_encoder_layer, 50
+
+PROMPT_A = "a red circle moving left with a high beep"  # benchmarks.text_encoder's two prompts
+PROMPT_B = "a blue square moving right with a low hum"
+
+
+def hidden_states(text_encoder, tokenizer, prompt: str, layer: int) -> torch.Tensor:
+    """[tokens, width] hidden state ``layer`` of ``prompt``, through diffusers' H3 encoder call."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+    token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    processor = ImageOnlyQwen3VLProcessor(tokenizer, image_processor=None)  # only its token types are used
+    with torch.no_grad():
+        embeds = get_qwen3vl_prompt_embeds(
+            text_encoder, processor, token_ids, {}, text_encoder_layer=layer, device=text_encoder.device
+        )
+    return embeds[0].float()
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +42,19 @@ def written(tiny_checkpoint):
     )
 
 
-def test_layer_50_of_the_written_checkpoint_stays_as_far_apart_as_the_embeddings(written):
-    text_encoder, tokenizer, transformer = written
-    cosines = measure(text_encoder, tokenizer, transformer.context_embedder)
+@pytest.mark.slow  # a process of its own: the benchmark, as a user runs it
+def test_layer_50_of_the_written_checkpoint_stays_as_far_apart_as_the_embeddings(tiny_checkpoint, tmp_path):
+    """``python -m benchmarks.text_encoder --checkpoint`` (the cosines of six prompts) on the written checkpoint."""
+    out = tmp_path / "text_encoder.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.text_encoder", "--checkpoint", str(tiny_checkpoint), "--json", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    cosines = json.loads(out.read_text())["results"][f"checkpoint {tiny_checkpoint.name}"]
     embeddings, layer = cosines["embeddings"], cosines[f"layer {READ_LAYER}"]
     assert layer["per_position_mean"] < 0.6  # the library's initialisation: 0.86
     assert abs(layer["per_position_mean"] - embeddings["per_position_mean"]) < 0.05

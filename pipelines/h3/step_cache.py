@@ -35,7 +35,7 @@ runs still run on the rank's own T/W rows; a sub-pack of the computing documents
 each rank runs its share under Ulysses. Ranks 1..W-1 keep their states in a ``RankCaches``, in step with rank 0's
 by the ``CacheMirror`` each pack carries (``replicas/worker_group.py``). The cost: two [T, hidden] gathered tensors
 per rank beside a block (``memory.STEP_CACHE_GATHERED_ROWS``) and an all-gather of the rows out on the ranks at
-each transition; so over several ranks a deployment offers only the tiers it lists (``deploy.args``).
+each transition; so over several ranks a deployment offers only the tiers it lists (``deploy.common.args``).
 
 Memory (``memory.ACTIVATION_FORMULA`` counts it; tests/test_step_cache_memory.py measures it): beside the held
 residuals, a computing document holds its next ones until ``commit`` (its new first-blocks residual, and a copy of

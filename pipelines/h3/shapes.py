@@ -1,4 +1,4 @@
-"""MiniMax-H3 at any size without a checkpoint, for the GPU benchmarks: model, requests, FLOPs, memory.
+"""MiniMax-H3 at any size without a checkpoint: model, synthetic requests, FLOPs, memory (beside ``memory.py``'s plan).
 
 * ``build_transformer``: ``MiniMaxH3Transformer3DModel(**config)`` on the meta device, then random
   weights straight on the target device, at ``dtype`` except where diffusers' ``_keep_in_fp32_modules``
@@ -6,14 +6,19 @@
 * ``clip_document``: one T2VA request as its packed ``Document``, laid out by diffusers' own layout
   and row-timestep builders from the request's geometry (random latents and prompt embeddings).
 * ``forward_flops``: the matmul and attention FLOPs of one ``packed_forward`` over a pack (formula below).
+* ``handoff_bytes``: the object-store bytes of a prepared request and of its decode handoff (a staged app's cost).
+* ``LiveStorages``: the live and peak bytes of the tensor storages a block of code makes, to hold the plan against.
 
-Needs torch, diffusers and this repo's pipelines package (pydantic); no Ray, no checkpoint.
+Needs torch, diffusers and this repo's pipelines package (pydantic); no Ray, no checkpoint. The benchmarks, the
+meta-device run and the tests build their synthetic requests and FLOP counts here.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -28,16 +33,22 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_TAG,
     MINIMAX_H3_TEXT_TAG,
     MINIMAX_H3_VIDEO_TAG,
+    MiniMaxH3ModularPipeline,
     audio_latent_num_frames,
     video_latent_num_frames,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipelines.h3.packing import Document, Pack
 
-# The released VAEs' geometry (diffusers' MiniMaxH3ModularPipeline defaults; the tiny preset keeps them too).
-SPATIAL, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK = 16, 17, 5
+# The released VAEs' geometry and the conditioning rows' timestep floor, read from diffusers' MiniMaxH3ModularPipeline:
+# its properties fall back to the released values when no VAE is loaded (the tiny preset keeps them too).
+_RELEASED = MiniMaxH3ModularPipeline
+SPATIAL: int = _RELEASED.vae_spatial_compression_ratio.fget(None)  # 16
+FRAMES_PER_CHUNK: int = _RELEASED.vae_frames_per_chunk.fget(None)  # 17
+LATENTS_PER_CHUNK: int = _RELEASED.vae_latents_per_chunk.fget(None)  # 5
+KEYFRAME_NOISE_AUG: float = _RELEASED.keyframe_noise_aug.fget(None)  # 0.999
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0  # the released scheduler/ and audio_scheduler/ (ARCHITECTURE.md)
-KEYFRAME_NOISE_AUG = 0.999  # MiniMaxH3ModularPipeline.keyframe_noise_aug: conditioning rows' timestep floor
 TEXT_TOKENS = 256  # prompt rows of a synthetic request (Qwen3-VL hidden states of a prompt of a few sentences)
 
 FLOPS_FORMULA = """\
@@ -83,7 +94,8 @@ def transformer_config(name: str) -> dict:
 
 def keeps_fp32(model: torch.nn.Module, name: str) -> bool:
     """diffusers' loading rule: a parameter stays float32 when a path component is in ``_keep_in_fp32_modules``."""
-    return any(m in name.split(".") for m in (model._keep_in_fp32_modules or []))
+    keep: list[str] = getattr(model, "_keep_in_fp32_modules", None) or []
+    return any(m in name.split(".") for m in keep)
 
 
 @torch.no_grad()
@@ -331,3 +343,131 @@ def rows_that_fit(free_bytes: int, bytes_per_row: float) -> int:
 
 def human_bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# -- what crosses between stages: the object-store bytes of a prepared request ----------------------------------
+# a released-size request (the default canvas; the shortest and the longest clip; the request's default steps)
+RELEASED_CANVAS = (1344, 768)
+RELEASED_FRAMES = (124, 345)
+RELEASED_STEPS = 50
+RELEASED_TEXT_TOKENS = TEXT_TOKENS  # a prompt of a few sentences
+
+
+def handoff_bytes(
+    config: dict,
+    width: int,
+    height: int,
+    num_frames: int,
+    steps: int,
+    text_tokens: int,
+    embed_dtype: torch.dtype,
+    shifts: tuple[float, float] = (12.0, 3.0),
+) -> dict[str, int]:
+    """The bytes of each tensor of a T2VA request's ``PreparedState`` (``PREPARED_KEYS``) and of its
+    ``DecodeHandoff`` ("handoff latents"), built as the conditioner's blocks build them: diffusers' layout
+    (``build_packed_sequence``) and row-timestep (``build_row_timesteps``) builders on the request's geometry,
+    its two schedulers (video and audio shifts) for ``steps``; latents float32, prompt embeddings ``embed_dtype``.
+    ``config``: the transformer's (patch, channels, text width)."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    patch = tuple(config["patch_size"])
+    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = clip_layout(
+        config, Clip(width=width, height=height, num_frames=num_frames, text_tokens=text_tokens)
+    )
+    video, audio = MiniMaxH3Scheduler(shift=shifts[0]), MiniMaxH3Scheduler(shift=shifts[1])
+    video.set_timesteps(steps, device="cpu")
+    audio.set_timesteps(steps, device="cpu")
+    plan = 0  # one (distinct timesteps [K] fp32, row -> index [rows] int64) pair per step
+    for t, t_audio in zip(video.timesteps, audio.timesteps, strict=True):
+        unique, inverse = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+            video_idx, audio_idx, cond_video, cond_audio, text_tokens, float(t), float(t_audio),
+            max(float(t), KEYFRAME_NOISE_AUG), 1.0,
+        )  # fmt: skip
+        plan += nbytes(unique) + nbytes(inverse)
+    columns = config["in_channels"] * patch[0] * patch[1] * patch[2]
+    latents = video_idx.numel() * columns * 4  # [n_video, C*p] float32
+    audio_latents = audio_idx.numel() * config["audio_in_channels"] * 4  # [n_audio, C_audio] float32
+    embed_size = torch.empty((), dtype=embed_dtype, device="cpu").element_size()
+    prepared = {
+        "latents": latents,
+        "audio_latents": audio_latents,
+        "row_timestep_plan": plan,
+        "timesteps": nbytes(video.timesteps),
+        "prompt_embeds": text_tokens * config["text_dim"] * embed_size,  # [1, n_text, text_dim]
+        "position_ids": nbytes(position_ids),  # [rows, 3] float64
+        "token_tags": nbytes(token_tags),
+        "video_indices": nbytes(video_idx),
+        "audio_indices": nbytes(audio_idx),
+        "text_indices": nbytes(text_idx),
+    }
+    return {**prepared, "prepared": sum(prepared.values()), "handoff latents": latents + audio_latents}
+
+
+def released_bytes(embed_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """``handoff_bytes`` of released-size requests on the released transformer's config."""
+    config = transformer_config("full")
+    width, height = RELEASED_CANVAS
+    out = []
+    for frames in RELEASED_FRAMES:
+        sizes = handoff_bytes(config, width, height, frames, RELEASED_STEPS, RELEASED_TEXT_TOKENS, embed_dtype)
+        out.append({"request": f"{width}x{height}x{frames}, {RELEASED_STEPS} steps", **sizes})
+    return out
+
+
+# -- live memory, measured: the plan's counterpart (benchmarks.activation_memory, tests/test_step_cache_memory) ----
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the tensor storages created under this mode that are still referenced; and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views: collections.Counter[int] = collections.Counter()  # storage address -> live tensors on it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+        self.peak_op = ""
+        self.in_attention = False  # set by hooks around the blocks' attention modules
+        self.attention_peak = 0
+
+    def _release(self, key: int) -> None:
+        self.views[key] -= 1
+        if self.views[key] == 0:
+            del self.views[key]
+            self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            key = storage.data_ptr()
+            if key not in self.views:
+                self.sizes[key] = storage.nbytes()
+                self.live += storage.nbytes()
+            self.views[key] += 1
+            weakref.finalize(tensor, self._release, key)
+        if self.live > self.peak:
+            self.peak, self.peak_op = self.live, str(func)
+        if self.in_attention:
+            self.attention_peak = max(self.attention_peak, self.live)
+        return out
+
+    def watch_attention(self, model: torch.nn.Module) -> list:
+        """Hooks marking the blocks' attention calls, so the attention phase's own peak is known."""
+
+        def enter(*_):
+            self.in_attention = True
+
+        def leave(*_):
+            self.in_attention = False
+
+        handles = []
+        blocks: list = list(model.transformer_blocks)  # type: ignore[arg-type]  # an nn.ModuleList
+        for block in blocks:
+            handles += [block.attn.register_forward_pre_hook(enter), block.attn.register_forward_hook(leave)]
+        return handles
