@@ -8,7 +8,7 @@ FROM rayproject/ray:2.60.0-py311-gpu
 
 # torch and flash-attn go first, in their own layers: they are gigabytes and change far less often
 # than h3serve. The torch build must match the flash-attn wheel (torch minor, CUDA major, C++11 ABI,
-# Python 3.11); the defaults match deploy/platforms/h100-flash-attn.json.
+# Python 3.11); the defaults match h3serve/deploy/platforms/h100-flash-attn.json.
 # torchvision comes with it: Qwen3-VL's video processor needs it for video references.
 ARG TORCH_SPEC="torch==2.9.1 torchvision==0.24.1"
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -28,13 +28,13 @@ RUN if [ -n "${FLASH_ATTN_WHEEL}" ]; then \
 
 # h3serve itself, with the cuda extra (flash-attn is already satisfied above) and the model libraries
 # (diffusers, transformers, accelerate). Installed as a regular package so Serve imports
-# deploy.driver.app:build_app from site-packages; the source copy is removed. The checkpoint is not in the
+# h3serve.deploy.driver.app:build_app from site-packages; the source copy is removed. The checkpoint is not in the
 # image: it is mounted (k8s/weights-pvc.yaml). HF_HUB_OFFLINE keeps every load local.
 COPY --chown=ray:users . /tmp/h3serve-src
 RUN cd /tmp/h3serve-src \
     && pip install --no-cache-dir ".[cuda]" \
     && cd / && rm -rf /tmp/h3serve-src \
-    && python -c "import deploy.driver.app, attention, pipelines.h3, replicas" \
+    && python -c "import h3serve.deploy.driver.app, h3serve.attention, h3serve.pipelines.h3, h3serve.replicas" \
     && h3serve --help > /dev/null
 
 # The base image's non-root user (uid 1000, gid 100); the k8s pods run as that uid too.

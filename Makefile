@@ -3,10 +3,10 @@ PY      ?= python3
 VENV    ?= .venv
 # The CPU build pinned in .ci/torch-cpu.txt; on a CUDA box set TORCH=torch.
 TORCH   ?= -r .ci/torch-cpu.txt
-CONFIG  ?= deploy/serve_config.yaml
+CONFIG  ?= h3serve/deploy/serve_config.yaml
 PYTEST_ARGS ?=
 EVAL_ARGS ?=
-DEMO_CHECKPOINT ?= pipelines/h3/checkpoints/minimax-h3-tiny-demo
+DEMO_CHECKPOINT ?= h3serve/pipelines/h3/checkpoints/minimax-h3-tiny-demo
 
 BIN := $(VENV)/bin
 
@@ -33,7 +33,7 @@ serve: setup
 # PYTHONDONTWRITEBYTECODE is set (the dev image sets it) each would compile them again (all of them: 1.5 s of CPU).
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m compileall -q attention deploy pipelines replicas demo benchmarks tests > /dev/null
+	$(BIN)/python -m compileall -q h3serve benchmarks tools tests > /dev/null
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 # the node layer on Ray's simulated autoscaling cluster (minutes; outside CI: docs/BENCHMARKS.md section 14)
@@ -62,12 +62,12 @@ eval: setup
 # CPU with fixed seeds, into the built-in checkpoint the default config serves (replaced); its recipe, seeds and
 # losses land in $(DEMO_CHECKPOINT)/training.json. ~45 min on 2 quiet cores.
 demo-checkpoint: setup
-	$(BIN)/python -m demo.train $(DEMO_CHECKPOINT)
+	$(BIN)/python -m h3serve.demo.train $(DEMO_CHECKPOINT)
 
 # The README's example prompts as the default server answers them (its checkpoint, default steps, seed 0):
 # docs/images/readme-clip.png (a frame strip of the clip) and readme-still.png (the images endpoint's still).
 readme-images: setup
-	$(BIN)/python -m demo.readme_images --config $(CONFIG) --out docs/images
+	$(BIN)/python -m tools.readme_images --config $(CONFIG) --out docs/images
 
 # The README's picture of the playground page (docs/images/playground.png): the browser test (Debian's chromium,
 # headless) on a live server, its screenshot saved there.

@@ -6,7 +6,7 @@ Runs ``packed_forward`` (no grad) on the tiny preset on CPU over packs of 1, 2, 
 of one T2VA clip, and tracks the bytes of every live tensor storage created inside it (the pack's
 inputs included, the weights not) with a ``TorchDispatchMode``: each op's outputs are counted once per
 storage and uncounted when the last tensor viewing that storage is freed (weakref finalizers). The
-peak is fitted as ``a + b * rows``; ``b`` is the measured per-row cost. ``pipelines.h3.memory``'s
+peak is fitted as ``a + b * rows``; ``b`` is the measured per-row cost. ``h3serve.pipelines.h3.memory``'s
 ``ACTIVATION_FORMULA`` evaluated at the tiny dims and the measured packs' text share must match ``b``
 within ``TOLERANCE``; the same formula at the released dims is then printed: the per-row cost on the
 GPU, and what it means at the GPU config's row budget on H200 and H100.
@@ -22,13 +22,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from attention import get_backend
-from pipelines.h3.attention_processor import install
-from pipelines.h3.config import preset
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.memory import ACTIVATION_FORMULA, activation_row_cost, memory_plan
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.shapes import Clip, LiveStorages, build_transformer, clip_document
+from h3serve.attention import get_backend
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.config import preset
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.memory import ACTIVATION_FORMULA, activation_row_cost, memory_plan
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.shapes import Clip, LiveStorages, build_transformer, clip_document
 
 from .harness import say, smoke_main, table
 
@@ -40,7 +40,7 @@ TOLERANCE = 0.05  # |formula slope / measured slope - 1|
 REPEATS = 5  # 3 left one rank 5.3% over on a quiet fresh-clone CI run (2026-12-03): the least of more runs
 CLIP = Clip(width=128, height=64, num_frames=22)  # the tiny default canvas, one 17n+5 chunk
 DEVICE_BYTES = {"H200 (141 GB)": 143771 * 2**20, "H100 (80 GB)": 81559 * 2**20}  # nvidia-smi's MiB
-GPU_ROWS, GPU_SP = 80000, 4  # deploy/serve_config.gpu.yaml
+GPU_ROWS, GPU_SP = 80000, 4  # h3serve/deploy/serve_config.gpu.yaml
 
 
 def _points(copies: tuple[int, ...], sp=None) -> list[dict]:
@@ -81,7 +81,7 @@ def _sp_rank(rank: int, world: int, port: int, copies: tuple[int, ...], results)
 
     import torch.distributed as dist
 
-    from replicas.sequence_parallel import UlyssesGroup
+    from h3serve.replicas.sequence_parallel import UlyssesGroup
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -2,11 +2,12 @@
 
     python -m benchmarks.admission [--smoke] [--json PATH]
 
-Part 1 times ``deploy.driver.preflight.admit(args, stage, platform)`` (``validate_deployment(model=..., geometry=...,
+Part 1 times ``h3serve.deploy.driver.preflight.admit(args, stage, platform)`` (``validate_deployment(model=...,
+geometry=...,
 ...)``: the SP layout against the preset's heads, the device, then ``attention.resolve``) and the raw
 ``attention.resolve``, with the selector cache cleared before every call (cold, as a fresh driver sees
-it), for the default CPU args and for ``deploy/serve_config.gpu.yaml``'s args against
-``deploy/platforms/h200-flash-attn.json`` (rank 0 does not fit an H100). Part 2 serves requests through
+it), for the default CPU args and for ``h3serve/deploy/serve_config.gpu.yaml``'s args against
+``h3serve/deploy/platforms/h200-flash-attn.json`` (rank 0 does not fit an H100). Part 2 serves requests through
 ``replicas.Engine`` in-process and shows the selector never runs there: its call counter stays
 equal, and a profile of every Python call on the request path (event loop and the engine's model
 thread) finds no frame in the admission or selector modules.
@@ -23,24 +24,29 @@ from pathlib import Path
 import torch
 import yaml
 
-import attention
-from attention import Platform, probe_platform
-from deploy.common.args import DeployArgs
-from deploy.driver.preflight import admit
-from pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
-from replicas import Engine, WorkerGroup
+from h3serve import attention
+from h3serve.attention import Platform, probe_platform
+from h3serve.deploy.common.args import DeployArgs
+from h3serve.deploy.driver.preflight import admit
+from h3serve.pipelines.h3 import REQUIREMENTS, GenerationRequest, preset
+from h3serve.replicas import Engine, WorkerGroup
 
 from .harness import machine, median, percentile, say, smoke_main, table, time_ms, tiny_spec
 
 REPO = Path(__file__).resolve().parents[1]
-H200 = REPO / "deploy" / "platforms" / "h200-flash-attn.json"
+H200 = REPO / "h3serve" / "deploy" / "platforms" / "h200-flash-attn.json"
 # modules whose code is admission: none of their functions may run while serving
-PACKAGES = ("attention", "pipelines", "replicas", "deploy")
+PACKAGES = tuple(("h3serve", p) for p in ("attention", "pipelines", "replicas", "deploy"))
 LIBRARIES = "(libraries: diffusers, transformers, torch, asyncio, stdlib)"
-ADMISSION_FILES = ("attention/selector.py", "deploy/driver/preflight.py", "pipelines/h3/admission.py", "attention/platform.py")
+ADMISSION_FILES = (
+    "h3serve/attention/selector.py",
+    "h3serve/deploy/driver/preflight.py",
+    "h3serve/pipelines/h3/admission.py",
+    "h3serve/attention/platform.py",
+)
 
 
-GPU_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
+GPU_CONFIG = REPO / "h3serve" / "deploy" / "serve_config.gpu.yaml"
 
 
 def configs() -> dict[str, tuple[DeployArgs, Platform]]:
@@ -142,7 +148,7 @@ def serve_requests(n: int) -> dict:
     per_file = collections.Counter()
     for filename, count in calls.items():
         path = Path(filename).resolve()
-        ours = path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in PACKAGES
+        ours = path.is_relative_to(REPO) and path.relative_to(REPO).parts[:2] in PACKAGES
         per_file[path.relative_to(REPO).as_posix() if ours else LIBRARIES] += count
     admission_frames = {f: per_file.get(f, 0) for f in ADMISSION_FILES}
     return {
@@ -166,7 +172,7 @@ def run(smoke: bool = False) -> dict:
     )
     say(
         "  admit = H3's rule (sp_degree divides the preset's heads, device) + resolve; once per deployment, before\n"
-        "  any replica. The gpu rows use deploy/serve_config.gpu.yaml's args.\n"
+        "  any replica. The gpu rows use h3serve/deploy/serve_config.gpu.yaml's args.\n"
         "  In Serve the platform comes from a probe task shaped like one SP rank (a Ray task, ~ms to s),\n"
         "  also once per deployment."
     )

@@ -18,7 +18,8 @@ The trace is replayed against the default config's application (tiny checkpoint,
 and 2 single-thread replicas (``rank_resources {CPU: 1}`` on a 2-CPU Ray cluster: Ray gives each one torch
 thread), under each policy in turn, the application deployed fresh for each run:
   default   Serve's own ``target_ongoing_requests`` policy (``deployments: H3Replica: autoscaling_config``)
-  backlog   ``args.autoscaling`` (``deploy/common/autoscaling.py``: the fewest replicas whose projected drain time of
+  backlog   ``args.autoscaling`` (``h3serve/deploy/common/autoscaling.py``: the fewest replicas whose projected drain
+  time of
             the summed backlog in row-steps stays under ``target_wait_s``)
 Both with the same Serve delays (up ``UPSCALE_DELAY_S``, down ``DOWNSCALE_DELAY_S``) and metric intervals. Each
 policy's setting (``target_ongoing_requests``, ``target_wait_s``) is the best of a small grid on a trace of
@@ -118,7 +119,7 @@ def draw_trace(sizes: Sizes, rate: float, seed: int) -> list[Arrival]:
 def capacity(sizes: Sizes) -> dict:
     """One replica's request-level throughput of the class mix: each class's service time alone (prepare, steps,
     decode, PNG/MP4), one torch thread, best of two; requests per second for the mix's shares."""
-    from pipelines.h3 import GenerationRequest, H3Pipeline
+    from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -153,7 +154,7 @@ def capacity(sizes: Sizes) -> dict:
 # -- the application under each policy -----------------------------------------------------------
 def app_config(name: str, policy: str, setting: float, smoke: bool) -> dict:
     """The default config's application at /<name>: 1 to 2 single-thread H3Replicas under ``policy``."""
-    from deploy.driver.cli import load_config  # the shipped CPU config, as `h3serve serve` reads it
+    from h3serve.deploy.driver.cli import load_config  # the shipped CPU config, as `h3serve serve` reads it
 
     app = copy.deepcopy(load_config(None)["applications"][0])
     app.update(name=name, route_prefix=f"/{name}")
@@ -385,7 +386,7 @@ def run(sizes: Sizes, seed: int, tune_seed: int, smoke: bool) -> dict:
     from ray import serve
     from ray.serve import context
 
-    from replicas.worker_group import free_port
+    from h3serve.replicas.worker_group import free_port
 
     started_ray = not ray.is_initialized()
     if started_ray:

@@ -3,7 +3,7 @@
     python -m benchmarks.default_clip [--smoke] [--json PATH]
 
 The default request is the shortest clip the model's rules allow (124 frames, 5.2 s at 24 fps) on
-the tiny preset's own canvas (128x64), at ``limits.default_steps`` of deploy/serve_config.yaml and at
+the tiny preset's own canvas (128x64), at ``limits.default_steps`` of h3serve/deploy/serve_config.yaml and at
 50 steps (the released schedule). Measured three ways, one after another:
   CLI      `h3serve generate PROMPT -o clip.mp4 --steps N`: wall time of the whole command (a new
            process: imports, loading the checkpoint, generating, writing the MP4), with torch's default
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from deploy.client import H3Client
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.checkpoint import resolve_checkpoint
-from pipelines.h3.media import probe_media
+from h3serve.client import H3Client
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3.checkpoint import resolve_checkpoint
+from h3serve.pipelines.h3.media import probe_media
 
 from .harness import (
     H3SERVE,

@@ -6,7 +6,7 @@
 
 Part 1 checks and times each backend's own ``forward_varlen`` on packs of mixed-size
 documents and on one long document, and ranks the backends that passed (fastest first) into a
-ranking file for this platform (``--ranking-out``; see attention/ranking.py for how ``auto``
+ranking file for this platform (``--ranking-out``; see h3serve/attention/ranking.py for how ``auto``
 uses it). Part 2 times one diffusers ``MiniMaxH3TransformerBlock`` at the released dimensions
 (hidden 5376, 56 heads x 128, SwiGLU 14336) through h3serve's attention processor, over packs of
 T2VA requests laid out by diffusers' layout builders. Needs torch, diffusers and pydantic plus this
@@ -31,11 +31,11 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3TransformerBlock,
 )
 
-from attention import Ranking, get_backend, probe_platform
-from attention.ranking import save as save_ranking
-from pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.shapes import Clip, block_flops, clip_document, transformer_config
+from h3serve.attention import Ranking, get_backend, probe_platform
+from h3serve.attention.ranking import save as save_ranking
+from h3serve.pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.shapes import Clip, block_flops, clip_document, transformer_config
 
 from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
 
@@ -403,7 +403,7 @@ def part2_block(s, device, dtype, status, budget, res) -> None:
         rows,
     )
     say(
-        "  FLOPs (pipelines/h3/shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
+        "  FLOPs (h3serve/pipelines/h3/shapes.py): q/k/v/out and SwiGLU matmuls over all T rows, the AdaLN table per\n"
         "  distinct timestep, attention 4 L^2 H D per document."
     )
     say("  attn ms = the kernel call alone on the same pack; rest = block - attn (projections, norms, RoPE, FFN).")

@@ -29,12 +29,12 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from attention import get_backend, probe_platform, resolve
-from pipelines.h3.attention_processor import install
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
-from pipelines.h3.shapes import (
+from h3serve.attention import get_backend, probe_platform, resolve
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
+from h3serve.pipelines.h3.shapes import (
     FLOPS_FORMULA,
     Clip,
     activation_bytes_per_row,
@@ -161,7 +161,7 @@ class Bench:
         self.report([("eager", r)])
         say(
             f"  activations: planned {human_bytes(estimate * pack.total_rows)} ({estimate / 1e3:.0f} kB/row: "
-            "pipelines/h3/memory.py's ACTIVATION_FORMULA for a media row, checked on the meta device)"
+            "h3serve/pipelines/h3/memory.py's ACTIVATION_FORMULA for a media row, checked on the meta device)"
             + (
                 f"; measured peak {human_bytes(r['peak_bytes'])} - weights {human_bytes(self.weights)} = "
                 f"{r['activation_bytes_per_row'] / 1e3:.0f} kB/row; about {r['rows_that_fit']} rows fit in 95% of "

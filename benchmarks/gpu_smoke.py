@@ -25,13 +25,13 @@ import traceback
 
 import torch
 
-from attention import get_backend
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.attention_processor import install
-from pipelines.h3.checkpoint import random_tiny_checkpoint
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
+from h3serve.attention import get_backend
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
 
 from .harness import cli, say
 

@@ -9,7 +9,7 @@ session cluster, instead of starting one), runs, stamps the result with the mach
 (``stamp``), writes it to ``--json`` and exits 1 when ``result["ok"]`` is false (a refusal returns an int: 2).
 The shared pieces: ``table``/``say``/``fmt`` print, ``percentile``/``median``/``time_ms``/``Phases`` time,
 ``ServedConfig``/``ServedDefault`` start ``h3serve serve`` as a user does (or ``Attached`` to one already up,
-``--url``), ``at_times`` replays a trace's arrivals; the API calls themselves are ``deploy.client``'s.
+``--url``), ``at_times`` replays a trace's arrivals; the API calls themselves are ``h3serve.client``'s.
 
 The GPU scripts (gpu_kernels, gpu_pipeline, gpu_smoke) use only the torch-only helpers: nothing at module level here
 imports Ray, the deploy package or the model pipeline (gpu_session.sh carries only torch, diffusers and pydantic).
@@ -307,8 +307,8 @@ def summarize_agreement(comparisons: Sequence[dict]) -> dict:
 
 def cpu_resolution():
     """The driver's admission decision for the tiny model on this CPU (what a ReplicaSpec carries)."""
-    from attention import Platform
-    from pipelines.h3 import preset, validate_deployment
+    from h3serve.attention import Platform
+    from h3serve.pipelines.h3 import preset, validate_deployment
 
     tiny = preset("tiny")
     return validate_deployment(
@@ -324,8 +324,8 @@ def cpu_resolution():
 def tiny_spec(sp: int = 1, rank_cpus: float = 1.0, checkpoint: str | None = None):
     """What the driver hands a tiny CPU replica: default deploy args, ``sp`` Ulysses ranks, and ``checkpoint``
     (default: the tiny preset with seeded random weights, ``random_tiny_checkpoint()``: same dims, same cost)."""
-    from deploy.common.args import DeployArgs
-    from pipelines.h3.checkpoint import random_tiny_checkpoint
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
 
     args = DeployArgs(
         sp_degree=sp, rank_resources={"CPU": rank_cpus}, checkpoint=checkpoint or str(random_tiny_checkpoint())
@@ -401,7 +401,7 @@ def aten_ops(fn) -> int:
 def served_checkpoint() -> str | None:
     """What the default config serves: None (the shipped demo checkpoint) where it exists; else the tiny
     preset with random weights (the same architecture, so the same cost), which the config then names."""
-    from pipelines.h3.checkpoint import CheckpointError, random_tiny_checkpoint, resolve_checkpoint
+    from h3serve.pipelines.h3.checkpoint import CheckpointError, random_tiny_checkpoint, resolve_checkpoint
 
     try:
         resolve_checkpoint(None)
@@ -412,19 +412,20 @@ def served_checkpoint() -> str | None:
 
 def default_args():
     """The ``DeployArgs`` of the default config's one H3 application (limits.default_steps, engine bounds...)."""
-    from deploy.common.args import DeployArgs
-    from deploy.driver.cli import h3_apps, load_config
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.deploy.driver.cli import h3_apps, load_config
 
     ((_, args),) = h3_apps(load_config(None))
     return DeployArgs.model_validate(args)
 
 
 def default_config(port: int) -> dict:
-    """deploy/serve_config.yaml with only the HTTP port changed (127.0.0.1) and, in a checkout without the shipped
+    """h3serve/deploy/serve_config.yaml with only the HTTP port changed (127.0.0.1) and, in a checkout without the
+    shipped
     demo checkpoint, the checkpoint set to ``served_checkpoint()``'s tiny preset with random weights."""
     import copy
 
-    from deploy.driver.cli import BUILDER, load_config
+    from h3serve.deploy.driver.cli import BUILDER, load_config
 
     config, checkpoint = copy.deepcopy(load_config(None)), served_checkpoint()
     config["http_options"].update(host="127.0.0.1", port=port)
@@ -521,10 +522,10 @@ class ServedConfig:
 
 
 class ServedDefault(ServedConfig):
-    """`h3serve serve deploy/serve_config.yaml` on a free port of 127.0.0.1 (``default_config``)."""
+    """`h3serve serve h3serve/deploy/serve_config.yaml` on a free port of 127.0.0.1 (``default_config``)."""
 
     def __init__(self, startup_timeout_s: float = 300.0):
-        from replicas.worker_group import free_port
+        from h3serve.replicas.worker_group import free_port
 
         self.port, self.checkpoint = free_port(), served_checkpoint()
         super().__init__(default_config(self.port), 1, startup_timeout_s)

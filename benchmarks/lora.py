@@ -20,9 +20,9 @@ engine and pipeline (``max_active`` 8, ``max_rows_per_step`` 2048, one policy fo
 srpt, so the modes differ in the adapter rule alone):
 
   co-batched             h3serve's engine: requests on the base model and on any adapters share packs,
-                         each adapter's delta on its own documents' rows (``pipelines.h3.lora.adapting``)
+                         each adapter's delta on its own documents' rows (``h3serve.pipelines.h3.lora.adapting``)
   one adapter per batch  vLLM-Omni's step mode as the engine's public step gate (``OneAdapterPerBatch``, a
-                         ``replicas.engine.StepGate`` passed as ``Engine(gate=...)``): a step packs
+                         ``h3serve.replicas.engine.StepGate`` passed as ``Engine(gate=...)``): a step packs
                          requests of one model only; a request of that model joins while the batch runs
                          only if it ranks ahead of every request of another model waiting, and the next
                          model's batch starts when the running one has drained (its last request's schedule
@@ -61,17 +61,17 @@ from pathlib import Path
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.lora import (
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3.lora import (
     BASE_SLOT,
     LoraAdapter,
     LoraSpec,
     LoraSpecs,
     linear_kinds,
 )
-from pipelines.h3.shapes import keeps_fp32, transformer_config
-from replicas import Engine, EngineLimits, StepBoundary, StepGate, Ticket, WorkerGroup
-from replicas.scheduler import POLICIES
+from h3serve.pipelines.h3.shapes import keeps_fp32, transformer_config
+from h3serve.replicas import Engine, EngineLimits, StepBoundary, StepGate, Ticket, WorkerGroup
+from h3serve.replicas.scheduler import POLICIES
 
 from .harness import (
     PEAK_TFLOPS,
@@ -541,7 +541,7 @@ def print_trace_tables(rows: list[dict], load: float) -> None:
 
 
 def run_trace(sizes: TraceSizes, policy: str, seed: int = 0, aging_s: float | None = None) -> dict:
-    from pipelines.h3.checkpoint import random_tiny_checkpoint
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
 
     checkpoint = random_tiny_checkpoint()
     with tempfile.TemporaryDirectory(prefix="h3serve-lora-bench-") as directory:

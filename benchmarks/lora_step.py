@@ -6,7 +6,7 @@
 One pack of four T2VA documents on a MiniMax-H3 of random weights in the released block layout: on CPU at a
 smaller width (``--quick``: 4 heads; else 8), fp32; with ``--gpu`` at the released width (hidden 5376, 56 heads,
 FFN 14336; 2 blocks and 1 refiner block, so it fits beside nothing else), bf16 with diffusers' fp32 modules. The
-same pack runs ``packed_forward`` base-only, and under ``pipelines.h3.lora.adapting`` with one document on the
+same pack runs ``packed_forward`` base-only, and under ``h3serve.pipelines.h3.lora.adapting`` with one document on the
 base model and three on three different adapters, at rank 16 and at rank 64 (every linear of the blocks and the
 AdaLN projections adapted, as published Turbo adapters are). The three runs are interleaved rep by rep, so load
 drift hits them alike; the table gives medians and the ratio to base-only (issue 25's target: <= 1.15x at rank 64).
@@ -16,7 +16,7 @@ its share shrinks with the width: the table also gives that FLOP ratio for this 
 the released one (same pack rows), which is what the GPU cost tends to, the measured ratio here
 adding the overhead of this first, pure-torch delta path (per adapter and layer: a row gather, two GEMMs, an
 in-place add). On a shared machine other work can only add time, so the minimum of each case is printed beside
-the median. Only pipelines/ and torch are imported (no Ray): it runs on the lent GPU machine.
+the median. Only h3serve/pipelines/ and torch are imported (no Ray): it runs on the lent GPU machine.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import sys
 
 import torch
 
-from pipelines.h3.attention_processor import install
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.lora import BASE_SLOT, LoraAdapter, LoraLayer, LoraSpec, adapting, pack_slots, stream_of
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.lora import BASE_SLOT, LoraAdapter, LoraLayer, LoraSpec, adapting, pack_slots, stream_of
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
 
 from .harness import machine, median, now, say, table, width_main
 
@@ -186,7 +186,7 @@ def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
 
 
 def sdpa_impl():
-    from attention import get_backend
+    from h3serve.attention import get_backend
 
     return get_backend("torch_sdpa").make_impl()
 

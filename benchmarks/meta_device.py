@@ -41,8 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from attention import AttentionImpl
-from attention.impl import check_varlen_inputs
+from h3serve.attention import AttentionImpl
+from h3serve.attention.impl import check_varlen_inputs
 
 aten = torch.ops.aten
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

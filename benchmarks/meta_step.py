@@ -16,7 +16,7 @@ Each pack runs one warm-up step (each scheduler finds its place in its schedule,
 residuals) and one measured step, which reports: the FLOPs ``FlopCounterMode`` counts against
 ``shapes.forward_flops``; the host syncs, each with its line; the collectives and their bytes; the bytes live
 before the step (the requests' own tensors on the device) and the step's peak above them, against
-``pipelines/h3/memory.py``'s plan for the same pack; which tensors ran in fp32.
+``h3serve/pipelines/h3/memory.py``'s plan for the same pack; which tensors ran in fp32.
 
 Over 600 lines: the released step's paths, their budgets (syncs, FLOPs, memory), the check, the projection and its
 tables; the meta-device runtime itself is ``benchmarks/meta_device.py``, the seconds' assumptions
@@ -37,12 +37,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipelines.h3.attention_processor import install
-from pipelines.h3.lora import LoraAdapter, LoraLayer, LoraSpec, LoraSpecs
-from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, GiB, activation_row_cost, request_row_cost
-from pipelines.h3.pipeline import H3Denoiser, H3Pipeline, PreparedState, RequestState
-from pipelines.h3.request import GenerationRequest
-from pipelines.h3.shapes import (
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.lora import LoraAdapter, LoraLayer, LoraSpec, LoraSpecs
+from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, GiB, activation_row_cost, request_row_cost
+from h3serve.pipelines.h3.pipeline import H3Denoiser, H3Pipeline, PreparedState, RequestState
+from h3serve.pipelines.h3.request import GenerationRequest
+from h3serve.pipelines.h3.shapes import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,
     Clip,
@@ -53,8 +53,8 @@ from pipelines.h3.shapes import (
     parameter_bytes,
     transformer_config,
 )
-from pipelines.h3.step_cache import StepCachePolicy
-from replicas.sequence_parallel import UlyssesGroup
+from h3serve.pipelines.h3.step_cache import StepCachePolicy
+from h3serve.replicas.sequence_parallel import UlyssesGroup
 
 from .harness import cli, say, table
 from .meta_device import MetaRun, MetaVarlenImpl, dtype_log, fake_group
@@ -72,7 +72,7 @@ from .projection import (
 )
 
 STEPS = 50  # the released serve configs' default_steps
-BUDGET_ROWS, BUDGET_SP = 80000, 4  # deploy/serve_config.gpu.yaml (H200): max_rows_per_step, sp_degree
+BUDGET_ROWS, BUDGET_SP = 80000, 4  # h3serve/deploy/serve_config.gpu.yaml (H200): max_rows_per_step, sp_degree
 LORA_RANK = 64
 # step caching, First-Block-Cache F1B0: warmed after the warm-up step, a request skips its middle blocks at the
 # measured one (meta has no residual to measure: it reads 0); one still warming up computes them
@@ -137,7 +137,7 @@ class MetaReplica:
     def __init__(self, adapters: Sequence[str] = ()):
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
 
-        from pipelines.h3.stages import H3Stages
+        from h3serve.pipelines.h3.stages import H3Stages
 
         self.config = transformer_config("full")
         self.run = MetaRun(unknown=_measure_zero)
@@ -329,7 +329,8 @@ def run_host(run: MetaRun, pack):
 
 
 def plan_for(config: dict, result: dict, asks: Sequence[Ask]) -> dict:
-    """``pipelines/h3/memory.py``'s plan for the measured pack, by modality: its activations on this rank, and the
+    """``h3serve/pipelines/h3/memory.py``'s plan for the measured pack, by modality: its activations on this rank, and
+    the
     requests' own tensors (rank 0)."""
     policies = [a.cache for a in asks if a.cache is not None]
     cost = activation_row_cost(
@@ -371,33 +372,33 @@ class _nothing:
 # of its parts'; tests/test_meta_step.py holds every path to exactly these sites and counts.
 SYNC_BUDGET: dict[str, dict[str, int]] = {
     "pack": {  # before the forward: the pack's distinct timesteps, its two bounds vectors copied to the device
-        "unique at pipelines/h3/packing.py (pack_documents)": 1,
-        "host-to-device copy at pipelines/h3/packing.py (pack_documents)": 2,
+        "unique at h3serve/pipelines/h3/packing.py (pack_documents)": 1,
+        "host-to-device copy at h3serve/pipelines/h3/packing.py (pack_documents)": 2,
     },
     "ulysses": {  # this rank's text, video and audio rows, by boolean masks (their nonzero): 3 indices, 3 row sets
-        "boolean mask at pipelines/h3/forward.py (_local)": 6,
+        "boolean mask at h3serve/pipelines/h3/forward.py (_local)": 6,
         # mid-forward: the agreement's per-rank flags read back (every rank leaves a failed prologue there together)
-        "device-to-host copy at replicas/sequence_parallel.py (agree)": 1,
+        "device-to-host copy at h3serve/replicas/sequence_parallel.py (agree)": 1,
     },
     "step cache": {  # mid-forward: the decisions read back, the computing documents' sub-pack bounds sent
-        "device-to-host copy at pipelines/h3/step_cache.py (_decide)": 1,
-        "host-to-device copy at pipelines/h3/step_cache.py (of)": 1,
+        "device-to-host copy at h3serve/pipelines/h3/step_cache.py (_decide)": 1,
+        "host-to-device copy at h3serve/pipelines/h3/step_cache.py (of)": 1,
     },
     "ulysses step cache": {  # mid-forward: each decision's vector sent to rank 0's broadcast and read back
-        "host-to-device copy at replicas/sequence_parallel.py (follow_rank0)": 1,
-        "device-to-host copy at replicas/sequence_parallel.py (follow_rank0)": 1,
+        "host-to-device copy at h3serve/replicas/sequence_parallel.py (follow_rank0)": 1,
+        "device-to-host copy at h3serve/replicas/sequence_parallel.py (follow_rank0)": 1,
     },
     "lora": {  # before the forward: each row's slot, the slot groups, and each stream's runs of one slot
-        "host-to-device copy at pipelines/h3/lora.py (pack_slots)": 2,
-        "repeat_interleave at pipelines/h3/lora.py (pack_slots)": 1,
-        "unique at pipelines/h3/lora.py (pack_slots)": 1,
-        "device-to-host copy at pipelines/h3/lora.py (adapting)": 1,
-        "nonzero at pipelines/h3/lora.py (_runs)": 5,
-        "device-to-host copy at pipelines/h3/lora.py (_runs)": 10,
-        "host-to-device copy at pipelines/h3/lora.py (_runs)": 5,
+        "host-to-device copy at h3serve/pipelines/h3/lora.py (pack_slots)": 2,
+        "repeat_interleave at h3serve/pipelines/h3/lora.py (pack_slots)": 1,
+        "unique at h3serve/pipelines/h3/lora.py (pack_slots)": 1,
+        "device-to-host copy at h3serve/pipelines/h3/lora.py (adapting)": 1,
+        "nonzero at h3serve/pipelines/h3/lora.py (_runs)": 5,
+        "device-to-host copy at h3serve/pipelines/h3/lora.py (_runs)": 10,
+        "host-to-device copy at h3serve/pipelines/h3/lora.py (_runs)": 5,
     },
 }
-SYNC_BUDGET_ULYSSES_LORA = {"boolean mask at pipelines/h3/lora.py (local)": 2}  # pack_slots' own row filter
+SYNC_BUDGET_ULYSSES_LORA = {"boolean mask at h3serve/pipelines/h3/lora.py (local)": 2}  # pack_slots' own row filter
 
 
 def sync_budget(parts: Sequence[str]) -> dict[str, int]:
@@ -594,7 +595,7 @@ def run_self_test(replica: MetaReplica) -> dict:
       path once had it); a 37,966-row pack over 4 ranks needs 2 padding rows. Also the run's last violation.
     - ``stand_in_kernel``: the stand-in attention kernel given CPU tensors.
     """
-    from pipelines.h3 import packing
+    from h3serve.pipelines.h3 import packing
 
     class CpuZeros:
         def __getattr__(self, name):

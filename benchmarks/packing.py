@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from replicas import Engine, EngineLimits, WorkerGroup
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.replicas import Engine, EngineLimits, WorkerGroup
 
 from .harness import (
     StepLog,

@@ -24,15 +24,15 @@ import time
 import torch
 
 from benchmarks.harness import cli, machine, say, tiny_spec
-from pipelines.h3 import GenerationRequest
-from pipelines.h3.checkpoint import BUILT_IN_TINY
-from pipelines.h3.preview import PreviewLayout, clean_rows
-from replicas import Engine, EngineLimits, PreviewPolicy, WorkerGroup
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.pipelines.h3.checkpoint import BUILT_IN_TINY
+from h3serve.pipelines.h3.preview import PreviewLayout, clean_rows
+from h3serve.replicas import Engine, EngineLimits, PreviewPolicy, WorkerGroup
 
 PROMPTS = ("a red circle moving left with a high beep", "a blue square moving up", "a green triangle", "a cyan circle")
 MODES = {
     "off": PreviewPolicy(),
-    "config": PreviewPolicy(every_steps=2, every_s=1.0),  # deploy/serve_config.yaml's
+    "config": PreviewPolicy(every_steps=2, every_s=1.0),  # h3serve/deploy/serve_config.yaml's
     "every step": PreviewPolicy(every_steps=1),
 }
 TARGET = 0.03  # previews on may cost the step loop at most this share of its throughput

@@ -44,7 +44,7 @@ ASSUMPTIONS = {
 class Gpu:
     name: str
     hbm_tbps: float
-    memory_bytes: int  # what nvidia-smi reports, as deploy/platforms/ states it
+    memory_bytes: int  # what nvidia-smi reports, as h3serve/deploy/platforms/ states it
 
 
 H200 = Gpu("H200", 4.8, 143771 * 2**20)

@@ -11,7 +11,7 @@ gaps) is drawn once from ``--seed``; its rate is ``--load`` times the request-le
 from each class's service time measured alone first (two of each class one after another over HTTP on the first
 server, after a warm-up of each; each class's best) and reused for every run (``--service`` gives them instead).
 
-Configs are overlays on deploy/serve_config.yaml's H3 application args (``CONFIGS``): ``before`` (the engine
+Configs are overlays on h3serve/deploy/serve_config.yaml's H3 application args (``CONFIGS``): ``before`` (the engine
 settings the default shipped before issue 44, written out), ``max_active=1`` (the same with one request at a
 time: request-level FCFS), ``default`` (the shipped file as it is). Every run starts a fresh `h3serve serve` of
 one config on this process's Ray cluster (2 CPUs) and replays the trace; the configs take turns, A/B/C/A/B/C,
@@ -53,9 +53,9 @@ import httpx
 import ray
 from ray import serve
 
-from deploy.driver.cli import BUILDER, load_config
-from deploy.client import AsyncH3Client
-from replicas.worker_group import free_port
+from h3serve.client import AsyncH3Client
+from h3serve.deploy.driver.cli import BUILDER, load_config
+from h3serve.replicas.worker_group import free_port
 
 from .harness import (
     Attached,
@@ -85,7 +85,7 @@ BEFORE_ENGINE = {
 CONFIGS: dict[str, dict] = {
     "before": {"engine": BEFORE_ENGINE},
     REQUEST_LEVEL: {"engine": {**BEFORE_ENGINE, "max_active": 1}},
-    "default": {},  # deploy/serve_config.yaml as shipped
+    "default": {},  # h3serve/deploy/serve_config.yaml as shipped
     # diagnostics: one change each on top of `before`
     "before+srpt": {"engine": {**BEFORE_ENGINE, "policy": "srpt"}},
     "before+nice": {"engine": {**BEFORE_ENGINE, "stage_nice": 10, "encode_threads": 1}},
@@ -119,7 +119,7 @@ def merged(base: dict, overlay: dict) -> dict:
 
 
 def serve_config(overlay: dict, port: int, checkpoint: str | None) -> dict:
-    """deploy/serve_config.yaml with the overlay on its H3 application's args, on 127.0.0.1:port."""
+    """h3serve/deploy/serve_config.yaml with the overlay on its H3 application's args, on 127.0.0.1:port."""
     config = copy.deepcopy(load_config(None))
     config["http_options"].update(host="127.0.0.1", port=port)
     for app in config["applications"]:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.serving [--smoke] [--json PATH]
 
-Starts a local cluster (``ray.init(num_cpus=2)``), runs ``h3serve serve deploy/serve_config.yaml``
+Starts a local cluster (``ray.init(num_cpus=2)``), runs ``h3serve serve h3serve/deploy/serve_config.yaml``
 against it (only the port changed), builds an in-process ``replicas.Engine`` on an sp=1 WorkerGroup
 in this driver, then sends the same request, one at a time (no concurrency: this measures overhead,
 not batching), all paths interleaved:
@@ -29,11 +29,11 @@ import torch
 from PIL import Image
 from ray import serve
 
-from deploy.client import H3Client
-from pipelines.h3 import GenerationRequest
-from pipelines.h3.checkpoint import resolve_checkpoint
-from pipelines.h3.media import probe_media
-from replicas import Engine, WorkerGroup
+from h3serve.client import H3Client
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.pipelines.h3.checkpoint import resolve_checkpoint
+from h3serve.pipelines.h3.media import probe_media
+from h3serve.replicas import Engine, WorkerGroup
 
 from .harness import cli, default_args, machine, median, now, percentile, say, served_default, startup, table, tiny_spec
 

@@ -29,10 +29,10 @@ import sys
 import ray
 import torch
 
-from pipelines.h3 import GenerationRequest
-from pipelines.h3.shapes import Clip, clip_rows, human_bytes, transformer_config
-from pipelines.h3.step_cache import StepCachePolicy
-from replicas import WorkerGroup
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.pipelines.h3.shapes import Clip, clip_rows, human_bytes, transformer_config
+from h3serve.pipelines.h3.step_cache import StepCachePolicy
+from h3serve.replicas import WorkerGroup
 
 from . import packing
 from .harness import machine, median, say, smoke_main, table, time_ms, tiny_spec

@@ -9,7 +9,8 @@ checkpoint with seeded random weights (``random_tiny_checkpoint``: the tiny pres
   solo     today's app: one H3Replica that prepares (text encoder, layout) and decodes (both VAEs, the MP4)
            on its stage worker thread beside the forwards
   staged   ``args.stages``: one H3Replica that holds the transformer alone, an H3Conditioner and an H3Decoder
-           deployment (``deploy/model_server/stage_deployments.py``); prepared state and latents cross the Ray object store
+           deployment (``h3serve/deploy/model_server/stage_deployments.py``); prepared state and latents cross the Ray
+           object store
 Both apps' H3Replica have the same engine limits (``max_active`` 8, ``max_rows_per_step`` 2048, policy fcfs),
 rank resources {CPU: 0.5} and stages {num_cpus: 0.2}: each process gets one torch thread (Ray's
 OMP_NUM_THREADS), so on both sides a prepare or decode can run on a second core beside a forward.
@@ -72,18 +73,19 @@ SMOKE = Sizes(
 GPU = dataclasses.replace(TRACE_GPU, loads=(LOAD,))
 
 
-# -- object-store bytes, measured (pipelines.h3.shapes.handoff_bytes: the formula) -----------------------------
+# -- object-store bytes, measured (h3serve.pipelines.h3.shapes.handoff_bytes: the formula) -----------------------------
 def prepared_bytes_by_key(prepared) -> dict[str, int]:
     """A measured ``PreparedState``'s bytes by key (its tensors only; the layout sizes are Python ints)."""
-    from pipelines.h3.pipeline import payload_bytes
+    from h3serve.pipelines.h3.pipeline import payload_bytes
 
     return {key: payload_bytes(value) for key, value in prepared.values.items() if payload_bytes(value)}
 
 
 # -- the two apps ------------------------------------------------------------------------------------------
 def apps_config(checkpoint: str, sizes: Sizes, port: int, gpu: bool) -> dict:
-    """deploy/serve_config.yaml with two H3 applications, "solo" and "staged", on ``port``; one H3Replica each."""
-    from deploy.driver.cli import BUILDER, load_config
+    """h3serve/deploy/serve_config.yaml with two H3 applications, "solo" and "staged", on ``port``; one H3Replica
+    each."""
+    from h3serve.deploy.driver.cli import BUILDER, load_config
 
     base = copy.deepcopy(load_config(None))
     base["http_options"].update(host="127.0.0.1", port=port)
@@ -216,11 +218,11 @@ def print_table(rows: list[dict], requests: int, rate: float) -> str:
 
 
 def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None = None, rate: float | None = None):
-    from pipelines.h3 import PreparedState
-    from pipelines.h3.checkpoint import random_tiny_checkpoint
-    from pipelines.h3.shapes import handoff_bytes, released_bytes
-    from replicas import EngineLimits, WorkerGroup
-    from replicas.worker_group import free_port
+    from h3serve.pipelines.h3 import PreparedState
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
+    from h3serve.pipelines.h3.shapes import handoff_bytes, released_bytes
+    from h3serve.replicas import EngineLimits, WorkerGroup
+    from h3serve.replicas.worker_group import free_port
 
     checkpoint = checkpoint or str(random_tiny_checkpoint())
     requests, gaps = draw_trace(sizes, seed)

@@ -3,7 +3,7 @@
     python -m benchmarks.step_cache [--quick | --smoke | --gpu] [--json PATH] [--checkpoint DIR]
 
 Each request of a fixed set runs alone under every tier of the deployment default (``off``, ``high``,
-``medium``, ``low``: ``pipelines.h3.step_cache.BUILTIN_TIERS``), the tiers interleaved rep by rep so
+``medium``, ``low``: ``h3serve.pipelines.h3.step_cache.BUILTIN_TIERS``), the tiers interleaved rep by rep so
 load drift on a shared machine hits them alike. Per tier: the fraction of block-rows skipped (rows x
 transformer blocks a request did not run, over all it would have run), the denoising wall time against
 ``off`` (medians; the VAE decode, which caching does not touch, is timed apart), and per request the PSNR
@@ -29,10 +29,10 @@ import sys
 import numpy as np
 import torch
 
-from demo.world import held_out_scenes
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.checkpoint import resolve_checkpoint
-from pipelines.h3.step_cache import BUILTIN_TIERS, OFF, StepCachePolicy
+from h3serve.demo.world import held_out_scenes
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3.checkpoint import resolve_checkpoint
+from h3serve.pipelines.h3.step_cache import BUILTIN_TIERS, OFF, StepCachePolicy
 
 from .harness import cli, machine, median, now, say, table
 

@@ -13,7 +13,7 @@ skips, one that never leaves its warm-up), so the table is the cost of what the 
 
 From the four blocks measured here, the fixed cost (embeddings, text refiner, output heads) and one block's cost
 follow (off = fixed + 4 blocks; all skipping = fixed + 1 block + the cached middles' adds); the table projects them
-to the released depth of 50 blocks. Only pipelines/ and torch are imported (no Ray): it runs on the lent GPU
+to the released depth of 50 blocks. Only h3serve/pipelines/ and torch are imported (no Ray): it runs on the lent GPU
 machine.
 """
 
@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
 from .harness import machine, median, now, say, table, width_main
 from .lora_step import model_and_pack

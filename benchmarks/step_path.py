@@ -1,7 +1,8 @@
 """The per-step data path of an SP replica (issue 38): bytes through Ray, and how long the event loop is blocked.
 
 1. Bytes per step at the released size, from the real pack: 8 T2VA requests of 1344x768, 124 frames, laid out by
-   diffusers' builders (``pipelines.h3.shapes``), packed for sp=4. *Before* (to 72d41b8): rank 0 copied the pack to
+   diffusers' builders (``h3serve.pipelines.h3.shapes``), packed for sp=4. *Before* (to 72d41b8): rank 0 copied the pack
+   to
    the host and ``ray.put`` it (its pickle, what the object store held); *after*: each worker gets a ``StepOrder``
    (the pack's layout, the step-cache mirror: host metadata), inlined in the call below Ray's 100 KiB inline limit,
    and the pack's tensors come by one broadcast over the group's own backend (NCCL on GPU).
@@ -34,10 +35,10 @@ def step_bytes(smoke: bool = False) -> dict:
     """Ray bytes of one step at sp=4 for a pack of 8 released-size requests, before and after."""
     import torch
 
-    from pipelines.h3.packing import flatten_pack, pack_documents
-    from pipelines.h3.shapes import Clip, clip_document, transformer_config
-    from pipelines.h3.step_cache import BUILTIN_TIERS, CachedPack, CacheMirrorWriter, DocumentCache, PackCache
-    from replicas.worker_group import StepOrder
+    from h3serve.pipelines.h3.packing import flatten_pack, pack_documents
+    from h3serve.pipelines.h3.shapes import Clip, clip_document, transformer_config
+    from h3serve.pipelines.h3.step_cache import BUILTIN_TIERS, CachedPack, CacheMirrorWriter, DocumentCache, PackCache
+    from h3serve.replicas.worker_group import StepOrder
 
     config = transformer_config("tiny" if smoke else "full")
     width, height, frames = (64, 64, 124) if smoke else RELEASED_CLIP
@@ -112,9 +113,9 @@ class LoopBlocks:
 def loop_blocks(sp: int, smoke: bool = False) -> dict:
     """The loop's callbacks while 8 default requests step on an sp-rank group (the engine's model thread busy)."""
     from benchmarks.harness import tiny_spec
-    from deploy.common.args import DeployArgs
-    from pipelines.h3 import GenerationRequest
-    from replicas import Engine, WorkerGroup
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.pipelines.h3 import GenerationRequest
+    from h3serve.replicas import Engine, WorkerGroup
 
     group = WorkerGroup.create(tiny_spec(sp=sp, rank_cpus=0.5))
     limits = DeployArgs().engine.model_copy(update={"max_active": 8})
@@ -166,7 +167,7 @@ def options(ap) -> None:
 
 
 def run_args(args) -> dict:
-    import replicas
+    from h3serve import replicas
 
     say(f"replicas from {replicas.__file__}")
     result: dict = {"ok": True}

@@ -48,7 +48,7 @@ def hidden_states(text_encoder, tokenizer, prompt: str, layer: int) -> torch.Ten
     """[tokens, width] hidden state ``layer`` of ``prompt``, through diffusers' H3 encoder call."""
     from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
 
-    from pipelines.h3.checkpoint import ImageOnlyQwen3VLProcessor
+    from h3serve.pipelines.h3.checkpoint import ImageOnlyQwen3VLProcessor
 
     token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     processor = ImageOnlyQwen3VLProcessor(tokenizer, image_processor=None)  # only its token types are used
@@ -100,7 +100,7 @@ def measure(text_encoder, tokenizer, context_embedder) -> dict[str, dict[str, fl
 
 
 def run(checkpoint: str | None = None, seed: int = 0) -> dict:
-    from pipelines.h3.checkpoint import (
+    from h3serve.pipelines.h3.checkpoint import (
         CheckpointIndex,
         load_model,
         load_tokenizer,

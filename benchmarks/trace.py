@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from replicas import Engine, EngineLimits, WorkerGroup
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.replicas import Engine, EngineLimits, WorkerGroup
 
 from .harness import (
     StepLog,
@@ -542,9 +542,9 @@ def run(sizes: Sizes, group: WorkerGroup, seed: int = 0) -> dict:
 
 def gpu_group(checkpoint: str) -> WorkerGroup:
     """The released model on this node's first CUDA device, sp=1, with the backend admission picks here."""
-    from attention import probe_platform
-    from deploy.common.args import DeployArgs
-    from pipelines.h3 import preset, validate_deployment
+    from h3serve.attention import probe_platform
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.pipelines.h3 import preset, validate_deployment
 
     full = preset("full")
     resolution = validate_deployment(

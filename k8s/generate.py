@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Write each GPU serve config into its RayService as the serveConfigV2:
 
-    deploy/serve_config.gpu.yaml   -> k8s/rayservice.yaml        (H200 nodes)
-    deploy/serve_config.h100.yaml  -> k8s/rayservice.h100.yaml   (H100 nodes)
+    h3serve/deploy/serve_config.gpu.yaml   -> k8s/rayservice.yaml        (H200 nodes)
+    h3serve/deploy/serve_config.h100.yaml  -> k8s/rayservice.h100.yaml   (H100 nodes)
 
 The serve config is the one source of truth; the RayService carries a copy between two marker
 comments. Only that block is rewritten, so everything else in the manifest (comments, order,
@@ -27,12 +27,12 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "deploy" / "serve_config.gpu.yaml"
+SOURCE = REPO / "h3serve" / "deploy" / "serve_config.gpu.yaml"
 TARGET = REPO / "k8s" / "rayservice.yaml"
 # (serve config, RayService): every manifest the repository ships, each generated from its config
 PAIRS = (
     (SOURCE, TARGET),
-    (REPO / "deploy" / "serve_config.h100.yaml", REPO / "k8s" / "rayservice.h100.yaml"),
+    (REPO / "h3serve" / "deploy" / "serve_config.h100.yaml", REPO / "k8s" / "rayservice.h100.yaml"),
 )
 
 BEGIN = "# >>> BEGIN GENERATED serveConfigV2"

@@ -32,14 +32,14 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> Path:
     """The tiny preset with random weights in the released layout, written by h3serve's writer."""
-    from pipelines.h3.checkpoint import random_tiny_checkpoint
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
 
     return random_tiny_checkpoint()
 
 
 @pytest.fixture(scope="session")
 def tiny_pipeline(tiny_checkpoint):
-    from pipelines.h3 import H3Pipeline
+    from h3serve.pipelines.h3 import H3Pipeline
 
     return H3Pipeline.load(tiny_checkpoint, "torch_sdpa")
 

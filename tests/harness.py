@@ -20,8 +20,8 @@ import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.client import parse_events
-from replicas.worker_group import free_port as free_port  # the tests pick their ports with it
+from h3serve.client import parse_events
+from h3serve.replicas.worker_group import free_port as free_port  # the tests pick their ports with it
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -37,7 +37,7 @@ def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
 
     import ray
 
-    from pipelines.h3.paths import cache_dir
+    from h3serve.pipelines.h3.paths import cache_dir
 
     cache_dir().mkdir(parents=True, exist_ok=True)
     # One start at a time on this machine: `make test`'s two workers each start a cluster, and the first local
@@ -60,7 +60,7 @@ def start_cluster(metrics_port: int | None = None, logical_gpus: int = 0):
 
 
 def default_config() -> dict:
-    return yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    return yaml.safe_load((REPO / "h3serve" / "deploy" / "serve_config.yaml").read_text())
 
 
 def write_config(tmp_path: Path, config: dict, port: int, name: str = "config.yaml") -> Path:
@@ -99,12 +99,12 @@ def h3serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def h3serve_inline(*args: str) -> subprocess.CompletedProcess:
-    """The same command run by ``deploy.driver.cli.main`` in this process: its exit status, stdout and stderr as
+    """The same command run by ``h3serve.deploy.driver.cli.main`` in this process: its exit status, stdout and stderr as
     the console script's would be, without a new interpreter importing torch and diffusers again (~6 s a call). For
     commands that start nothing (admit, generate's refusals); what a process boundary shows stays with ``h3serve``."""
     import torch
 
-    from deploy.driver.cli import main
+    from h3serve.deploy.driver.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     cwd, threads = os.getcwd(), torch.get_num_threads()  # generate and eval set torch's threads for the process

@@ -38,8 +38,8 @@ def library_checkpoint(inputs: Inputs) -> Path:
     save_pretrained, diffusers' own index with absolute paths), at dims of its own (FOREIGN_DIMS, no preset's)."""
     from diffusers.modular_pipelines import MiniMaxH3Blocks
 
-    from pipelines.h3 import preset
-    from pipelines.h3.checkpoint import tiny_components
+    from h3serve.pipelines.h3 import preset
+    from h3serve.pipelines.h3.checkpoint import tiny_components
 
     directory = inputs.tmp / "library" / "MiniMax-H3-foreign"
     pipe = MiniMaxH3Blocks().init_pipeline()

@@ -11,11 +11,11 @@ import pytest
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from deploy.common.args import DeployArgs
-from deploy.common.errors import QUEUE_FULL_MESSAGE, UNAVAILABLE_MESSAGE, http_error
-from deploy.ingress.routes import ingress_options
-from deploy.model_server.h3_replica import H3Replica
-from replicas import DeadlineExceeded, EngineDraining, EngineStalled, EngineStopped, QueueFull
+from h3serve.deploy.common.args import DeployArgs
+from h3serve.deploy.common.errors import QUEUE_FULL_MESSAGE, UNAVAILABLE_MESSAGE, http_error
+from h3serve.deploy.ingress.routes import ingress_options
+from h3serve.deploy.model_server.h3_replica import H3Replica
+from h3serve.replicas import DeadlineExceeded, EngineDraining, EngineStalled, EngineStopped, QueueFull
 from tests.harness import client, wait_for, wait_video
 from tests.served_apps import FLOOD_ENGINE
 

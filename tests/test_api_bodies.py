@@ -3,9 +3,9 @@
 import pytest
 from pydantic import ValidationError
 
-from deploy.common.args import RequestLimits
-from deploy.common.errors import invalid
-from deploy.ingress.bodies import ImagesBody, VideosBody
+from h3serve.deploy.common.args import RequestLimits
+from h3serve.deploy.common.errors import invalid
+from h3serve.deploy.ingress.bodies import ImagesBody, VideosBody
 
 LIMITS = RequestLimits(max_pixels=128 * 64, max_seconds=6, max_n=2, max_steps=10, default_steps=8, max_prompt_chars=20)
 

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 from ray.util.state import list_actors
 
-from deploy.ingress.openapi import REQUEST_ID
-from deploy.ingress.routes import PUBLIC_ROUTES
+from h3serve.deploy.ingress.openapi import REQUEST_ID
+from h3serve.deploy.ingress.routes import PUBLIC_ROUTES
 from tests.harness import (
     SCHEMATHESIS,
     bomb_png,
@@ -41,7 +41,8 @@ def server(served):
 
 
 def test_the_running_ingress_never_loaded_torch(server, ray_cluster):
-    # importing deploy.ingress.routes loads no model library (test_ingress_imports); here the ingress's own process,
+    # importing h3serve.deploy.ingress.routes loads no model library (test_ingress_imports); here the ingress's own
+    # process,
     # as Serve started it and after it served a request, is held to it: torch's shared library is not mapped into it
     with client(server.url) as http:
         assert http.get("/health").status_code == 200

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attention import (
+from h3serve.attention import (
     AdmissionError,
     AttentionBackend,
     AttentionImpl,
@@ -23,7 +23,7 @@ from attention import (
     resolve,
     selector_calls,
 )
-from attention.backends.torch_sdpa import TorchSDPAImpl
+from h3serve.attention.backends.torch_sdpa import TorchSDPAImpl
 
 VARLEN = AttentionRequirements(packed_varlen=True)
 H100 = Platform.cuda((9, 0), {"flash_attn": "2.8.3", "torch.nn.attention.varlen": "2.13.0"}, device_name="H100")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from attention import (
+from h3serve.attention import (
     AttentionRequirements,
     BackendUnavailable,
     Platform,
@@ -18,7 +18,7 @@ from attention import (
     probe_platform,
     resolve,
 )
-from attention.backends.flex_attn import BLOCK, FlexAttnImpl, document_block_mask
+from h3serve.attention.backends.flex_attn import BLOCK, FlexAttnImpl, document_block_mask
 
 # CPU runs flex_attention eagerly on purpose (opt-in there); its one "use torch.compile" warning is expected.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

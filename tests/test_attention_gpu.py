@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from attention import AttentionRequirements, get_backend, probe_platform
+from h3serve.attention import AttentionRequirements, get_backend, probe_platform
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from attention import (
+from h3serve.attention import (
     AdmissionError,
     AttentionRequirements,
     AttentionSelectionError,
@@ -20,7 +20,7 @@ from attention import (
     probe_platform,
     resolve,
 )
-from attention.ranking import ENV_VAR, load, save
+from h3serve.attention.ranking import ENV_VAR, load, save
 
 VARLEN = AttentionRequirements(packed_varlen=True)
 LIBS = {"torch.nn.attention.flex_attention": "2.13.0", "torch.nn.attention.varlen": "2.13.0"}

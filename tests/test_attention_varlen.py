@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from attention import get_backend
+from h3serve.attention import get_backend
 
 SDPA = get_backend("torch_sdpa").make_impl()
 

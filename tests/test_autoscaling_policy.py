@@ -1,4 +1,5 @@
-"""The backlog autoscaling policy (deploy/common/autoscaling.py) on constructed inputs: a pure function of the replicas'
+"""The backlog autoscaling policy (h3serve/deploy/common/autoscaling.py) on constructed inputs: a pure function of the
+replicas'
 reports and the replica count, then the same policy under Serve's own wrapper (its delays and bounds, real Serve
 code on a constructed AutoscalingContext), and its configuration refused by `h3serve admit` naming the field."""
 
@@ -12,8 +13,8 @@ from ray.serve._private.common import DeploymentID, TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deploy.common.args import DeployArgs
-from deploy.common.autoscaling import (
+from h3serve.deploy.common.args import DeployArgs
+from h3serve.deploy.common.autoscaling import (
     NO_DEADLINE_S,
     POLICY_PATH,
     STAT_KEYS,
@@ -219,7 +220,7 @@ def test_deploy_args_build_serves_autoscaling_config_with_the_backlog_policy():
     config = AutoscalingConfig(**args.autoscaling.serve_config())  # Serve's own model takes it
     assert (config.min_replicas, config.max_replicas) == (0, 2)
     assert config.policy.policy_kwargs == {"target_wait_s": 30.0, "downscale_below": 0.5, "deadline_boost_max": 4.0}
-    from deploy.model_server.h3_replica import H3Replica
+    from h3serve.deploy.model_server.h3_replica import H3Replica
 
     assert H3Replica.deployment_options(args)["autoscaling_config"] == args.autoscaling.serve_config()
 
@@ -261,7 +262,7 @@ def test_the_validation_error_lists_the_allowed_values():
 
 def test_the_gpu_configs_scale_on_the_backlog():
     for name in ("serve_config.gpu.yaml", "serve_config.h100.yaml"):
-        config = yaml.safe_load((REPO / "deploy" / name).read_text())
+        config = yaml.safe_load((REPO / "h3serve" / "deploy" / name).read_text())
         (app,) = config["applications"]
         args = DeployArgs.model_validate(app["args"])
         assert args.autoscaling is not None and args.autoscaling.min_replicas >= 1, name

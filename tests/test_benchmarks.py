@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attention import get_backend
-from pipelines.h3.attention_processor import install
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.shapes import (
+from h3serve.attention import get_backend
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.shapes import (
     RELEASED_TEXT_TOKENS,
     Clip,
     build_transformer,
@@ -32,7 +32,7 @@ from pipelines.h3.shapes import (
     released_bytes,
     transformer_config,
 )
-from pipelines.h3.step_cache import BUILTIN_TIERS, OFF
+from h3serve.pipelines.h3.step_cache import BUILTIN_TIERS, OFF
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +169,10 @@ def test_admission_smoke_selector_never_runs_on_the_request_path(tmp_path):
     assert path["completed"] == path["requests"] == 2
     assert path["selector_calls_after"] == path["selector_calls_before"]
     assert set(path["admission_frames"].values()) == {0}
-    assert sum(path["calls_per_file"].get(f, 0) for f in ("replicas/engine.py", "pipelines/h3/forward.py")) > 0
+    assert (
+        sum(path["calls_per_file"].get(f, 0) for f in ("h3serve/replicas/engine.py", "h3serve/pipelines/h3/forward.py"))
+        > 0
+    )
     backends = {(r["config"], r["call"]): r["backend"] for r in result["cost"]}
     assert backends[("cpu tiny auto", "admit (cold)")] == "torch_sdpa"
     assert backends[("gpu full flash_attn (h200 json)", "admit (cold)")] == "flash_attn"  # serve_config.gpu.yaml
@@ -420,15 +423,17 @@ def test_sp_smoke_sp2_equals_sp1_and_pads_only_to_the_degree(ray_cluster, tmp_pa
 
 @pytest.mark.ray
 class TestOnOneServerOfTheDefaultConfig:
-    """The smokes that serve deploy/serve_config.yaml as shipped share one `h3serve serve` of it (each started its
+    """The smokes that serve h3serve/deploy/serve_config.yaml as shipped share one `h3serve serve` of it (each started
+    its
     own: ~30 s on 2 cores). Class-scoped, so it is stopped before the next smoke deploys a config of its own on the
     same cluster (a second `h3serve serve` would replace its applications)."""
 
     @pytest.fixture(scope="class")
     def default_server(self, ray_cluster, tiny_checkpoint, tmp_path_factory):
-        """`h3serve serve deploy/serve_config.yaml` on the session's cluster (the tiny preset's random weights where
+        """`h3serve serve h3serve/deploy/serve_config.yaml` on the session's cluster (the tiny preset's random weights
+        where
         this checkout lacks the shipped demo checkpoint, as the benchmarks' own server)."""
-        from pipelines.h3.checkpoint import CheckpointError, resolve_checkpoint
+        from h3serve.pipelines.h3.checkpoint import CheckpointError, resolve_checkpoint
         from tests.harness import ServeProcess, default_config, free_port, write_config
 
         config = default_config()
@@ -562,7 +567,7 @@ def test_stages_smoke_serves_one_trace_through_both_apps_and_counts_the_object_s
 
 
 def test_stages_released_bytes_follow_the_model_geometry():
-    """``pipelines.h3.shapes.released_bytes``: what benchmarks.stages prints for a released-size request."""
+    """``h3serve.pipelines.h3.shapes.released_bytes``: what benchmarks.stages prints for a released-size request."""
     short, long = released_bytes()
     # 345 frames -> 5 * 20 + 2 latent frames; 16x spatial and a (1, 2, 2) patch -> 24 x 42 rows per latent frame;
     # 24 channels x 4 per row, float32

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from diffusers import MiniMaxH3Transformer3DModel
 
-from attention import Platform
-from deploy.common.args import DeployArgs
-from deploy.driver.preflight import admit
-from pipelines.h3 import CheckpointMismatch, DeploymentConfigError, TransformerGeometry, preset
-from pipelines.h3.checkpoint import write_tiny_checkpoint
+from h3serve.attention import Platform
+from h3serve.deploy.common.args import DeployArgs
+from h3serve.deploy.driver.preflight import admit
+from h3serve.pipelines.h3 import CheckpointMismatch, DeploymentConfigError, TransformerGeometry, preset
+from h3serve.pipelines.h3.checkpoint import write_tiny_checkpoint
 from tests.harness import FOREIGN_DIMS
 
 FOREIGN = TransformerGeometry(num_heads=4, head_dim=24, num_layers=3, hidden_size=64)

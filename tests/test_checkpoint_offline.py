@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import os, sys
-import pipelines.h3.checkpoint as checkpoint
+import h3serve.pipelines.h3.checkpoint as checkpoint
 assert "HF_HUB_OFFLINE" not in os.environ, "importing h3serve changed the process's environment"
-from pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 pipeline = H3Pipeline.load(sys.argv[1], "torch_sdpa")
 media = pipeline.generate(GenerationRequest(prompt="x", width=64, height=64, num_inference_steps=2))
 assert "HF_HUB_OFFLINE" not in os.environ

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from pipelines.h3.media import probe_media
+from h3serve.pipelines.h3.media import probe_media
 from tests.harness import h3serve, h3serve_inline
 
 # the command in a process of its own (which imports torch and diffusers), as users run it; its refusals of bad

@@ -1,18 +1,18 @@
-"""docs/CONFIG.md is what `python -m deploy.driver.config_reference` generates from DeployArgs."""
+"""docs/CONFIG.md is what `python -m h3serve.deploy.driver.config_reference` generates from DeployArgs."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deploy.common.args import DeployArgs
-from deploy.driver.config_reference import reference
+from h3serve.deploy.common.args import DeployArgs
+from h3serve.deploy.driver.config_reference import reference
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
 
 
 def test_the_config_reference_is_up_to_date():
-    assert DOC.read_text() == reference(), "run: python -m deploy.driver.config_reference > docs/CONFIG.md"
+    assert DOC.read_text() == reference(), "run: python -m h3serve.deploy.driver.config_reference > docs/CONFIG.md"
 
 
 def test_every_field_is_described():
@@ -24,7 +24,7 @@ def test_every_field_is_described():
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml", "serve_config.h100.yaml"])
 def test_the_shipped_configs_size_the_ingress_for_their_h3_replicas(name):
     """ingress.h3_replicas repeats the H3Replica count under deployments: (the builder sees only args)."""
-    config = yaml.safe_load((DOC.parents[1] / "deploy" / name).read_text())
+    config = yaml.safe_load((DOC.parents[1] / "h3serve" / "deploy" / name).read_text())
     for app in config["applications"]:
         args = DeployArgs.model_validate(app["args"])
         args.check_deployments(app["deployments"])
@@ -45,7 +45,7 @@ def test_the_gpu_configs_run_the_stages_and_the_cpu_default_does_not(name, stage
     """The CPU default stays one process group (no stage deployments to set up); both GPU configs condition and
     decode in stages of their own, each replica on one GPU, asking for the h3serve_stage resource that only the
     RayServices' stage worker groups offer (tests/test_k8s.py schedules them there)."""
-    config = yaml.safe_load((DOC.parents[1] / "deploy" / name).read_text())
+    config = yaml.safe_load((DOC.parents[1] / "h3serve" / "deploy" / name).read_text())
     args = DeployArgs.model_validate(config["applications"][0]["args"])
     stages = args.stage_deployments()
     assert (args.stages is not None) == staged and bool(stages) == staged

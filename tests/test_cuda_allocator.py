@@ -1,8 +1,8 @@
 """Every CUDA rank of a replica (and each stage) runs the caching allocator with expandable segments, unless the
 operator set PYTORCH_CUDA_ALLOC_CONF: pack sizes change every step, which fragments fixed segments."""
 
-from replicas import allocator
-from replicas.allocator import DEFAULT, VARIABLE, cuda_allocator_defaults
+from h3serve.replicas import allocator
+from h3serve.replicas.allocator import DEFAULT, VARIABLE, cuda_allocator_defaults
 
 
 def test_cuda_gets_expandable_segments_unless_the_operator_set_the_variable(monkeypatch):

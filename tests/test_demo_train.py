@@ -8,8 +8,8 @@ import pytest
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Scheduler
 
-from demo import world
-from demo.train import (
+from h3serve.demo import world
+from h3serve.demo.train import (
     DecodeWindows,
     Recipe,
     TrainingDocuments,
@@ -20,7 +20,7 @@ from demo.train import (
     train,
     train_video_on_frames,
 )
-from pipelines.h3 import GenerationRequest, H3Pipeline, preset
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline, preset
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +106,8 @@ def test_the_training_target_is_the_velocity_the_scheduler_steps_with(pipeline):
 def test_a_window_keeps_the_prompt_and_the_same_seconds_of_video_and_audio(pipeline):
     """A window of a training document: every text row, the video and audio rows of one stretch of time with
     their whole-clip positions and targets, and nothing else; a window over the whole clip is the clip."""
-    from pipelines.h3.forward import packed_forward
-    from pipelines.h3.packing import pack_documents
+    from h3serve.pipelines.h3.forward import packed_forward
+    from h3serve.pipelines.h3.packing import pack_documents
 
     fmt = world.ClipFormat.of(pipeline.rules)
     scene = world.Scene("blue", "square", "up", "high beep")
@@ -183,10 +183,10 @@ def test_a_recipe_refuses_windows_it_cannot_draw(fields, named):
 
 
 def test_the_built_in_checkpoint_is_what_the_recipe_defaults_make():
-    from pipelines.h3.checkpoint import resolve_checkpoint
+    from h3serve.pipelines.h3.checkpoint import resolve_checkpoint
 
     record = json.loads((resolve_checkpoint(None) / "training.json").read_text())
-    assert record["recipe"] == dataclasses.asdict(Recipe())  # `python -m demo.train OUT` remakes it
+    assert record["recipe"] == dataclasses.asdict(Recipe())  # `python -m h3serve.demo.train OUT` remakes it
     assert record["seconds"] < 3600  # the issue's budget: an hour on 2 cores, every stage included
     steps = {"audio_decoder": "audio_decoder", "video_decoder": "video_decoder", "video_frames": "video_frame"}
     steps |= {"video_refine": "video_refine", "transformer": "transformer"}  # every stage ran, all its steps

@@ -4,8 +4,8 @@ right; noise, an empty canvas and ambiguous clips are judged unknown (None), nev
 import numpy as np
 import pytest
 
-from demo import detectors
-from demo.world import (
+from h3serve.demo import detectors
+from h3serve.demo.world import (
     COLOURS,
     COMBINATIONS,
     HELD_OUT,

@@ -45,7 +45,7 @@ def sage_config(tmp_path):
 @pytest.fixture(scope="module")
 def foreign_checkpoint(tmp_path_factory) -> Path:
     """The tiny layout with a transformer of other dims (FOREIGN_DIMS), written by the libraries' save_pretrained."""
-    from pipelines.h3.checkpoint import write_tiny_checkpoint
+    from h3serve.pipelines.h3.checkpoint import write_tiny_checkpoint
 
     directory = tmp_path_factory.mktemp("foreign") / "MiniMax-H3-foreign"
     return write_tiny_checkpoint(directory, seed=5, with_ref=True, transformer=FOREIGN_DIMS)
@@ -133,8 +133,8 @@ def test_admit_refuses_a_checkpoint_of_other_dims_and_serves_its_own_with_model_
     geometries, and counted (reason "checkpoint"); model: auto admits it, and plans memory at its real dims."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from pipelines.h3 import preset
-    from pipelines.h3.memory import activation_row_cost, gib
+    from h3serve.pipelines.h3 import preset
+    from h3serve.pipelines.h3.memory import activation_row_cost, gib
 
     textfile = tmp_path / "admission.prom"
     result = h3serve_inline("admit", str(foreign_config), "--textfile", str(textfile))
@@ -174,16 +174,20 @@ def test_admit_refuses_a_config_whose_replica_count_the_ingress_was_not_sized_fo
 
 
 def test_admit_passes_both_shipped_configs():
-    default = h3serve_inline("admit", "deploy/serve_config.yaml")
+    default = h3serve_inline("admit", "h3serve/deploy/serve_config.yaml")
     assert default.returncode == 0, default.stderr
     assert "stage conditioner" not in default.stdout  # the CPU default stays one deployment
-    gpu = h3serve_inline("admit", "deploy/serve_config.gpu.yaml")
+    gpu = h3serve_inline("admit", "h3serve/deploy/serve_config.gpu.yaml")
     assert gpu.returncode == 2 and "--platform" in gpu.stderr  # this machine is not the GPU target
-    missing = h3serve_inline("admit", "deploy/serve_config.gpu.yaml", "--platform", "deploy/platforms/h200.json")
+    missing = h3serve_inline(
+        "admit", "h3serve/deploy/serve_config.gpu.yaml", "--platform", "h3serve/deploy/platforms/h200.json"
+    )
     assert missing.returncode == 2, missing  # a mistyped file name: refused naming the flag, no traceback
-    assert "--platform 'deploy/platforms/h200.json': neither an existing file nor platform JSON" in missing.stderr
-    h200 = "deploy/platforms/h200-flash-attn.json"
-    given = h3serve_inline("admit", "deploy/serve_config.gpu.yaml", "--platform", h200)
+    assert (
+        "--platform 'h3serve/deploy/platforms/h200.json': neither an existing file nor platform JSON" in missing.stderr
+    )
+    h200 = "h3serve/deploy/platforms/h200-flash-attn.json"
+    given = h3serve_inline("admit", "h3serve/deploy/serve_config.gpu.yaml", "--platform", h200)
     assert given.returncode == 0, given.stderr
     assert "'flash_attn' explicitly selected" in given.stdout
     lines = given.stdout.splitlines()
@@ -203,8 +207,8 @@ def released_layout(tmp_path: Path) -> Path:
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
     from transformers import Qwen3VLConfig
 
-    from pipelines.h3.checkpoint import CheckpointIndex, write_tiny_checkpoint
-    from pipelines.h3.memory import RELEASED_TEXT_ENCODER
+    from h3serve.pipelines.h3.checkpoint import CheckpointIndex, write_tiny_checkpoint
+    from h3serve.pipelines.h3.memory import RELEASED_TEXT_ENCODER
 
     released = write_tiny_checkpoint(tmp_path / "MiniMax-H3", with_ref=True)
     with torch.device("meta"):
@@ -225,15 +229,15 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
     """With transformer_ref/ every rank holds two transformers: staged, they fit an H200 (the shipped H200 config);
     in one deployment rank 0 would also hold Qwen3-VL and the VAEs, and fits no GPU; staged on an H100, no rank
     fits."""
-    from pipelines.h3.memory import gib, memory_plan
+    from h3serve.pipelines.h3.memory import gib, memory_plan
 
     released = released_layout(tmp_path)
-    config = yaml.safe_load((REPO / "deploy" / "serve_config.gpu.yaml").read_text())
+    config = yaml.safe_load((REPO / "h3serve" / "deploy" / "serve_config.gpu.yaml").read_text())
     args = config["applications"][0]["args"]
     args["checkpoint"] = str(released)
-    h200, h100 = (REPO / "deploy" / "platforms" / f"{gpu}-flash-attn.json" for gpu in ("h200", "h100"))
+    h200, h100 = (REPO / "h3serve" / "deploy" / "platforms" / f"{gpu}-flash-attn.json" for gpu in ("h200", "h100"))
     h200_bytes = json.loads(h200.read_text())["device_memory_bytes"]
-    from deploy.common.args import DeployArgs
+    from h3serve.deploy.common.args import DeployArgs
 
     engine = DeployArgs.model_validate(args).engine  # the config's bounds, its defaults filled in
     plan = memory_plan(
@@ -289,8 +293,8 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
 
 
 def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_path):
-    platform = "deploy/platforms/h100-flash-attn.json"
-    staged = h3serve_inline("admit", "deploy/serve_config.h100.yaml", "--platform", platform)
+    platform = "h3serve/deploy/platforms/h100-flash-attn.json"
+    staged = h3serve_inline("admit", "h3serve/deploy/serve_config.h100.yaml", "--platform", platform)
     assert staged.returncode == 0, staged.stderr
     assert "application 'h3serve' admitted" in staged.stdout
     # the plan of every role: the denoiser's ranks hold the transformer alone, each stage its own models
@@ -301,7 +305,7 @@ def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_p
     assert "weights: text_encoder 50.3 GiB, vae 9.7 GiB, audio_vae 577.2 MiB" in staged.stdout  # the conditioner
     assert "weights: vae 9.7 GiB, audio_vae 577.2 MiB" in staged.stdout  # the decoder
     assert "stage conditioner: 1 replica(s)" in staged.stdout and "stage decoder: 2 replica(s)" in staged.stdout
-    config = yaml.safe_load((REPO / "deploy" / "serve_config.h100.yaml").read_text())
+    config = yaml.safe_load((REPO / "h3serve" / "deploy" / "serve_config.h100.yaml").read_text())
     del config["applications"][0]["args"]["stages"]
     unstaged = h3serve_inline(
         "admit", str(write_config(tmp_path, config, free_port(), "h100-unstaged.yaml")), "--platform", platform
@@ -416,9 +420,9 @@ def test_a_checkpoint_only_replica_nodes_hold_is_read_by_the_probe(
     """Where the driver cannot read the directory (a volume mounted on GPU nodes only), the platform probe reads it
     on a replica node. Here a relative path names the checkpoint from the workers' working directory, and the
     driver (this process) runs elsewhere, where that path leads nowhere."""
-    from deploy.common.args import DeployArgs
-    from deploy.driver.preflight import admit
-    from pipelines.h3 import CheckpointMismatch, TransformerGeometry
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.deploy.driver.preflight import admit
+    from h3serve.pipelines.h3 import CheckpointMismatch, TransformerGeometry
 
     def cwd() -> str:
         return os.getcwd()
@@ -453,7 +457,7 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster
     address, metrics_port = ray_cluster.address, ray_cluster.metrics_port
     config = copy.deepcopy(default_config())
     config["applications"][0]["name"] = app = "claims-gpu"
-    platform = json.loads((REPO / "deploy" / "platforms" / "h100-flash-attn.json").read_text())
+    platform = json.loads((REPO / "h3serve" / "deploy" / "platforms" / "h100-flash-attn.json").read_text())
     config["applications"][0]["args"].update(
         attention_backend="flash_attn",
         device="cuda",
@@ -484,9 +488,9 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster
 
 
 def spec_for(backend: str, sp_degree: int = 1):
-    from attention import Platform, Resolution, resolve
-    from pipelines.h3 import REQUIREMENTS
-    from replicas import ReplicaSpec
+    from h3serve.attention import Platform, Resolution, resolve
+    from h3serve.pipelines.h3 import REQUIREMENTS
+    from h3serve.replicas import ReplicaSpec
 
     admitted = resolve(REQUIREMENTS, "auto", Platform.cpu(), model="minimax-h3-tiny", head_dim=32)
     resolution = Resolution(**{**admitted.model_dump(), "backend": backend})
@@ -504,9 +508,9 @@ def spec_for(backend: str, sp_degree: int = 1):
 
 
 def replica_app(spec, name: str):
-    from deploy.common.args import DeployArgs
-    from deploy.model_server.h3_replica import H3Replica
-    from replicas import EngineLimits
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.deploy.model_server.h3_replica import H3Replica
+    from h3serve.replicas import EngineLimits
 
     options = H3Replica.deployment_options(DeployArgs(rank_resources={"CPU": 0.25}, sp_degree=spec.sp_degree))
     return serve.deployment(H3Replica, **options).bind(spec, EngineLimits()), name

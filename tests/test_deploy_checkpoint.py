@@ -3,7 +3,7 @@ its own (FOREIGN_DIMS, no preset's) when the config says so: ``model: auto``."""
 
 import pytest
 
-from pipelines.h3.media import probe_media
+from h3serve.pipelines.h3.media import probe_media
 from tests.harness import client, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]

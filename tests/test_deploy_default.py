@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from ray import serve
 
-from pipelines.h3.media import probe_media
+from h3serve.pipelines.h3.media import probe_media
 from tests.harness import (
     client,
     error_of,

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray import serve
 
-from deploy.common.metrics import admission_recorder
+from h3serve.deploy.common.metrics import admission_recorder
 from tests.harness import ServeProcess, client, default_config, free_port, serve_status, wait_for, write_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]

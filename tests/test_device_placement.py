@@ -28,14 +28,14 @@ import torch.multiprocessing as mp
 from PIL import Image
 from torch.overrides import TorchFunctionMode
 
-from pipelines.h3 import GenerationRequest, H3Pipeline
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.pipeline import H3Denoiser
-from replicas.sequence_parallel import UlyssesGroup
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.pipeline import H3Denoiser
+from h3serve.replicas.sequence_parallel import UlyssesGroup
 from tests.harness import free_port
 from tests.test_h3_forward import DOCUMENTS, document
 
-H3SERVE_PACKAGES = ("attention", "pipelines", "replicas")
+H3SERVE_PACKAGES = ("h3serve.attention", "h3serve.pipelines", "h3serve.replicas")
 # Functions that make a tensor on the default device unless given one.
 FACTORIES = frozenset(
     {
@@ -67,7 +67,7 @@ def _h3serve_call_site(frame) -> str | None:
     if frame is None:
         return None
     module = frame.f_globals.get("__name__", "")
-    if module.split(".")[0] not in H3SERVE_PACKAGES:
+    if ".".join(module.split(".")[:2]) not in H3SERVE_PACKAGES:
         return None
     return f"{module}:{frame.f_lineno} ({frame.f_code.co_name})"
 
@@ -142,7 +142,10 @@ def serve_requests(pipeline: H3Pipeline, forward, recorder: DefaultDeviceFactori
 def test_the_recorder_sees_a_default_device_factory_in_h3serve_code_only():
     recorder = DefaultDeviceFactories()
     planted = "def pad(n):\n    return torch.zeros(n, 3, dtype=torch.float64)\n"
-    ours, theirs = {"torch": torch, "__name__": "pipelines.h3.planted"}, {"torch": torch, "__name__": "elsewhere"}
+    ours, theirs = (
+        {"torch": torch, "__name__": "h3serve.pipelines.h3.planted"},
+        {"torch": torch, "__name__": "elsewhere"},
+    )
     exec(planted, ours)
     exec(planted, theirs)
     with recorder:
@@ -150,7 +153,7 @@ def test_the_recorder_sees_a_default_device_factory_in_h3serve_code_only():
         theirs["pad"](2)  # not h3serve's code
         torch.zeros(2, device="cpu")  # explicit
         torch.as_tensor(torch.ones(2))  # keeps its source's device
-    assert recorder.sites == ["torch.zeros at pipelines.h3.planted:2 (pad)"]
+    assert recorder.sites == ["torch.zeros at h3serve.pipelines.h3.planted:2 (pad)"]
 
 
 def test_a_pack_lives_on_its_documents_device():

@@ -10,7 +10,7 @@ from ray import serve
 from ray.serve import context
 from ray.serve.schema import ServeDeploySchema
 
-from deploy.common.metrics import STAGES
+from h3serve.deploy.common.metrics import STAGES
 from tests.harness import (
     ServeProcess,
     client,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines.h3.preview import PreviewLayout, PreviewMap, clean_rows, preview_frames
-from replicas import Engine, EngineLimits, PreviewPolicy, WorkerGroup
-from replicas.requests import Stage
+from h3serve.pipelines.h3.preview import PreviewLayout, PreviewMap, clean_rows, preview_frames
+from h3serve.replicas import Engine, EngineLimits, PreviewPolicy, WorkerGroup
+from h3serve.replicas.requests import Stage
 from tests.test_engine_faults import Recorder
 from tests.test_replicas import request, spec
 

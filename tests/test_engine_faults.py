@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from replicas import (
+from h3serve.replicas import (
     FAILURE_REASONS,
     STAGES,
     DeadlineExceeded,

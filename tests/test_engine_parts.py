@@ -6,10 +6,10 @@ import types
 
 import pytest
 
-from pipelines.h3 import GenerationRequest
-from replicas.progress import RateMeter
-from replicas.requests import RequestTable, Stage, Ticket, deadline_error, place
-from replicas.scheduler import admit
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.replicas.progress import RateMeter
+from h3serve.replicas.requests import RequestTable, Stage, Ticket, deadline_error, place
+from h3serve.replicas.scheduler import admit
 
 
 @pytest.fixture

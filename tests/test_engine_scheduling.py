@@ -14,8 +14,8 @@ import numpy as np
 import pydantic
 import pytest
 
-from pipelines.h3 import RequestError
-from replicas import (
+from h3serve.pipelines.h3 import RequestError
+from h3serve.replicas import (
     MAX_PRIORITY,
     MIN_PRIORITY,
     POLICIES,
@@ -27,7 +27,7 @@ from replicas import (
     StepGate,
     WorkerGroup,
 )
-from replicas.scheduler import Budget, RequestView, rank, schedule
+from h3serve.replicas.scheduler import Budget, RequestView, rank, schedule
 from tests.test_engine_faults import Recorder, assert_same_media
 from tests.test_replicas import request, spec
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-import demo.evaluate
-from demo.evaluate import ATTRIBUTES, EvalSettings, evaluate
-from demo.world import HELD_OUT
-from deploy.driver.cli import main
-from pipelines.h3 import RequestError
+import h3serve.demo.evaluate
+from h3serve.demo.evaluate import ATTRIBUTES, EvalSettings, evaluate
+from h3serve.demo.world import HELD_OUT
+from h3serve.deploy.driver.cli import main
+from h3serve.pipelines.h3 import RequestError
 
 SMALL = dict(n=3, seed=5, steps=3, pack=3, width=64, height=64)
 
@@ -72,7 +72,7 @@ def test_bad_settings_name_the_field(tiny_checkpoint, capsys, monkeypatch):
     def no_cluster(sp):
         raise AssertionError(f"a cluster was started for sp={sp}")
 
-    monkeypatch.setattr(demo.evaluate, "local_ray", no_cluster)
+    monkeypatch.setattr(h3serve.demo.evaluate, "local_ray", no_cluster)
     with pytest.raises(SystemExit) as exit:
         main(["eval", "--checkpoint", str(tiny_checkpoint), "--sp", "3", "--oracle"])
     assert exit.value.code == 2 and "must divide the transformer's 4 attention heads" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The event log a job's readers follow, and the record-following fallback, without Ray: ``deploy.jobs.events`` on real
+"""The event log a job's readers follow, and the record-following fallback, without Ray: ``h3serve.deploy.jobs.events``
+on real
 asyncio and a real job store (a directory), as an ingress replica uses them."""
 
 import asyncio
@@ -6,10 +7,10 @@ import json
 
 import pytest
 
-from deploy.common.errors import APIError
-from deploy.jobs.events import EventLog, follow_record, last_event_id
-from deploy.jobs.media_store import MediaStore
-from deploy.jobs.store import JobPolicy, JobStore
+from h3serve.deploy.common.errors import APIError
+from h3serve.deploy.jobs.events import EventLog, follow_record, last_event_id
+from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.store import JobPolicy, JobStore
 
 
 def parse(chunks: list[bytes]) -> list[dict]:

@@ -10,12 +10,12 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3SetTimestepsStep,
 )
 
-from attention import get_backend
-from attention.backends.torch_sdpa import TorchSDPAImpl
-from pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending, install
-from pipelines.h3.config import preset
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import Document, pack_documents
+from h3serve.attention import get_backend
+from h3serve.attention.backends.torch_sdpa import TorchSDPAImpl
+from h3serve.pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending, install
+from h3serve.pipelines.h3.config import preset
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.packing import Document, pack_documents
 
 CONFIG = preset("tiny").transformer
 # Packed with other documents, GEMMs run over other row counts and round differently: measured <= 5e-7 on
@@ -201,7 +201,7 @@ def test_a_pack_is_rebuilt_bit_for_bit_from_its_layout_and_flat_buffer_and_the_l
     import dataclasses
     import pickle
 
-    from pipelines.h3.packing import Pack, flatten_pack, pack_layout
+    from h3serve.pipelines.h3.packing import Pack, flatten_pack, pack_layout
 
     small = pack_documents([document(**DOCUMENTS[0]), document(**DOCUMENTS[1])], row_multiple=4)
     layout, flat = flatten_pack(small)

@@ -15,8 +15,8 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTi
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from attention import AdmissionError, BackendUnavailable, Platform, UnknownBackendError
-from pipelines.h3 import (
+from h3serve.attention import AdmissionError, BackendUnavailable, Platform, UnknownBackendError
+from h3serve.pipelines.h3 import (
     CheckpointError,
     GenerationRequest,
     H3Pipeline,
@@ -25,10 +25,10 @@ from pipelines.h3 import (
     preset,
     validate_deployment,
 )
-from pipelines.h3.admission import DeploymentConfigError
-from pipelines.h3.checkpoint import CheckpointIndex, tiny_components, write_tiny_checkpoint
-from pipelines.h3.media import probe_media
-from pipelines.h3.stages import HostRowTimestepsStep
+from h3serve.pipelines.h3.admission import DeploymentConfigError
+from h3serve.pipelines.h3.checkpoint import CheckpointIndex, tiny_components, write_tiny_checkpoint
+from h3serve.pipelines.h3.media import probe_media
+from h3serve.pipelines.h3.stages import HostRowTimestepsStep
 
 STEPS = 4
 
@@ -287,7 +287,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tiny_checkpoint, tmp_path, ed
 
 
 def test_a_missing_built_in_checkpoint_is_refused_by_name_not_replaced(monkeypatch, tmp_path):
-    import pipelines.h3.checkpoint as checkpoint
+    import h3serve.pipelines.h3.checkpoint as checkpoint
 
     CheckpointIndex(checkpoint.resolve_checkpoint(None))  # shipped, in the released layout
     monkeypatch.setattr(checkpoint, "BUILT_IN_TINY", tmp_path / "left-out")
@@ -364,7 +364,7 @@ def test_validate_deployment_on_cpu_and_for_the_released_geometry():
 
 
 def test_text_encoder_layers_after_the_one_h3_reads_are_dropped_without_changing_it():
-    from pipelines.h3.checkpoint import keep_decoder_layers
+    from h3serve.pipelines.h3.checkpoint import keep_decoder_layers
 
     text_encoder = tiny_components(seed=0)["text_encoder"].eval()
     language_model = text_encoder.model.language_model

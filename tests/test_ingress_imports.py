@@ -1,8 +1,9 @@
-"""The ingress process starts without the model's libraries: importing deploy.ingress.routes (H3Ingress and
+"""The ingress process starts without the model's libraries: importing h3serve.deploy.ingress.routes (H3Ingress and
 everything it imports) loads no torch, diffusers, transformers or peft. Each of them costs an ingress seconds of CPU at
 every start (tests/README.md: most of the suite's time is processes starting); the platform probe's worker loads torch
-alone (``deploy/driver/probe.py``). What made that possible is held here too: the torch-free restatement of diffusers'
-clip and canvas geometry (``pipelines/h3/geometry.py``) equals diffusers' own."""
+alone (``h3serve/deploy/driver/probe.py``). What made that possible is held here too: the torch-free restatement of
+diffusers'
+clip and canvas geometry (``h3serve/pipelines/h3/geometry.py``) equals diffusers' own."""
 
 import itertools
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as diffusers_geometry
 
-from pipelines.h3 import geometry
+from h3serve.pipelines.h3 import geometry
 
 HEAVY = ("torch", "diffusers", "transformers", "peft")
 
@@ -24,14 +25,14 @@ def heavy_modules_after(statement: str) -> list[str]:
 
 @pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_importing_the_ingress_loads_no_torch_diffusers_transformers_or_peft():
-    assert heavy_modules_after("import deploy.ingress.routes") == []
+    assert heavy_modules_after("import h3serve.deploy.ingress.routes") == []
 
 
 @pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
 def test_the_platform_probe_task_loads_torch_but_no_diffusers_transformers_or_peft():
     # Ray imports a task's module in the worker that runs it, and the builds of `h3serve serve` run at once, so
     # there is about one new probe worker per application: it pays torch (the probe asks it), not admission's rest
-    assert heavy_modules_after("import deploy.driver.probe") == ["torch"]
+    assert heavy_modules_after("import h3serve.deploy.driver.probe") == ["torch"]
 
 
 @pytest.mark.slow  # a fresh interpreter per check (`make test-fast`, no subprocesses, leaves it out)
@@ -39,10 +40,10 @@ def test_the_ingress_args_round_trip_without_torch():
     # the ingress receives its DeployArgs and ModelRules pickled (Serve's init args): unpickling them, and reading
     # the rules a request is checked against, stays torch-free
     statement = (
-        "import pickle; from pipelines.h3 import ModelRules; "
+        "import pickle; from h3serve.pipelines.h3 import ModelRules; "
         "rules = pickle.loads(PICKLED); rules.check_canvas(1344, 768); rules.frames_for_seconds(5)"
     )
-    from pipelines.h3 import ModelRules
+    from h3serve.pipelines.h3 import ModelRules
 
     rules = ModelRules(
         fps=24, min_seconds=5, max_seconds=15, frames_per_chunk=17, latents_per_chunk=5, canvas_multiple=32,

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from deploy.jobs.media_store import MediaStore, StoreError
-from deploy.jobs.store import RUNNER_LOST, JobGone, JobPolicy, JobStore, LeaseLost
+from h3serve.deploy.jobs.media_store import MediaStore, StoreError
+from h3serve.deploy.jobs.store import RUNNER_LOST, JobGone, JobPolicy, JobStore, LeaseLost
 
 POLICY = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100)
 
@@ -250,7 +250,7 @@ def test_stray_files_in_the_store_are_skipped_and_logged_once(url, caplog):
     }
     for name, data in stray.items():
         store.put(name, data)
-    with caplog.at_level("ERROR", logger="deploy.jobs.store"):
+    with caplog.at_level("ERROR", logger="h3serve.deploy.jobs.store"):
         assert [v["id"] for v in jobs.list()] == [job["id"]]
         assert [v["id"] for v in jobs.list()] == [job["id"]]
         clock.now += policy.lease_s + 1
@@ -287,7 +287,7 @@ def test_a_record_keeps_its_request_id_and_counts_its_submissions(url):
 def test_a_cancel_asked_on_another_replica_reaches_the_runner_at_its_next_write(url):
     """Ingress A runs the job; B is asked to cancel it: B writes the request, A's next write raises JobCancelled, A
     records it cancelled (finished: its record never changes again, the request file is gone) and B reads that."""
-    from deploy.jobs.store import FINISHED, JobCancelled
+    from h3serve.deploy.jobs.store import FINISHED, JobCancelled
 
     clock, (a, b) = replicas(url)
     runner = a.create(video(), "req-1")

@@ -1,8 +1,9 @@
 """The Kubernetes side agrees with the code: CRD schema, serve config, Ray version, metric names,
 GPU arithmetic, monitoring wiring, runbooks. Fast, no cluster, no Ray started.
 
-Every RayService k8s/generate.py writes is checked (k8s/rayservice.yaml from deploy/serve_config.gpu.yaml on H200
-nodes, k8s/rayservice.h100.yaml from deploy/serve_config.h100.yaml on H100 nodes). The GPU arithmetic reads the
+Every RayService k8s/generate.py writes is checked (k8s/rayservice.yaml from h3serve/deploy/serve_config.gpu.yaml on
+H200
+nodes, k8s/rayservice.h100.yaml from h3serve/deploy/serve_config.h100.yaml on H100 nodes). The GPU arithmetic reads the
 worker groups as Ray's KubeRay autoscaler reads them and packs every deployment's replicas with its bin packer."""
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ PVC = K8S / "weights-pvc.yaml"
 PODMONITORS = K8S / "monitoring" / "podmonitors.yaml"
 RULES = K8S / "monitoring" / "prometheusrule.yaml"
 DASHBOARD = K8S / "monitoring" / "grafana-dashboard.json"
-SERVE_CONFIG = REPO / "deploy" / "serve_config.gpu.yaml"
+SERVE_CONFIG = REPO / "h3serve" / "deploy" / "serve_config.gpu.yaml"
 DOCKERFILE = REPO / "Dockerfile"
 OPERATIONS = REPO / "docs" / "OPERATIONS.md"
-BUILDER = "deploy.driver.app:build_app"
+BUILDER = "h3serve.deploy.driver.app:build_app"
 STAGE_RESOURCE = "h3serve_stage"  # the custom Ray resource only the stage worker groups offer
 
 
@@ -98,7 +99,7 @@ def deployment(deployment_name: str, name: str = RAYSERVICE.name) -> dict:
 
 
 def deploy_args(name: str = RAYSERVICE.name):
-    from deploy.common.args import DeployArgs  # applies the builder's own defaults
+    from h3serve.deploy.common.args import DeployArgs  # applies the builder's own defaults
 
     return DeployArgs.model_validate(h3_app(name).get("args") or {})
 
@@ -228,7 +229,7 @@ def test_every_gpu_serve_config_has_a_rayservice():
     """A GPU serve config shipped without its RayService (or a RayService generate.py does not write) drifts."""
     gpu_configs = {
         path
-        for path in (REPO / "deploy").glob("serve_config*.yaml")
+        for path in (REPO / "h3serve" / "deploy").glob("serve_config*.yaml")
         if any(a.get("args", {}).get("device") == "cuda" for a in yaml.safe_load(path.read_text())["applications"])
     }
     assert gpu_configs == {source for _, source in MANIFESTS.values()}
@@ -279,8 +280,8 @@ def test_generate_check_reports_drift_of_the_h100_manifest(tmp_path):
     assert check(source).returncode == 0
     drift = check(SERVE_CONFIG)
     assert drift.returncode == 1, drift.stdout + drift.stderr
-    assert re.search(r"^-.*GENERATED serveConfigV2 from deploy/serve_config.h100.yaml", drift.stdout, re.M)
-    assert re.search(r"^\+.*GENERATED serveConfigV2 from deploy/serve_config.gpu.yaml", drift.stdout, re.M)
+    assert re.search(r"^-.*GENERATED serveConfigV2 from h3serve/deploy/serve_config.h100.yaml", drift.stdout, re.M)
+    assert re.search(r"^\+.*GENERATED serveConfigV2 from h3serve/deploy/serve_config.gpu.yaml", drift.stdout, re.M)
 
 
 # -- 4. one Ray version everywhere --------------------------------------------------------
@@ -330,7 +331,7 @@ def dashboard_exprs() -> list[str]:
 
 
 def h3serve_series() -> set[str]:
-    from deploy.common.metrics import ALL_METRICS
+    from h3serve.deploy.common.metrics import ALL_METRICS
 
     series = set()
     for metric in ALL_METRICS:
@@ -360,7 +361,7 @@ def test_metric_names_exist(source):
     ours = {n for n in names if n.startswith("ray_h3serve_")}
     assert ours, f"no ray_h3serve_* names found in the {source} expressions: is the extraction broken?"
     unknown = ours - h3serve_series()
-    assert not unknown, f"{source} uses series that deploy/common/metrics.py does not export: {sorted(unknown)}"
+    assert not unknown, f"{source} uses series that h3serve/deploy/common/metrics.py does not export: {sorted(unknown)}"
     foreign = names - ours
     missing = sorted(n for n in foreign if not ray_metric_defined(n))
     assert not missing, f"{source} uses Ray metrics not defined in the installed ray.serve: {missing}"
@@ -384,17 +385,17 @@ def label_values(expr: str, label: str) -> set[str]:
 
 
 def test_every_h3serve_metric_is_on_the_dashboard():
-    from deploy.common.metrics import ALL_METRICS
+    from h3serve.deploy.common.metrics import ALL_METRICS
 
     shown = set().union(*(promql_metric_names(e) for e in dashboard_exprs()))
     missing = sorted(m.exported for m in ALL_METRICS if not any(n.startswith(m.exported) for n in shown))
-    assert not missing, f"deploy/common/metrics.py exports series no dashboard panel shows: {missing}"
+    assert not missing, f"h3serve/deploy/common/metrics.py exports series no dashboard panel shows: {missing}"
 
 
 @pytest.mark.parametrize("source", ["prometheusrule", "grafana"])
 def test_stage_and_reason_label_values_exist(source):
     """A panel or alert that filters on a stage or a failure reason the code never reports shows nothing."""
-    from deploy.common.metrics import FAILED_STEP_REASONS, FAILURE_REASONS, STAGES
+    from h3serve.deploy.common.metrics import FAILED_STEP_REASONS, FAILURE_REASONS, STAGES
 
     exprs = rule_exprs() if source == "prometheusrule" else dashboard_exprs()
     stages = set().union(*(label_values(e, "stage") for e in exprs))
@@ -425,7 +426,7 @@ def test_the_dashboard_shows_the_backlog_against_the_replicas():
 def test_drain_fits_in_serves_and_kuberays_grace_periods(manifest):
     """Serve kills a stopping replica graceful_shutdown_timeout_s after it asked it to stop, and KubeRay deletes the
     old cluster of an upgrade rayClusterDeletionDelaySeconds after the switch: both must leave the drain its time."""
-    from deploy.model_server.h3_replica import H3Replica
+    from h3serve.deploy.model_server.h3_replica import H3Replica
 
     args = deploy_args(manifest)
     grace = H3Replica.deployment_options(args)["graceful_shutdown_timeout_s"]
@@ -476,13 +477,13 @@ def deployment_demands(name: str) -> dict[str, tuple[dict[str, float], int, int]
     replica bounds."""
     from ray.serve._private.config import ReplicaConfig
 
-    from deploy.model_server.h3_replica import H3Replica
-    from deploy.model_server.stage_deployments import H3Conditioner, H3Decoder
+    from h3serve.deploy.model_server.h3_replica import H3Replica
+    from h3serve.deploy.model_server.stage_deployments import H3Conditioner, H3Decoder
 
     args = deploy_args(name)
     options = H3Replica.deployment_options(args)
     replica = ReplicaConfig.create(
-        "deploy.model_server.h3_replica:H3Replica",
+        "h3serve.deploy.model_server.h3_replica:H3Replica",
         ray_actor_options=options["ray_actor_options"],
         placement_group_bundles=options["placement_group_bundles"],
         placement_group_strategy=options["placement_group_strategy"],
@@ -496,19 +497,20 @@ def deployment_demands(name: str) -> dict[str, tuple[dict[str, float], int, int]
         if stage.role in args.stage_deployments():
             options = stage.deployment_options(args)
             config = ReplicaConfig.create(
-                f"deploy.model_server.stage_deployments:{stage.__name__}",
+                f"h3serve.deploy.model_server.stage_deployments:{stage.__name__}",
                 ray_actor_options=options["ray_actor_options"],
             )
             demands[stage.__name__] = (config.resource_dict, options["num_replicas"], options["num_replicas"])
     ingress = ReplicaConfig.create(
-        "deploy.ingress.routes:H3Ingress", ray_actor_options=deployment("H3Ingress", name).get("ray_actor_options")
+        "h3serve.deploy.ingress.routes:H3Ingress",
+        ray_actor_options=deployment("H3Ingress", name).get("ray_actor_options"),
     )
     demands["H3Ingress"] = (ingress.resource_dict, *serve_replica_bounds("H3Ingress", name))
     return demands
 
 
 def probe_demand(name: str) -> dict[str, float]:
-    """Admission's platform probe: a task shaped like one SP rank (deploy/driver/preflight.py), run on every app
+    """Admission's platform probe: a task shaped like one SP rank (h3serve/deploy/driver/preflight.py), run on every app
     build."""
     return dict(deploy_args(name).rank_resources)
 
@@ -649,8 +651,8 @@ def test_every_gpu_pod_is_the_platform_the_config_is_admitted_on(manifest):
     """Admission probes one node and plans every role (denoiser ranks, conditioner, decoder) on that platform: every
     GPU group of a RayService must select that one GPU model, the one its serve config names for `h3serve admit`."""
     source = MANIFESTS[manifest][1]
-    admit = re.search(r"h3serve admit \S+ --platform (deploy/platforms/\S+\.json)", source.read_text())
-    assert admit, f"{source.name}: its header names no `h3serve admit ... --platform deploy/platforms/...json`"
+    admit = re.search(r"h3serve admit \S+ --platform (h3serve/deploy/platforms/\S+\.json)", source.read_text())
+    assert admit, f"{source.name}: its header names no `h3serve admit ... --platform h3serve/deploy/platforms/...json`"
     platform = json.loads((REPO / admit[1]).read_text())
     products = {g["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for g in gpu_groups(manifest)}
     assert products == {gfd_product(platform["device_name"])}, (products, platform["device_name"])

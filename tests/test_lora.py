@@ -17,10 +17,10 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from pydantic import ValidationError
 
-from attention import get_backend
-from pipelines.h3.attention_processor import install
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.lora import (
+from h3serve.attention import get_backend
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.lora import (
     LoraAdapter,
     LoraError,
     LoraSpec,
@@ -30,9 +30,9 @@ from pipelines.h3.lora import (
     load_partitions,
     pack_slots,
 )
-from pipelines.h3.lora_spec import check_request_steps
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.request import RequestError
+from h3serve.pipelines.h3.lora_spec import check_request_steps
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.request import RequestError
 from tests.test_h3_forward import CONFIG, DOCUMENTS, diffusers_forward, document
 
 ATOL = 1e-5  # fp32; packed GEMMs round differently from one document's (see test_h3_forward)
@@ -351,7 +351,7 @@ def _sp_rank(rank: int, world: int, init_file: str, checkpoint, specs, pack, doc
     """One Ulysses rank over gloo: this rank's rows of the pack, under its own slots."""
     import torch.distributed as dist
 
-    from replicas.sequence_parallel import UlyssesGroup
+    from h3serve.replicas.sequence_parallel import UlyssesGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

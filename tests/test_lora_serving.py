@@ -13,12 +13,12 @@ import torch
 from diffusers import MiniMaxH3Scheduler
 from peft import LoraConfig
 
-from attention import get_backend
-from pipelines.h3 import GenerationRequest, H3Pipeline, RequestError
-from pipelines.h3.attention_processor import install
-from pipelines.h3.lora import LoraSpec, LoraSpecs
-from pipelines.h3.step_cache import StepCachePolicy
-from replicas import Engine, EngineLimits, WorkerGroup
+from h3serve.attention import get_backend
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline, RequestError
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.lora import LoraSpec, LoraSpecs
+from h3serve.pipelines.h3.step_cache import StepCachePolicy
+from h3serve.replicas import Engine, EngineLimits, WorkerGroup
 from tests.test_engine_faults import assert_same_media
 from tests.test_lora import ADAPTERS, fused_reference, lora_state_dict, save
 from tests.test_replicas import RESOLUTION, spec
@@ -275,8 +275,8 @@ def test_the_memory_plan_holds_every_adapter_on_every_rank(loras, tiny_checkpoin
     """An adapter's bytes are its lora_A and lora_B tensors as read from its file (float32 here), on each rank."""
     from safetensors.torch import load_file
 
-    from deploy.common.args import DeployArgs
-    from deploy.driver.preflight import deployment_memory_plan
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.deploy.driver.preflight import deployment_memory_plan
 
     fields = {name: {"path": str(s.path), "scale": s.scale} for name, s in loras.loras.items()}
     args = DeployArgs(checkpoint=str(tiny_checkpoint), sp_degree=2, loras=fields)
@@ -294,7 +294,7 @@ def test_the_memory_plan_holds_every_adapter_on_every_rank(loras, tiny_checkpoin
 def test_deploy_args_check_adapter_names_and_fields(tmp_path):
     from pydantic import ValidationError
 
-    from deploy.common.args import DeployArgs
+    from h3serve.deploy.common.args import DeployArgs
 
     args = DeployArgs(loras={"turbo-4": {"path": str(tmp_path), "steps": 4, "shift": 5.0}})
     assert args.replica_spec(RESOLUTION).loras.slots == {"turbo-4": 1}
@@ -308,8 +308,8 @@ def _sp_rank(rank: int, world: int, init_file: str, checkpoint, loras, pack, out
     """One Ulysses rank over gloo: the denoiser with the deployment's adapters, this rank's rows of the pack."""
     import torch.distributed as dist
 
-    from pipelines.h3 import H3Denoiser
-    from replicas.sequence_parallel import UlyssesGroup
+    from h3serve.pipelines.h3 import H3Denoiser
+    from h3serve.replicas.sequence_parallel import UlyssesGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -351,8 +351,8 @@ def test_a_transformer_ref_only_adapter_is_admitted_and_refuses_requests_of_the_
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.modular_pipelines import MiniMaxH3ModularPipeline
 
-    from pipelines.h3.checkpoint import write_tiny_checkpoint
-    from pipelines.h3.lora import LoraError, check_adapters
+    from h3serve.pipelines.h3.checkpoint import write_tiny_checkpoint
+    from h3serve.pipelines.h3.lora import LoraError, check_adapters
 
     checkpoint = write_tiny_checkpoint(tmp_path / "with-ref", with_ref=True)
     ref = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint / "transformer_ref").eval()

@@ -1,4 +1,4 @@
-"""Real encode/decode round trips for pipelines.h3.media (no mocks)."""
+"""Real encode/decode round trips for h3serve.pipelines.h3.media (no mocks)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines.h3.media import MediaError, MediaInfo, encode_mp4, encode_png, probe_media
+from h3serve.pipelines.h3.media import MediaError, MediaInfo, encode_mp4, encode_png, probe_media
 
 FPS, SR, N_FRAMES, SIZE = 8, 16000, 17, 256
 AUDIO_S = N_FRAMES / FPS  # 2.125 s, same as the video
@@ -179,8 +179,8 @@ def _png_of_size(width: int, height: int) -> bytes:
     ids=["over-h3serve-bound", "pil-decompression-bomb"],
 )
 def test_an_oversized_keyframe_is_refused_by_field_before_decoding(width, height, expect):
-    from pipelines.h3.request import RequestError
-    from pipelines.h3.stages import decode_image
+    from h3serve.pipelines.h3.request import RequestError
+    from h3serve.pipelines.h3.stages import decode_image
 
     data = _png_of_size(width, height)
     assert len(data) < 200_000  # small on the wire: only the declared size gives it away
@@ -190,7 +190,7 @@ def test_an_oversized_keyframe_is_refused_by_field_before_decoding(width, height
 
 
 def test_a_keyframe_within_the_bound_decodes_to_rgb():
-    from pipelines.h3.stages import decode_image
+    from h3serve.pipelines.h3.stages import decode_image
 
     image = decode_image(_png_of_size(640, 360), "last_frame")
     assert image.mode == "RGB" and image.size == (640, 360)
@@ -211,9 +211,9 @@ def test_the_header_check_catches_truncated_and_corrupted_pngs_and_jpegs_without
     whose chunks are intact but whose deflate stream is broken passes it and is refused where it is decoded."""
     import zlib
 
-    from pipelines.h3.request import RequestError
-    from pipelines.h3.stages import decode_image
-    from pipelines.h3.uploads import image_problem
+    from h3serve.pipelines.h3.request import RequestError
+    from h3serve.pipelines.h3.stages import decode_image
+    from h3serve.pipelines.h3.uploads import image_problem
 
     png, jpeg = _encoded("PNG"), _encoded("JPEG")
     assert image_problem(png) is None and image_problem(jpeg) is None

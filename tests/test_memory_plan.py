@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention import Platform
-from pipelines.h3 import H3Pipeline, H3StageModels
-from pipelines.h3 import checkpoint as ckpt
-from pipelines.h3.admission import MemoryBudgetError, check_memory
-from pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, memory_plan
+from h3serve.attention import Platform
+from h3serve.pipelines.h3 import H3Pipeline, H3StageModels
+from h3serve.pipelines.h3 import checkpoint as ckpt
+from h3serve.pipelines.h3.admission import MemoryBudgetError, check_memory
+from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, memory_plan
 
 TOLERANCE = 0.05  # benchmarks.activation_memory's: |formula bytes per row / measured - 1|
 
 REPO = Path(__file__).resolve().parents[1]
-PLATFORMS = REPO / "deploy" / "platforms"
+PLATFORMS = REPO / "h3serve" / "deploy" / "platforms"
 
 
 def loaded_bytes(model: torch.nn.Module) -> int:
@@ -30,9 +30,9 @@ def gpu_args(name: str = "serve_config.gpu.yaml", stages: bool = True):
     """The shipped config's args; ``stages`` False: without its stages section (the one-deployment layout)."""
     import yaml
 
-    from deploy.common.args import DeployArgs
+    from h3serve.deploy.common.args import DeployArgs
 
-    config = yaml.safe_load((REPO / "deploy" / name).read_text())
+    config = yaml.safe_load((REPO / "h3serve" / "deploy" / name).read_text())
     raw = config["applications"][0]["args"]
     if not stages:
         raw.pop("stages")
@@ -165,7 +165,7 @@ def test_cuda_without_device_memory_fails_closed_and_cpu_is_not_checked():
 
 
 def test_admit_counts_a_memory_refusal_like_an_attention_refusal():
-    from deploy.driver.preflight import admit
+    from h3serve.deploy.driver.preflight import admit
 
     args = gpu_args(stages=False)  # rank 0 with Qwen3-VL and the VAEs beside the transformer
     recorded: list[dict[str, str]] = []
@@ -232,7 +232,7 @@ def test_the_released_model_fits_h100s_with_stages_and_its_rank0_does_not_withou
 
 
 def memory_plan_of(args):
-    from deploy.driver.preflight import deployment_memory_plan
+    from h3serve.deploy.driver.preflight import deployment_memory_plan
 
     return deployment_memory_plan(args)
 
@@ -258,7 +258,7 @@ def test_a_stage_that_does_not_fit_is_refused_whatever_the_row_budget(tiny_check
 
 
 def test_admit_counts_a_staged_h100_admission_and_the_unstaged_refusal():
-    from deploy.driver.preflight import admit
+    from h3serve.deploy.driver.preflight import admit
 
     recorded: list[dict[str, str]] = []
     h100 = platform("h100-flash-attn.json")

@@ -8,7 +8,7 @@ work and stepped by ``H3Pipeline.packs``/``forward``/``apply``. Only the attenti
 stand in (``benchmarks.meta_device``). Each path is held to: no tensor off the model's device; fp32 exactly where
 diffusers keeps it; its host syncs exactly ``meta_step.SYNC_BUDGET``'s sites and counts; ``FlopCounterMode``'s FLOPs
 equal to ``shapes.forward_flops`` within 1%; its activation peak and its requests' own tensors within 10% of
-``pipelines/h3/memory.py``'s plan. ~40 s on 2 cores.
+``h3serve/pipelines/h3/memory.py``'s plan. ~40 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.h3.memory import memory_plan
+from h3serve.pipelines.h3.memory import memory_plan
 
 pytestmark = pytest.mark.slow  # builds the released transformer on meta and steps 8 packs of up to 80k rows
 
@@ -122,7 +122,9 @@ def test_a_cpu_tensor_planted_in_the_pack_path_fails_the_check(run):
     ``--self-test`` plants it (``packing.torch.zeros`` dropping the device) and reports what the run raised."""
     planted = run["self_test"]["planted_cpu_zeros"]
     assert "DeviceMismatch" in planted["raised"]
-    assert re.search(r"aten\.cat.*cpu.*meta.*pipelines/h3/packing\.py:\d+ \(pack_documents\)", planted["message"])
+    assert re.search(
+        r"aten\.cat.*cpu.*meta.*h3serve/pipelines/h3/packing\.py:\d+ \(pack_documents\)", planted["message"]
+    )
     assert planted["last_violation"] and "packing.py" in planted["last_violation"]
 
 

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from demo.readme_images import EXAMPLES, GAP, ZOOM, DefaultServer, frame_strip, write_images
+from tools.readme_images import EXAMPLES, GAP, ZOOM, DefaultServer, frame_strip, write_images
 
 
 def test_the_default_server_is_read_from_the_serve_config():
-    server = DefaultServer.of("deploy/serve_config.yaml")
+    server = DefaultServer.of("h3serve/deploy/serve_config.yaml")
     assert server.checkpoint is None  # the built-in tiny checkpoint
     assert server.steps == 16  # the config's limits.default_steps, not RequestLimits' own default
     assert (server.device, server.dtype) == ("cpu", "float32")
-    gpu = DefaultServer.of("deploy/serve_config.gpu.yaml")
+    gpu = DefaultServer.of("h3serve/deploy/serve_config.gpu.yaml")
     assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16") and gpu.checkpoint  # the released model's directory
 
 
@@ -30,7 +30,7 @@ def test_a_strip_holds_evenly_spaced_frames_first_to_last():
 
 @pytest.mark.slow
 def test_the_readme_prompts_make_a_strip_and_a_still(tmp_path):
-    written = write_images("deploy/serve_config.yaml", tmp_path, threads=1)
+    written = write_images("h3serve/deploy/serve_config.yaml", tmp_path, threads=1)
     assert [p.name for p in written] == [name for name, _, _ in EXAMPLES]
     strip, still = (np.asarray(Image.open(io.BytesIO(p.read_bytes()))) for p in written)
     assert still.shape == (64, 128, 3)  # the default canvas's middle frame

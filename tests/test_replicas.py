@@ -7,10 +7,10 @@ import pytest
 import ray
 import torch
 
-from attention import AdmissionError, Platform, Resolution, resolve
-from pipelines.h3 import REQUIREMENTS, GenerationRequest
-from replicas import Engine, EngineLimits, QueueFull, ReplicaSpec, WorkerGroup, WorkerGroupBroken
-from replicas.sequence_parallel import UlyssesGroup
+from h3serve.attention import AdmissionError, Platform, Resolution, resolve
+from h3serve.pipelines.h3 import REQUIREMENTS, GenerationRequest
+from h3serve.replicas import Engine, EngineLimits, QueueFull, ReplicaSpec, WorkerGroup, WorkerGroupBroken
+from h3serve.replicas.sequence_parallel import UlyssesGroup
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 

@@ -1,11 +1,12 @@
-"""deploy.common.retry: the one retry-with-backoff loop (stage calls, handed-back images, video jobs), without Ray."""
+"""h3serve.deploy.common.retry: the one retry-with-backoff loop (stage calls, handed-back images, video jobs), without
+Ray."""
 
 import asyncio
 
 import pytest
 
-from deploy.common import retry as retry_module
-from deploy.common.retry import Backoff, retry
+from h3serve.deploy.common import retry as retry_module
+from h3serve.deploy.common.retry import Backoff, retry
 
 
 class Flaky:

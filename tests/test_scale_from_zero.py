@@ -13,7 +13,7 @@ import json
 import pytest
 from PIL import Image
 
-from pipelines.h3.media import probe_media
+from h3serve.pipelines.h3.media import probe_media
 from tests.harness import client, serve_status, wait_for, wait_video
 from tests.served_apps import COLD_AUTOSCALING
 

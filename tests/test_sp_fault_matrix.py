@@ -1,5 +1,6 @@
 """The SP group's one failure semantics, end to end through the engine at sp=2 on real gloo: faults injected at named
-points of the real step path (``replicas.faults``) raise, hang, freeze or kill rank 0 or the worker, one case at a
+points of the real step path (``h3serve.replicas.faults``) raise, hang, freeze or kill rank 0 or the worker, one case at
+a
 time, over one group that each broken step replaces.
 
 Each case: two requests share a pack when the fault fires; the broken step is over (every rank aborted and back, or
@@ -20,8 +21,8 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
-from replicas import Engine, EngineLimits, EngineStopped, StepGate, WorkerGroup
-from replicas.faults import Fault
+from h3serve.replicas import Engine, EngineLimits, EngineStopped, StepGate, WorkerGroup
+from h3serve.replicas.faults import Fault
 from tests.harness import gone
 from tests.test_engine_faults import assert_same_media
 from tests.test_replicas import request, spec

@@ -20,14 +20,14 @@ import ray
 from PIL import Image
 from ray import serve
 
-from deploy.common.args import DeployArgs
-from deploy.common.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
-from deploy.common.serve_controller import SERVE_CONTROLLER
-from deploy.model_server.h3_replica import STAGE_ATTEMPTS, ServeStages
-from pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, Reference, RequestError
-from pipelines.h3.checkpoint import write_tiny_checkpoint
-from pipelines.h3.pipeline import StagesElsewhere
-from replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
+from h3serve.deploy.common.args import DeployArgs
+from h3serve.deploy.common.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
+from h3serve.deploy.common.serve_controller import SERVE_CONTROLLER
+from h3serve.deploy.model_server.h3_replica import STAGE_ATTEMPTS, ServeStages
+from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, Reference, RequestError
+from h3serve.pipelines.h3.checkpoint import write_tiny_checkpoint
+from h3serve.pipelines.h3.pipeline import StagesElsewhere
+from h3serve.replicas import Engine, EngineLimits, ReplicaSpec, WorkerGroup
 from tests.harness import ServeProcess, default_config, finished_video, free_port, scrape, wait_for, write_config
 from tests.test_engine_faults import assert_same_media
 from tests.test_replicas import RESOLUTION, spec
@@ -156,7 +156,7 @@ def models_alive_after_building_rank0(replica_spec: ReplicaSpec) -> dict[str, li
 
             import torch
 
-            from replicas import WorkerGroup
+            from h3serve.replicas import WorkerGroup
 
             self.group = WorkerGroup.create(replica_spec)  # kept alive while the objects are counted
             gc.collect()
@@ -219,7 +219,7 @@ def test_a_denoiser_only_pipeline_refuses_to_prepare_or_decode_and_keeps_the_mod
 
 def test_a_replica_refuses_stage_handles_that_do_not_match_its_spec(tiny_checkpoint):
     """A staged spec without the stages' handles would leave a rank 0 that cannot prepare: refused before it builds."""
-    from deploy.model_server.h3_replica import H3Replica
+    from h3serve.deploy.model_server.h3_replica import H3Replica
 
     unbuilt = object.__new__(H3Replica)
     with pytest.raises(ValueError, match="spec.stages='remote' needs both conditioner and decoder handles"):
@@ -469,7 +469,7 @@ def _dying_stage_actor():
                     ledger.flush()
                     os._exit(1)  # the worker process dies under the call, as a killed replica does
             if self.flaw:
-                from pipelines.h3 import RequestError
+                from h3serve.pipelines.h3 import RequestError
 
                 raise RequestError("first_frame", "first_frame is not a decodable image")
             return (role, *args)

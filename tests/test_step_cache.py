@@ -14,10 +14,10 @@ from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockR
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor, MiniMaxH3TransformerBlock
 from pydantic import ValidationError
 
-from pipelines.h3 import GenerationRequest, RequestError
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import Pack
-from pipelines.h3.step_cache import (
+from h3serve.pipelines.h3 import GenerationRequest, RequestError
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.packing import Pack
+from h3serve.pipelines.h3.step_cache import (
     BUILTIN_TIERS,
     CachedPack,
     DocumentCache,
@@ -189,7 +189,7 @@ def test_a_finished_request_frees_its_residuals(tiny_pipeline):
 
 def test_the_memory_plan_counts_the_residuals_a_caching_request_holds(tiny_pipeline):
     """The plan's per-row step-cache cost is what a running request's DocumentCache holds between steps."""
-    from pipelines.h3.memory import activation_row_cost, memory_plan
+    from h3serve.pipelines.h3.memory import activation_row_cost, memory_plan
 
     states = [tiny_pipeline.prepare(r, SKIPPING) for r in REQUESTS]
     tiny_pipeline.step(states)  # every document computes its first step (warm-up) and keeps both residuals
@@ -211,9 +211,9 @@ def test_the_memory_plan_counts_the_residuals_a_caching_request_holds(tiny_pipel
 
 
 def test_a_deployment_plans_step_caches_only_where_a_request_can_cache():
-    from deploy.common.args import DeployArgs
-    from deploy.driver.preflight import deployment_memory_plan
-    from pipelines.h3.memory import STEP_CACHE_GATHERED_ROWS, STEP_CACHE_GATHERED_ROWS_ONE_DECISION
+    from h3serve.deploy.common.args import DeployArgs
+    from h3serve.deploy.driver.preflight import deployment_memory_plan
+    from h3serve.pipelines.h3.memory import STEP_CACHE_GATHERED_ROWS, STEP_CACHE_GATHERED_ROWS_ONE_DECISION
 
     offered = deployment_memory_plan(DeployArgs()).row_cost.step_cache
     assert offered > 0  # the built-in tiers are offered by default
@@ -266,7 +266,7 @@ def test_document_cache_computes_in_warmup_and_after_max_skips():
 
 
 def test_deploy_args_offer_the_tiers_and_refuse_those_that_cannot_run():
-    from deploy.common.args import DeployArgs
+    from h3serve.deploy.common.args import DeployArgs
 
     assert DeployArgs().cache_tiers == ["off", "high", "low", "medium"]
     assert DeployArgs().engine.step_cache.default == "off"  # off unless a deployment sets it
@@ -281,9 +281,9 @@ def test_deploy_args_offer_the_tiers_and_refuse_those_that_cannot_run():
 
 
 def test_a_body_names_an_offered_tier_or_gets_a_400_naming_them():
-    from deploy.common.args import RequestLimits
-    from deploy.common.errors import invalid
-    from deploy.ingress.bodies import ImagesBody, VideosBody
+    from h3serve.deploy.common.args import RequestLimits
+    from h3serve.deploy.common.errors import invalid
+    from h3serve.deploy.ingress.bodies import ImagesBody, VideosBody
 
     context = {"limits": RequestLimits(), "cache": ["off", "high", "low"]}
     body = VideosBody.model_validate({"prompt": "x", "cache": "high"}, context=context)
@@ -298,7 +298,7 @@ def test_a_body_names_an_offered_tier_or_gets_a_400_naming_them():
 
 @pytest.fixture(scope="module")
 def solo(tiny_checkpoint):
-    from replicas import WorkerGroup
+    from h3serve.replicas import WorkerGroup
     from tests.test_replicas import spec
 
     group = WorkerGroup.create(spec(1, tiny_checkpoint))
@@ -308,7 +308,7 @@ def solo(tiny_checkpoint):
 
 def test_the_engine_runs_each_request_with_its_own_tier(solo):
     """Two requests in one engine's packs, one caching and one off: each ends as it does alone."""
-    from replicas import Engine, EngineLimits
+    from h3serve.replicas import Engine, EngineLimits
     from tests.test_engine_faults import assert_same_media
 
     limits = EngineLimits(step_cache=StepCacheTiers(tiers={"fast": ALWAYS_SKIP}))
@@ -336,7 +336,7 @@ def test_the_engine_runs_each_request_with_its_own_tier(solo):
 
 
 def test_a_cancelled_request_frees_its_cache_at_the_next_step_boundary(solo):
-    from replicas import Engine, EngineLimits
+    from h3serve.replicas import Engine, EngineLimits
 
     limits = EngineLimits(step_cache=StepCacheTiers(default="fast", tiers={"fast": ALWAYS_SKIP}))
     long = GenerationRequest(prompt="a long one", width=64, height=64, num_inference_steps=40)

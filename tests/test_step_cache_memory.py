@@ -1,7 +1,7 @@
 """What step caching keeps live during a packed forward, measured, against the memory plan's step-cache bytes.
 
 Real cached packed forwards of the tiny checkpoint's transformer (fp32, CPU, torch_sdpa) under
-``pipelines.h3.shapes.LiveStorages`` (the bytes of every live tensor storage created in the
+``h3serve.pipelines.h3.shapes.LiveStorages`` (the bytes of every live tensor storage created in the
 forwards): each caching document first takes a computed step (its warm-up), which leaves its two residuals held;
 the peak of the next forward (those residuals included, as they are live through it) minus the peak of the same
 pack's forward without a cache is step caching's measured extra. The plan's step-cache bytes for the same pack
@@ -22,13 +22,13 @@ import json
 import pytest
 import torch
 
-from attention import get_backend
-from pipelines.h3.attention_processor import install
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.memory import activation_row_cost
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.shapes import Clip, LiveStorages, clip_document
-from pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
+from h3serve.attention import get_backend
+from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.memory import activation_row_cost
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.shapes import Clip, LiveStorages, clip_document
+from h3serve.pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
 CLIP = Clip(width=128, height=64, num_frames=22)  # benchmarks.activation_memory's: the tiny default canvas
 SLACK = 1.5  # the plan may exceed the dearest measured pack's extra by this factor, no more
@@ -145,7 +145,7 @@ REPEATS = 5
 def _measuring_rank(rank: int, world: int, init_file: str, checkpoint, out_file: str) -> None:
     import torch.distributed as dist
 
-    from replicas.sequence_parallel import UlyssesGroup
+    from h3serve.replicas.sequence_parallel import UlyssesGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

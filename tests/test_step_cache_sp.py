@@ -13,12 +13,12 @@ import pytest
 import ray
 import torch
 
-from pipelines.h3 import GenerationRequest
-from pipelines.h3.forward import packed_forward
-from pipelines.h3.packing import pack_documents
-from pipelines.h3.step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, StepCacheTiers
-from replicas import Engine, EngineLimits, WorkerGroup
-from replicas.faults import Fault
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.packing import pack_documents
+from h3serve.pipelines.h3.step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, StepCacheTiers
+from h3serve.replicas import Engine, EngineLimits, WorkerGroup
+from h3serve.replicas.faults import Fault
 from tests import test_lora_serving
 from tests.test_engine_faults import assert_same_media
 from tests.test_h3_forward import DOCUMENTS, document
@@ -188,7 +188,7 @@ def test_every_rank_follows_rank_0s_decisions_when_one_rank_decides_otherwise(pa
 def test_a_failed_step_commits_no_rank_and_the_retry_decides_the_same(pair):
     """A pack whose data fails on every rank before the agreement (PackFailed) leaves every rank's state as it was:
     the retry decides the same. (A failure past the agreement breaks the group: tests/test_sp_fault_matrix.py.)"""
-    from replicas import PackFailed
+    from h3serve.replicas import PackFailed
 
     request = GenerationRequest(prompt="a red kite", width=64, height=64, num_inference_steps=5, seed=1)
     state = pair.pipeline.prepare(request, ALWAYS_SKIP)
@@ -250,9 +250,9 @@ def _counting_rank(rank: int, world: int, init_file: str, checkpoint, pack, out_
     import torch.distributed as dist
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from attention import get_backend
-    from pipelines.h3.attention_processor import install
-    from replicas.sequence_parallel import UlyssesGroup
+    from h3serve.attention import get_backend
+    from h3serve.pipelines.h3.attention_processor import install
+    from h3serve.replicas.sequence_parallel import UlyssesGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.h3.checkpoint import CheckpointIndex, ImageOnlyQwen3VLProcessor, load_model, load_tokenizer
-from pipelines.h3.memory import TEXT_ENCODER_LAYER as READ_LAYER  # MiniMax-H3's text_encoder_layer, 50
+from h3serve.pipelines.h3.checkpoint import CheckpointIndex, ImageOnlyQwen3VLProcessor, load_model, load_tokenizer
+from h3serve.pipelines.h3.memory import TEXT_ENCODER_LAYER as READ_LAYER  # MiniMax-H3's text_encoder_layer, 50
 
 PROMPT_A = "a red circle moving left with a high beep"  # benchmarks.text_encoder's two prompts
 PROMPT_B = "a blue square moving right with a low hum"

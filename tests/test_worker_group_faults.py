@@ -14,9 +14,9 @@ import pytest
 import ray
 import torch
 
-from pipelines.h3 import GenerationRequest
-from replicas import PackFailed, WorkerGroup, WorkerGroupBroken
-from replicas.supervisor import GroupSupervisor
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.replicas import PackFailed, WorkerGroup, WorkerGroupBroken
+from h3serve.replicas.supervisor import GroupSupervisor
 from tests.harness import gone
 from tests.test_replicas import poison, request, spec
 

@@ -1,0 +1,671 @@
+"""The OpenAI-style HTTP API (FastAPI under @serve.ingress).
+
+Every route is a method under ``@route``, which runs it through ``H3Ingress._call``: the request id,
+bearer auth, error mapping to OpenAI's error shape (``h3serve.deploy.common.errors``), and request
+metrics, in one place. Request bodies are read here and parsed by ``h3serve.deploy.ingress.bodies`` (not by FastAPI's
+body
+binding) so that every malformed body gets a 4xx that says what is wrong; the deployment's limits are checked by the
+body models' validators, and ``h3serve.deploy.ingress.openapi`` documents them. Video jobs run in
+``h3serve.deploy.jobs.video_jobs``, their event streams are ``h3serve.deploy.jobs.events``'s, the playground page at
+``/`` is
+``h3serve.deploy.ingress.playground``'s. Only ``PUBLIC_ROUTES`` answer without the token.
+
+Backpressure: an ingress replica holds at most ``DeployArgs.generation_slots`` generation requests (what
+the H3 replicas can queue and run together; more get 503 here) plus ``ingress.headroom`` other requests,
+so job polls and /health never wait behind generations, and ``ingress.event_streams`` open event streams (each an
+ongoing request for Serve while it lasts); ``ingress_options`` gives Serve those numbers.
+
+Over 600 lines on purpose: every route is a method of the one Serve deployment class (``@serve.ingress`` binds
+FastAPI's routes on it), each a few lines over what it calls (``h3serve.deploy.ingress.bodies``,
+``h3serve.deploy.jobs``, the H3
+replicas' handle); split, a route would live apart from the ``_call`` that authorizes, maps and counts it.
+"""
+
+import asyncio
+import base64
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.config import BackpressureConfig
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from h3serve.deploy.common.args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs
+from h3serve.deploy.common.errors import (
+    DEADLINE_MESSAGE,
+    QUEUE_FULL_MESSAGE,
+    RETRY_AFTER_S,
+    APIError,
+    http_error,
+)
+from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
+from h3serve.deploy.common.retry import retry
+from h3serve.deploy.common.serve_logging import log_through_serve
+from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
+from h3serve.deploy.ingress.cold_start import ColdStart
+from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page
+from h3serve.deploy.ingress.playground import playground_page
+from h3serve.deploy.jobs.events import follow_record, last_event_id
+from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
+from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
+from h3serve.pipelines.h3 import GenerationRequest, ModelRules
+from h3serve.pipelines.h3.lora_spec import asked_steps, check_request_steps
+from h3serve.pipelines.h3.paths import cache_dir
+from h3serve.replicas import EngineDraining
+
+logger = logging.getLogger(__name__)
+# A liveness probe answers without the token, and so does the playground page (a page a browser opens cannot send
+# one: it holds no data and asks for the key, which its scripts then send as a bearer token); everything else needs
+# it, the API docs included (they list this deployment's limits). Unknown routes answer 404 either way.
+PUBLIC_ROUTES = ("/health", "/")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer an event stream
+
+
+def resolve_api_key(env: str | None) -> str | None:
+    """The bearer token, or None in explicit open mode; a configured but empty variable refuses to start."""
+    if env is None:
+        return None
+    key = os.environ.get(env, "")
+    if not key:
+        raise RuntimeError(
+            f"api_key_env is {env!r} but that environment variable is empty or unset: set it (a "
+            "Kubernetes Secret, or `export` before `h3serve serve`), or set api_key_env: null in the "
+            "serve config to run without auth"
+        )
+    return key
+
+
+def unknown_job(video_id: str) -> APIError:
+    """A 404 for an id the job store does not hold (cut to 80 characters: it is the caller's input, echoed)."""
+    return APIError(404, f"no video job {video_id[:80]!r}", "video_id")
+
+
+app = FastAPI(
+    title="h3serve",
+    version="0.2.0",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+    description="OpenAI-style video (with stereo audio) and still generation with MiniMax-H3",
+)
+_metrics: RequestMetrics | None = None
+
+
+def request_metrics() -> RequestMetrics:
+    """One set of request metrics per process, shared by the ingress and FastAPI's own errors."""
+    global _metrics
+    if _metrics is None:
+        _metrics = RequestMetrics()
+    return _metrics
+
+
+# FastAPI's own errors (unknown route, wrong method) in OpenAI's shape, counted under one route tag
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    request_metrics().observe("unmatched", exc.status_code, None)
+    return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0]
+    request_metrics().observe("unmatched", 400, None)
+    return APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}").response()
+
+
+def store_url(config: JobStoreArgs, app_name: str) -> str:
+    """This application's part of the configured store (default: a directory under the h3serve cache)."""
+    base = config.store or str(cache_dir() / "videos")
+    return f"{base.rstrip('/')}/{app_name}"
+
+
+def list_query(request: Request) -> tuple[int, str | None, str]:
+    """GET /v1/videos's limit, after and order, parsed here so that auth comes first."""
+    query = request.query_params
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {limit[:20]!r}", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order[:20]!r}", "order")
+    return int(limit), query.get("after"), order
+
+
+def request_id_of(request: Request) -> str:
+    """The client's X-Request-Id (Serve's proxy makes one, a uuid4, when the client sent none), or a 400."""
+    given = request.headers.get("x-request-id")
+    if given is None:  # not through Serve's proxy
+        return uuid.uuid4().hex
+    if not REQUEST_ID.fullmatch(given):
+        raise APIError(400, "X-Request-Id must be 1 to 64 characters of A-Z a-z 0-9 . _ : -", "X-Request-Id")
+    return given
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip(" ") if scheme.lower() == "bearer" else None
+
+
+def ingress_options(args: DeployArgs) -> dict[str, Any]:
+    """H3Ingress's Serve options: room for every generation the H3 replicas can hold plus ``headroom`` other
+    requests; ``headroom`` more wait at each proxy, and beyond that the proxy answers 503 with Retry-After.
+    A stopping ingress gives its open image requests as long as a draining H3 replica gives their generation."""
+    return dict(
+        max_ongoing_requests=args.generation_slots + args.ingress.headroom + args.ingress.event_streams,
+        max_queued_requests=args.ingress.headroom,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=float(RETRY_AFTER_S)),
+        graceful_shutdown_timeout_s=args.engine.drain_timeout_s + DRAIN_MARGIN_S,
+    )
+
+
+def route(name: str):
+    """A route method run by ``H3Ingress._call`` (auth, error mapping, timing, counting), counted as ``name``."""
+
+    def wrap(handler: Callable[..., Awaitable[Any]]):
+        @functools.wraps(handler)  # Serve and FastAPI read the handler's name and parameters through this
+        async def endpoint(self, request: Request, **params):
+            return await self._call(name, request, lambda: handler(self, request, **params))
+
+        return endpoint
+
+    return wrap
+
+
+@serve.deployment(name="H3Ingress")
+@serve.ingress(app)
+class H3Ingress:
+    def __init__(self, replica: DeploymentHandle, args: DeployArgs, rules: ModelRules | None = None):
+        """``rules``: the checkpoint's, read by the driver (given when the replicas scale to zero, so that a video job
+        is checked and accepted while none runs); None: asked of a replica when first needed."""
+        log_through_serve()  # the ingress's own lines (request ids, job hand-backs) into Serve's replica log
+        self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
+        self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
+        self.cache_tiers, self.cache_default = args.cache_tiers, args.engine.step_cache.default
+        # each LoRA adapter is a model id of its own: "<served_model_name>:<adapter name>"
+        self.loras = dict(args.loras)
+        self.adapter_ids = {f"{self.model_name}:{name}": name for name in self.loras}
+        self.metrics = request_metrics()
+        store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
+        store.check()  # an unusable store refuses to start, like a missing token
+        policy = JobPolicy(
+            ttl_s=args.jobs.ttl_s,
+            max_bytes=args.jobs.max_bytes,
+            lease_s=args.jobs.lease_s,
+            max_jobs=self.limits.max_video_jobs,
+        )
+        self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
+        self.generation_slots, self.generations = args.generation_slots, 0
+        self.event_streams, self.streams = args.ingress.event_streams, 0  # at most, and open now
+        self._rules: ModelRules | None = rules
+        self._openapi: dict | None = None
+        autoscaling = args.autoscaling
+        self.cold: ColdStart | None = None  # with min_replicas 0: whether a replica runs, and waking one
+        if autoscaling is not None and autoscaling.min_replicas == 0:
+            app_name = serve.get_replica_context().app_name
+            self.cold = ColdStart(app_name, replica, autoscaling.expected_load_s)
+            self.cold_images = autoscaling.cold_images
+
+    async def _scaled_to_zero(self) -> bool:
+        """Whether the H3 replicas scale to zero and none runs now."""
+        return self.cold is not None and await self.cold.running() == 0
+
+    async def check_health(self) -> None:
+        """Serve calls this every few seconds from the start: the sweeper runs without waiting for traffic."""
+        self.videos.start_sweeper()
+
+    # -- plumbing ------------------------------------------------------------------------
+    async def _call(self, route: str, request: Request, handler: Callable[[], Awaitable[Any]]):
+        """Request id, auth, then ``handler``; errors become OpenAI-shaped answers (their causes logged under the
+        request id); every answer is timed and counted. Serve's access log names each request by the same id:
+        its proxy takes the client's X-Request-Id, or makes one, and returns it in the answer's header."""
+        started, status, request_id = time.perf_counter(), 200, "-"
+        request.state.arrived = time.monotonic()  # timeout_s counts from here
+        self.videos.start_sweeper()
+        try:
+            request_id = request.state.request_id = request_id_of(request)
+            self._authorize(route, request)
+            result = await handler()
+            status = getattr(result, "status_code", 200)
+            return result
+        except Exception as e:
+            error = e if isinstance(e, APIError) else http_error(e, f"request {request_id} ({route})")
+            status = error.status
+            return error.response()
+        finally:  # a generation's model id once it was resolved (a bounded set: the config's), else ""
+            self.metrics.observe(route, status, time.perf_counter() - started, getattr(request.state, "model", ""))
+
+    def _authorize(self, route: str, request: Request) -> None:
+        if self.api_key is None or route in PUBLIC_ROUTES:
+            return
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None or not secrets.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refusing more than ``max_body_bytes`` before reading it all."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is {declared} bytes; this server takes at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body is over {limit} bytes, the most this server takes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, model: type[AnyBody], uploads: tuple[str, ...] = ()) -> AnyBody:
+        """A JSON object, or (where ``uploads`` are allowed) a multipart/urlencoded form, validated."""
+        raw = await self._body(request)
+        return await parse_body(request.headers, raw, model, uploads, self.limits, self.cache_tiers)
+
+    async def rules(self) -> ModelRules:
+        if self._rules is None and self.cold is not None and self.cold.rules is not None:
+            self._rules = self.cold.rules
+        if self._rules is None:  # while no replica runs, this waits for one (the call itself starts it)
+            self._rules = await self.replica.rules.remote()
+        return self._rules
+
+    @contextlib.contextmanager
+    def _generation(self, request: Request):
+        """Count a valid generation request while it is open (an image: to its PNG; a video: until queued);
+        at ``generation_slots`` a further one is refused, so the headroom stays free for polls and /health."""
+        if self.generations >= self.generation_slots:
+            logger.warning(
+                "request %s: 503, this ingress holds %d generations", request.state.request_id, self.generations
+            )
+            raise APIError(503, QUEUE_FULL_MESSAGE, headers={"Retry-After": RETRY_AFTER_S})
+        self.generations += 1
+        try:
+            yield
+        finally:
+            self.generations -= 1
+
+    @staticmethod
+    def _deadline_s(request: Request, timeout_s: float | None) -> float | None:
+        """What is left of the request's ``timeout_s`` (which counts from its arrival) for the replica."""
+        if timeout_s is None:
+            return None
+        left = timeout_s - (time.monotonic() - request.state.arrived)
+        if left <= 0:
+            raise APIError(504, DEADLINE_MESSAGE, "timeout_s", kind="timeout")
+        return left
+
+    @property
+    def model_ids(self) -> list[str]:
+        """The ids a request's ``model`` may name: the base model, then one per LoRA adapter."""
+        return [self.model_name, *self.adapter_ids]
+
+    def _adapter(self, request: Request, body: Body) -> str | None:
+        """The LoRA adapter ``body.model`` names (None: the base model, also when omitted); 400 for another id."""
+        model = body.model
+        if model in (None, "", self.model_name):
+            request.state.model = self.model_name
+            return None
+        if model not in self.adapter_ids:
+            raise APIError(
+                400, f"model {model[:80]!r} is not served here; valid ids: {', '.join(self.model_ids)}", "model"
+            )
+        request.state.model = model
+        return self.adapter_ids[model]
+
+    def _fields(self, body: Body, adapter: str | None) -> dict[str, Any]:
+        """The body's ``GenerationRequest`` fields on ``adapter``: its own steps unless the body gives some (a
+        few-step adapter refuses others: 400 naming both), then the deployment's default_steps."""
+        fields = body.generation()
+        if adapter is not None:
+            spec = self.loras[adapter]
+            asked = asked_steps(spec, body.num_inference_steps, "num_inference_steps" in body.model_fields_set)
+            fields["num_inference_steps"] = check_request_steps(adapter, spec, asked)
+        return fields
+
+    # -- images: a still of the shortest clip ----------------------------------------------------
+    @app.post("/v1/images/generations")
+    @route("/v1/images/generations")
+    async def images(self, request: Request):
+        body = await self._parse(request, ImagesBody)
+        adapter = self._adapter(request, body)
+        base = self._fields(body, adapter)
+        self._deadline_s(request, body.timeout_s)  # 504 before anything runs when it already passed
+        if await self._scaled_to_zero():
+            assert self.cold is not None
+            self.cold.wake()  # a replica starts for this request, whether it waits for it or not
+            if self.cold_images == "refuse":
+                retry = self.cold.retry_after_s()
+                raise APIError(
+                    503,
+                    f"no model replica is running (scaled to zero); one is starting, expected in about {retry} s",
+                    headers={"Retry-After": str(retry)},
+                )
+        with self._generation(request):
+            # n images are n clips: the engine packs them into the same forwards
+            calls = [
+                asyncio.ensure_future(
+                    self._image(request, body, GenerationRequest(**{**base, "seed": body.seed + i}), i, adapter)
+                )
+                for i in range(body.n)
+            ]
+            try:
+                pngs = await asyncio.gather(*calls)
+            except BaseException:
+                for call in calls:
+                    call.cancel()
+                raise
+        return {
+            "created": epoch_seconds(),
+            "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
+        }
+
+    async def _image(
+        self, request: Request, body: ImagesBody, generation: GenerationRequest, i: int, adapter: str | None
+    ) -> bytes:
+        """Image i's PNG; one a draining replica hands back unstarted (a scale-down) is sent again, to another."""
+
+        async def generate() -> bytes:
+            deadline_s = self._deadline_s(request, body.timeout_s)
+            call = self.replica.generate_image.remote(
+                generation, f"{request.state.request_id}-{i}", deadline_s, body.priority, adapter
+            )
+            try:
+                return await call
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+
+        def again(error: Exception, attempt: int, wait_s: float) -> None:
+            logger.info("request %s-%d: handed back by a draining replica; again", request.state.request_id, i)
+
+        return await retry(generate, RESUBMIT, lambda e: caused_by(e, EngineDraining), again)
+
+    # -- videos --------------------------------------------------------------------------------
+    @app.post("/v1/videos")
+    @route("/v1/videos")
+    async def create_video(self, request: Request):
+        body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
+        cold = await self._scaled_to_zero()  # then the job is accepted now, and runs once a replica serves
+        if cold and self._rules is None:
+            assert self.cold is not None
+            self.cold.wake()  # no rules from the driver: this request waits for the first replica's
+        rules = await self.rules()
+        if body.fps is not None and body.fps != rules.fps:
+            raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
+        adapter = self._adapter(request, body)
+        generation = self._fields(body, adapter)
+        if body.seconds is not None:
+            generation["num_frames"] = rules.frames_for_seconds(body.seconds)
+        generation_request = GenerationRequest(
+            **generation,
+            first_frame=body.input_reference,
+            last_frame=body.last_reference,
+            references=tuple(body.references),
+        )
+        if not cold:  # refuse now, not in a failed job later (cold: the replica refuses it, and the job fails as 400)
+            await self.replica.validate.remote(generation_request, adapter)
+        num_frames = generation_request.num_frames or rules.min_frames
+        width, height = generation_request.width, generation_request.height
+        if not width:
+            width, height = rules.default_canvas
+        video = {
+            "id": f"video_{uuid.uuid4().hex}",
+            "object": "video",
+            "model": request.state.model,
+            "status": "queued",
+            "progress": 0,
+            "created_at": epoch_seconds(),
+            "completed_at": None,
+            "expires_at": None,
+            "seconds": f"{num_frames / rules.fps:g}",
+            "size": f"{width}x{height}",
+            "prompt": body.prompt,
+            "error": None,
+        }
+        deadline_s = self._deadline_s(request, body.timeout_s)
+        with self._generation(request):
+            # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
+            accepted = await self.videos.submit(
+                video, generation_request, request.state.request_id, deadline_s, body.priority, adapter, not cold
+            )
+        if not accepted:
+            raise APIError(
+                503,
+                f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        return video
+
+    async def _job(self, video_id: str) -> dict:
+        video = await self.videos.get(video_id)
+        if video is None:
+            raise unknown_job(video_id)
+        return video
+
+    @app.get("/v1/videos")
+    @route("/v1/videos:list")
+    async def list_videos(self, request: Request):
+        limit, after, order = list_query(request)
+        videos = await self.videos.list()
+        if order == "asc":
+            videos.reverse()
+        if after is not None:
+            ids = [v["id"] for v in videos]
+            if after not in ids:
+                raise APIError(400, f"after: no video job {after[:80]!r}", "after")
+            videos = videos[ids.index(after) + 1 :]
+        page = videos[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(videos) > limit,
+        }
+
+    @app.get("/v1/videos/{video_id}")
+    @route("/v1/videos/{id}")
+    async def get_video(self, request: Request, video_id: str):
+        return await self._job(video_id)
+
+    @app.get("/v1/videos/{video_id}/content")
+    @route("/v1/videos/{id}/content")
+    async def video_content(self, request: Request, video_id: str):
+        video = await self._job(video_id)
+        if video["status"] != "completed":
+            raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
+        content = await self.videos.content(video_id)
+        if content is None:  # removed (TTL, byte cap, DELETE) since the record was read
+            raise APIError(404, f"video {video_id} has expired", "video_id")
+        return Response(content, media_type="video/mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    @route("/v1/videos/{id}:delete")
+    async def delete_video(self, request: Request, video_id: str):
+        if not await self.videos.delete(video_id):
+            raise unknown_job(video_id)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    @app.post("/v1/videos/{video_id}/cancel")
+    @route("/v1/videos/{id}/cancel")
+    async def cancel_video(self, request: Request, video_id: str):
+        """sglang's route: a queued job leaves its replica's queue, a running one its pack at the next step
+        boundary; the job reads cancelled (409 once it finished)."""
+        video = await self.videos.cancel(video_id)
+        if video is None:
+            raise unknown_job(video_id)
+        return video
+
+    @app.get("/v1/videos/{video_id}/events")
+    @route("/v1/videos/{id}/events")
+    async def video_events(self, request: Request, video_id: str):
+        """Server-Sent Events of the job (``h3serve.deploy.jobs.events``), resumed after ``Last-Event-ID`` when it is
+        sent."""
+        after = last_event_id(request.headers.get("last-event-id"))
+        video = await self._job(video_id)
+        if self.streams >= self.event_streams:
+            raise APIError(
+                503,
+                f"this server holds {self.event_streams} open event streams; poll GET /v1/videos/{{id}} or retry later",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        log = self.videos.events.get(video_id)
+        if log is not None and after > log.last_id:
+            raise APIError(
+                400,
+                f"Last-Event-ID {after} is past this job's last event ({log.last_id}); resume from an id it sent",
+                "Last-Event-ID",
+            )
+        if log is not None:
+            events = log.follow(after)
+        else:  # another ingress replica runs it (or ran it): its record, once a second
+            events = follow_record(lambda: self.videos.get(video_id), video)
+        return StreamingResponse(self._counted(events), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def _counted(self, events):
+        """An event stream, counted among the open ones while it lasts (a client that goes away ends it)."""
+        self.streams += 1
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            self.streams -= 1
+
+    # -- models, health, docs --------------------------------------------------------------------
+    @app.get("/v1/models")
+    @route("/v1/models")
+    async def models(self, request: Request):
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "h3serve",
+            # what a generation request's `cache` field may name, and what it gets when it names none
+            "cache_tiers": self.cache_tiers,
+            "cache_default": self.cache_default,
+        }
+        adapters = [
+            {
+                **base,
+                "id": model_id,
+                "parent": self.model_name,  # a LoRA adapter over the base model's weights, in the same packs
+                "num_inference_steps": self.loras[name].steps,  # its default (None: the deployment's)
+            }
+            for model_id, name in self.adapter_ids.items()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.get("/health")
+    @route("/health")
+    async def health(self, request: Request):
+        if await self._scaled_to_zero():  # asking a replica would start one: an idle deployment stays at zero
+            return {"status": "ok", "model": self.model_name, "replicas": 0}
+        try:
+            info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+        except Exception as e:  # what went wrong is for the log: this route answers without a token
+            logger.warning("request %s: /health: no H3 replica answered: %r", request.state.request_id, e)
+            body = {"status": "unavailable", "error": "no model replica answered"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        return {"status": "ok", "model": self.model_name, "backend": info["backend"]}
+
+    @app.get("/v1/stats")
+    @route("/v1/stats")
+    async def stats(self, request: Request):
+        """The server's own figures for the playground's live panel: one H3 replica's engine (queue, duty cycle,
+        row-step rate, cancels), this ingress's open jobs and event streams, and admission failures so far."""
+        info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+        try:
+            log = await asyncio.wait_for(admission_recorder().decisions_log.remote(), timeout=RECORD_TIMEOUT_S)
+            admission_failures: int | None = sum(1 for d in log if d.get("outcome") == "rejected")
+        except Exception as e:  # the panel shows what it has
+            logger.warning("request %s: /v1/stats: no admission log: %r", request.state.request_id, e)
+            admission_failures = None
+        return {
+            "object": "stats",
+            "model": self.model_name,
+            "replica": {
+                key: info[key]
+                for key in (
+                    "waiting",
+                    "active",
+                    "duty_cycle",
+                    "row_step_rate",
+                    "forwards",
+                    "preemptions",
+                    "cancelled",
+                    "previews",
+                    "backend",
+                    "policy",
+                )
+            },
+            "admission_failures": admission_failures,
+            "video_jobs_running_here": len(self.videos.tasks),
+            "event_streams_open": self.streams,
+        }
+
+    @app.get("/")
+    @route("/")
+    async def playground(self, request: Request):
+        """The playground page (``h3serve/deploy/ingress/playground/``): plain HTML, CSS and JS, nothing fetched from
+        elsewhere."""
+        return HTMLResponse(playground_page(auth=self.api_key is not None, model=self.model_name))
+
+    @app.get("/openapi.json")
+    @route("/openapi.json")
+    async def openapi(self, request: Request):
+        return await self._document(request)
+
+    # The pages hold the document itself: a browser fetching /openapi.json would not send the token
+    @app.get("/docs")
+    @route("/docs")
+    async def docs(self, request: Request):
+        return HTMLResponse(swagger_page(await self._document(request), title="h3serve API"))
+
+    @app.get("/redoc")
+    @route("/redoc")
+    async def redoc(self, request: Request):
+        return HTMLResponse(redoc_page(await self._document(request), title="h3serve API"))
+
+    async def _document(self, request: Request) -> dict:
+        if self._openapi is None:
+            root = request.scope.get("root_path", "")  # the application's route prefix
+            base = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+                servers=[{"url": root}] if root else None,
+            )
+            bodies: dict[str, type[BaseModel]] = {
+                "POST /v1/images/generations": ImagesBody,
+                "POST /v1/videos": VideosBody,
+            }
+            public = PUBLIC_ROUTES if self.api_key is not None else None
+            self._openapi = document(
+                base,
+                bodies,
+                self.limits,
+                await self.rules(),
+                public_routes=public,
+                cache_tiers=(self.cache_tiers, self.cache_default),
+                model_ids=self.model_ids,
+            )
+        return self._openapi
+
+    async def __del__(self):
+        """Serve stops this replica: fail its running jobs now rather than after their lease."""
+        if hasattr(self, "videos"):  # else the constructor refused
+            await self.videos.close()

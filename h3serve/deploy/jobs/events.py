@@ -1,0 +1,178 @@
+"""Server-Sent Events of a video job (``GET /v1/videos/{id}/events``), resumable with ``Last-Event-ID``.
+
+The ingress that runs a job (its runner, ``video_jobs``) receives the engine's events for it through the replica's
+stream (``H3Replica.generate_video``; they come from the engine's observer) and publishes each here with the next
+id of the job's log: ``queued`` (position in its replica's queue, ``eta_s``), ``started``, ``step`` (``step`` of
+``steps``, ``eta_s``), ``preview`` (a PNG strip as a data: URL), ``decoding``, then one of ``completed``, ``failed``,
+``cancelled`` carrying the job's video object, after which the stream ends. A reader replays what the log still
+holds after its ``Last-Event-ID`` (every event but superseded previews: the newest preview stays), then follows
+live. An idle reader waits on an ``asyncio.Event``: nothing polls, and the engine never waits for a reader.
+
+On an ingress replica that does not run the job (several ingress replicas, or one that restarted) the stream
+follows the job's record in the store instead, once a second: ``queued`` and ``progress`` events from what the
+runner writes there, then the final event. Those carry no id (the runner's ids are not known there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import dataclasses
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from h3serve.deploy.common.errors import APIError
+
+TERMINAL = ("completed", "failed", "cancelled")
+KINDS = ("queued", "started", "step", "preview", "decoding", "progress", *TERMINAL)
+KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
+RETAIN_S = 300.0  # a finished job's log stays this long for late and resuming readers
+MAX_EVENTS = 512  # per job; more than a 50-step job's events, so a reader can resume from any of them
+RECORD_POLL_S = 1.0  # the fallback's pace: the record of a job another ingress runs
+RETRY_MS = 2000  # the reconnection delay an EventSource is told
+EVENT_ID = re.compile(r"[0-9]{1,9}")
+
+
+def last_event_id(value: str | None) -> int:
+    """The event id a reader resumes after (0: from the start); a 400 naming Last-Event-ID when malformed."""
+    if value is None or value == "":
+        return 0
+    if not EVENT_ID.fullmatch(value.strip()):
+        raise APIError(
+            400,
+            f"Last-Event-ID must be the id of an event of this stream (a decimal integer), got {value[:40]!r}",
+            "Last-Event-ID",
+        )
+    return int(value)
+
+
+def encode(kind: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
+    """One event in the text/event-stream format (one data line: JSON has no raw newlines)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def event_data(event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A replica stream's event as (kind, SSE data): progress as [done, total], a preview's PNG as a data: URL."""
+    kind = event["event"]
+    data = {k: v for k, v in event.items() if k not in ("event", "queued", "png")}
+    if "png" in event:
+        data["image"] = "data:image/png;base64," + base64.b64encode(event["png"]).decode()
+    return kind, data
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    id: int
+    kind: str
+    data: dict[str, Any]
+
+    def encode(self) -> bytes:
+        return encode(self.kind, self.data, self.id)
+
+
+class EventLog:
+    """One job's events, numbered from 1, bounded, waking its readers on each new one."""
+
+    def __init__(self):
+        self.events: collections.deque[Event] = collections.deque(maxlen=MAX_EVENTS)
+        self.last_id = 0
+        self.finished_at: float | None = None
+        self._changed = asyncio.Event()
+
+    def publish(self, kind: str, data: dict[str, Any]) -> Event:
+        if self.finished_at is not None:
+            raise RuntimeError(f"event {kind!r} after the job's final event")
+        if kind == "preview":  # only the newest preview is worth replaying: drop the older one
+            self.events = collections.deque((e for e in self.events if e.kind != "preview"), maxlen=MAX_EVENTS)
+        self.last_id += 1
+        event = Event(self.last_id, kind, data)
+        self.events.append(event)
+        if kind in TERMINAL:
+            self.finished_at = time.monotonic()
+        self._changed.set()  # wake every reader, then arm a fresh event for the next wait
+        self._changed = asyncio.Event()
+        return event
+
+    def since(self, after: int) -> list[Event]:
+        return [e for e in self.events if e.id > after]
+
+    async def follow(self, after: int, keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
+        """Events after ``after``, then live ones, until the final event; a comment every ``keepalive_s`` idle."""
+        yield f"retry: {RETRY_MS}\n\n".encode()
+        while True:
+            changed = self._changed  # taken before reading: a publish in between sets this one
+            for event in self.since(after):
+                yield event.encode()
+                after = event.id
+                if event.kind in TERMINAL:
+                    return
+            try:
+                await asyncio.wait_for(changed.wait(), keepalive_s)
+            except TimeoutError:
+                yield b": keep-alive\n\n"
+
+
+class JobEvents:
+    """The event logs of the jobs this ingress replica runs (and ran, for ``RETAIN_S``)."""
+
+    def __init__(self):
+        self.logs: dict[str, EventLog] = {}
+
+    def start(self, job_id: str) -> EventLog:
+        self._prune()
+        return self.logs.setdefault(job_id, EventLog())
+
+    def get(self, job_id: str) -> EventLog | None:
+        return self.logs.get(job_id)
+
+    def publish(self, job_id: str, kind: str, data: dict[str, Any]) -> None:
+        log = self.logs.get(job_id)
+        if log is not None and log.finished_at is None:
+            log.publish(kind, data)
+
+    def finish(self, job_id: str, kind: str, video: dict[str, Any]) -> None:
+        """The final event: the job's video object."""
+        assert kind in TERMINAL, kind
+        self.publish(job_id, kind, {"video": video})
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for job_id, log in list(self.logs.items()):
+            if log.finished_at is not None and now - log.finished_at > RETAIN_S:
+                del self.logs[job_id]
+
+
+async def follow_record(
+    read: Callable[[], Awaitable[dict | None]], first: dict, poll_s: float = RECORD_POLL_S
+) -> AsyncIterator[bytes]:
+    """The fallback for a job this replica does not run: its record every ``poll_s``, as events without ids."""
+    yield f"retry: {RETRY_MS}\n\n".encode()
+    video: dict | None = first
+    last: tuple | None = None
+    quiet = 0.0
+    while video is not None:
+        status = video["status"]
+        if status in TERMINAL:
+            yield encode(status, {"video": video})
+            return
+        if status == "queued":
+            now: tuple = ("queued", video.get("queue_position"), video.get("eta_seconds"))
+            data = {"position": video.get("queue_position"), "eta_s": video.get("eta_seconds")}
+        else:
+            now = ("progress", video.get("progress"), video.get("eta_seconds"))
+            data = {"progress": video.get("progress"), "eta_s": video.get("eta_seconds")}
+        if now != last:
+            last, quiet = now, 0.0
+            yield encode(now[0], data)
+        elif quiet >= KEEPALIVE_S:
+            quiet = 0.0
+            yield b": keep-alive\n\n"
+        await asyncio.sleep(poll_s)
+        quiet += poll_s
+        video = await read()
+    yield encode("failed", {"video": None, "error": "the job was deleted"})

@@ -1,0 +1,364 @@
+"""Video jobs, shared by every ingress replica through a media store: ``<id>.json`` (the record) and ``<id>.mp4``.
+
+No lock and no actor: each running job has one writer, its *runner* (the ingress that accepted it),
+which rewrites the record on progress and at least every ``lease_s / 4`` (a heartbeat). Any replica
+reading a record whose heartbeat is older than ``lease_s`` saves it as failed: its runner died. A
+runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict.
+DELETE of a running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write;
+finished jobs have no writer and are removed at once. A cancel asked on an ingress that is not the job's runner
+writes ``<id>.cancel``, which the runner sees at its next write (a progress write, at most ``lease_s / 4`` away)
+and answers by stopping the job and recording it ``cancelled``. A sweeper on every replica applies the TTL, the
+byte cap (oldest finished first) and the job count, and clears what crashed writers left behind.
+Timestamps are wall-clock seconds: replicas' clocks must agree to well within ``lease_s``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+import logging
+import re
+import threading
+import time
+
+from h3serve.deploy.jobs.media_store import MediaStore
+
+logger = logging.getLogger(__name__)
+FINISHED = ("completed", "failed", "cancelled")
+JOB_ID = re.compile(r"video_[0-9a-f]{32}")
+RUNNER_LOST = "runner_lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPolicy:
+    ttl_s: float  # finished jobs (and their MP4s) are removed this long after they finished
+    max_bytes: int  # MP4 bytes kept; beyond it the oldest finished jobs go first
+    lease_s: float  # an unfinished job whose record is older than this has lost its runner
+    max_jobs: int  # records kept; at the limit the oldest finished go, else creating one is refused
+
+
+def is_record(record) -> bool:
+    """Whether parsed JSON has the shape this module writes (a stray or hand-edited file may not)."""
+    if not isinstance(record, dict) or not isinstance(record.get("video"), dict):
+        return False
+    video = record["video"]
+    return (
+        isinstance(record.get("updated_at"), (int, float))
+        and isinstance(record.get("lease_s"), (int, float))
+        and isinstance(record.get("bytes"), int)
+        and isinstance(video.get("id"), str)
+        and video.get("status") in ("queued", "in_progress", *FINISHED)
+        and isinstance(video.get("created_at"), (int, float))
+    )
+
+
+def job_id_of(name: str, suffix: str) -> str | None:
+    """The job id of a store name like ``video_<32 hex>.json``; None for anything else in the store."""
+    if not name.endswith(suffix):
+        return None
+    job_id = name.removesuffix(suffix)
+    return job_id if JOB_ID.fullmatch(job_id) else None
+
+
+class JobGone(Exception):
+    """The job was deleted: its runner stops generating."""
+
+
+class JobCancelled(Exception):
+    """A cancel was asked on another ingress replica (``<id>.cancel``): the runner stops and records it cancelled."""
+
+
+class LeaseLost(Exception):
+    """The runner could not write for half its lease: readers may have failed the job, so it stops."""
+
+
+def epoch_seconds() -> int:
+    return int(time.time())
+
+
+class JobStore:
+    def __init__(self, store: MediaStore, policy: JobPolicy, clock=time.time):
+        self.store, self.policy, self.clock = store, policy, clock
+        self._finished: dict[str, dict] = {}  # finished records never change: read each once
+        self._orphans: set[str] = set()  # MP4s without a record at the last sweep
+        self._skipped: set[str] = set()  # files that are not job records, logged once each
+        self._sweeping = threading.Lock()
+
+    def _skip(self, name: str, why: str) -> None:
+        """A file in the store that is not one of our records is left alone; say so once, not on every listing."""
+        if name not in self._skipped:
+            self._skipped.add(name)
+            logger.error("%s in the video job store %s %s; skipping it (remove it by hand)", name, self.store.url, why)
+
+    # -- records ------------------------------------------------------------------------------
+    def _read(self, job_id: str, listed: bool = False) -> dict | None:
+        """The record; a finished one from the cache only when a listing just showed its file is still there."""
+        if listed and job_id in self._finished:
+            return self._finished[job_id]
+        raw = self.store.get(f"{job_id}.json")
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError:  # writes are atomic: only a hand-edited file gets here
+            self._skip(f"{job_id}.json", "is not JSON")
+            return None
+        if not is_record(record):
+            self._skip(f"{job_id}.json", "is JSON but not a video job record")
+            return None
+        if record["video"]["status"] in FINISHED:
+            self._finished[job_id] = record
+        return record
+
+    def _write(self, record: dict) -> None:
+        self.store.put(f"{record['video']['id']}.json", json.dumps(record).encode())
+
+    def _expire(self, record: dict) -> dict:
+        """An unfinished record past its lease is failed, and saved so (a finished record never changes)."""
+        video, now = record["video"], self.clock()
+        if video["status"] in FINISHED or now - record["updated_at"] <= record["lease_s"]:
+            return record
+        silent = now - record["updated_at"]
+        record = {
+            **record,
+            "updated_at": now,
+            "video": {
+                **video,
+                "status": "failed",
+                "completed_at": int(now),
+                "expires_at": int(now + self.policy.ttl_s),
+                "error": {
+                    "code": RUNNER_LOST,
+                    "message": f"the server running this job stopped updating it {silent:.0f} "
+                    f"s ago (its lease is {record['lease_s']:g} s): it crashed or was restarted. Resubmit the "
+                    "request",
+                },
+            },
+        }
+        logger.warning("video job %s lost its runner %.0f s ago: failed", video["id"], silent)
+        self._write(record)
+        self._finished[video["id"]] = record
+        return record
+
+    def create(self, video: dict, request_id: str | None = None, priority: int = 0) -> JobRunner | None:
+        """Store a new job and return its runner; None when max_jobs unfinished jobs exist (answer 503).
+
+        ``request_id`` (the HTTP request's X-Request-Id, in every log line about the job) is kept in the
+        record beside the video object, with ``submissions``: how often it was sent to a replica (a draining
+        replica hands back a job it never started, and the runner submits it again), and the ``priority``
+        every submission carries."""
+        if not self._make_room():
+            return None
+        record = {
+            "video": dict(video),
+            "updated_at": self.clock(),
+            "lease_s": self.policy.lease_s,
+            "bytes": 0,
+            "request_id": request_id,
+            "submissions": 1,
+            "priority": priority,
+        }
+        runner = JobRunner(self, record)
+        self._write(record)
+        return runner
+
+    def get(self, job_id: str) -> dict | None:
+        """The job's OpenAI video object, or None (no such job, deleted, or not an id this store makes)."""
+        if not JOB_ID.fullmatch(job_id):
+            return None
+        record = self._read(job_id)
+        if record is None or self.store.exists(f"{job_id}.deleted"):
+            return None
+        return self._expire(record)["video"]
+
+    def content(self, job_id: str) -> bytes | None:
+        return self.store.get(f"{job_id}.mp4") if JOB_ID.fullmatch(job_id) else None
+
+    def delete(self, job_id: str) -> bool:
+        """False when there is no such job. A running job is tombstoned; its runner stops at its next write."""
+        video = self.get(job_id)
+        if video is None:
+            return False
+        if video["status"] in FINISHED:
+            self._remove(job_id)
+        else:
+            self.store.put(f"{job_id}.deleted", json.dumps({"deleted_at": self.clock()}).encode())
+        return True
+
+    def request_cancel(self, job_id: str) -> None:
+        """Ask the job's runner, wherever it runs, to cancel it (it sees this at its next write)."""
+        self.store.put(f"{job_id}.cancel", json.dumps({"cancelled_at": self.clock()}).encode())
+
+    def _remove(self, job_id: str) -> None:
+        self._finished.pop(job_id, None)
+        # the record first: 404 at once
+        self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted", f"{job_id}.cancel")
+
+    def list(self) -> list[dict]:
+        """Every live job's video object, newest first."""
+        videos = [r["video"] for r in self._live_records(self.store.names()).values()]
+        return sorted(videos, key=lambda v: (v["created_at"], v["id"]), reverse=True)
+
+    # -- bounds ------------------------------------------------------------------------------
+    def _records(self, names: builtins.list[str]) -> dict[str, dict]:
+        records = {}
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            job_id = job_id_of(name, ".json")
+            if job_id is None:
+                self._skip(name, "is not named like a video job record (video_<32 hex digits>.json)")
+                continue
+            record = self._read(job_id, listed=True)
+            if record is not None:
+                records[job_id] = self._expire(record)
+        return records
+
+    def _live_records(self, names: builtins.list[str]) -> dict[str, dict]:
+        """The records of jobs not deleted (no tombstone beside them)."""
+        present = set(names)
+        return self._records([n for n in names if f"{n.removesuffix('.json')}.deleted" not in present])
+
+    @staticmethod
+    def _oldest_finished(records: dict[str, dict]) -> builtins.list[tuple[float, str]]:
+        """(completed_at, id) of the finished jobs, oldest first: the order every bound removes them in."""
+        return sorted(
+            (r["video"]["completed_at"] or 0, job_id)
+            for job_id, r in records.items()
+            if r["video"]["status"] in FINISHED
+        )
+
+    def _make_room(self) -> bool:
+        names = self.store.names()
+        if sum(job_id_of(n, ".json") is not None for n in names) < self.policy.max_jobs:
+            return True
+        records = self._records(names)
+        finished = self._oldest_finished(records)
+        excess = len(records) - self.policy.max_jobs + 1
+        for _, job_id in finished[:excess]:
+            self._remove(job_id)
+        return len(records) - min(excess, len(finished)) < self.policy.max_jobs
+
+    def sweep(self) -> None:
+        """TTL, byte cap, expired leases, tombstones and leftovers; safe on every replica at once."""
+        if not self._sweeping.acquire(blocking=False):
+            return
+        try:
+            self._sweep()
+        finally:
+            self._sweeping.release()
+
+    def _sweep(self) -> None:
+        names = self.store.names()
+        now, present = self.clock(), set(names)
+        for job_id in list(self._finished):
+            if f"{job_id}.json" not in present:
+                del self._finished[job_id]
+        for name in names:  # a deleted job's runner can no longer write once its lease has passed
+            deleted_id = job_id_of(name, ".deleted")
+            if deleted_id is not None:
+                raw = self.store.get(name)
+                deleted_at = None if raw is None else self._deleted_at(name, raw)
+                if deleted_at is not None and now - deleted_at > self.policy.lease_s:
+                    self._remove(deleted_id)
+        records = self._live_records(names)
+        finished = self._oldest_finished(records)
+        total = sum(r["bytes"] for r in records.values())
+        for completed_at, job_id in finished:
+            expired = now - completed_at > self.policy.ttl_s
+            if not expired and total <= self.policy.max_bytes:
+                break  # oldest first: everything after is younger
+            logger.info("removing video job %s (%s)", job_id, "expired" if expired else "over the byte cap")
+            total -= records[job_id]["bytes"]
+            self._remove(job_id)
+        # an MP4 without a record: a runner died between the two writes, or a delete half-done. Its
+        # record may be about to appear, so it goes only if it is still an orphan one sweep later.
+        mp4s = {mp4_id for n in names if (mp4_id := job_id_of(n, ".mp4")) is not None}
+        orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
+        for job_id in orphans & self._orphans:
+            self.store.delete(f"{job_id}.mp4")
+        self._orphans = orphans - self._orphans
+        self.store.remove_stale_temporaries(self.policy.lease_s)
+
+    def _deleted_at(self, name: str, raw: bytes) -> float | None:
+        """When a tombstone was written; None (skipped, and logged) for a file this store did not write."""
+        try:
+            return float(json.loads(raw)["deleted_at"])
+        except (ValueError, TypeError, KeyError):
+            self._skip(name, "is not a tombstone this store wrote")
+            return None
+
+
+class JobRunner:
+    """The one writer of a running job's record: progress, heartbeats, the result; fenced by its lease."""
+
+    def __init__(self, jobs: JobStore, record: dict):
+        self.jobs, self.record = jobs, record
+        self.job_id = record["video"]["id"]
+        self.last_write = time.monotonic()
+        self.gone = False
+        self.stopping: str | None = None  # why the ingress cancels it: "deleted", "shutdown", "lease lost"
+        self._lock = threading.Lock()
+
+    def update(self, **fields) -> None:
+        """Write the record with ``fields``; JobGone if it was deleted, LeaseLost if readers may have failed it."""
+        with self._lock:
+            if self.record["video"]["status"] in FINISHED:
+                return  # a heartbeat that raced the result: the record is final (and may be deleted by now)
+            started = time.monotonic()
+            if started - self.last_write > self.record["lease_s"] / 2:
+                raise LeaseLost(f"video job {self.job_id}: no heartbeat for {started - self.last_write:.0f} s")
+            if self.gone or self.jobs.store.exists(f"{self.job_id}.deleted"):
+                self.gone = True  # the tombstone stays until the sweeper sees no runner can write
+                self.jobs.store.delete(f"{self.job_id}.json", f"{self.job_id}.mp4")
+                raise JobGone(self.job_id)
+            if self.stopping != "cancelled" and self.jobs.store.exists(f"{self.job_id}.cancel"):
+                raise JobCancelled(self.job_id)
+            self.record = {**self.record, "updated_at": self.jobs.clock(), "video": {**self.record["video"], **fields}}
+            self.jobs._write(self.record)
+            self.last_write = started
+
+    def resubmitted(self) -> None:
+        """A replica handed the job back unstarted (it drains): count the next submission in the record."""
+        with self._lock:
+            self.record = {**self.record, "submissions": self.record.get("submissions", 1) + 1}
+        self.update()
+
+    def complete(self, mp4: bytes) -> None:
+        """The MP4 first, then the record that says it is there."""
+        self.jobs.store.put(f"{self.job_id}.mp4", mp4)
+        self.record = {**self.record, "bytes": len(mp4)}
+        now = int(self.jobs.clock())
+        self.update(
+            status="completed",
+            progress=100,
+            completed_at=now,
+            expires_at=int(now + self.jobs.policy.ttl_s),
+            queue_position=None,
+            eta_seconds=None,
+        )
+
+    def cancel(self) -> None:
+        """Record the job cancelled (its request left the engine), then drop the cancel request if one was written."""
+        now = int(self.jobs.clock())
+        self.stopping = "cancelled"
+        self.update(
+            status="cancelled",
+            completed_at=now,
+            expires_at=int(now + self.jobs.policy.ttl_s),
+            queue_position=None,
+            eta_seconds=None,
+        )
+        self.jobs.store.delete(f"{self.job_id}.cancel")
+
+    def fail(self, code: str, message: str) -> None:
+        now = int(self.jobs.clock())
+        self.update(
+            status="failed",
+            completed_at=now,
+            expires_at=int(now + self.jobs.policy.ttl_s),
+            error={"code": code, "message": message},
+            queue_position=None,
+            eta_seconds=None,
+        )

@@ -1,0 +1,388 @@
+"""The video jobs one ingress replica runs: the replica's stream into the job's record, its event log
+(``events``: what ``GET /v1/videos/{id}/events`` streams) and its MP4 into the store, a heartbeat per job,
+the sweeper, and stopping jobs on cancel, DELETE or shutdown.
+
+What a record holds and how replicas share the store without a lock is ``jobs``'s; this module is the
+asyncio side of it. Store calls block, so they run on a thread pool.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
+from h3serve.deploy.common.metrics import RequestMetrics
+from h3serve.deploy.common.retry import Backoff, retry
+from h3serve.deploy.jobs.events import TERMINAL, JobEvents, event_data
+from h3serve.deploy.jobs.store import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
+from h3serve.pipelines.h3 import GenerationRequest
+from h3serve.replicas import DeadlineExceeded, EngineDraining
+
+logger = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 0.5  # progress is written at most this often; the heartbeat covers the rest
+JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
+# A handed-back job is submitted again while no replica can take it (queues full, replicas draining or being
+# replaced), backing off as RESUBMIT says, for at most its for_s; then it fails (503).
+RETRYABLE = QUEUE_FULL + UNAVAILABLE
+RESUBMIT = Backoff(first_s=0.5, max_s=5.0, for_s=600.0)
+
+
+def rounded(seconds: float | None) -> float | None:
+    """An ETA as the API shows it: tenths of a second."""
+    return None if seconds is None else round(seconds, 1)
+
+
+def caused_by(error: BaseException, kinds) -> bool:
+    """Whether ``error``, or the replica's exception inside Ray's wrapper, is one of ``kinds``."""
+    return isinstance(error, kinds) or isinstance(root_cause(error), kinds)
+
+
+class VideoJobs:
+    def __init__(self, store: JobStore, replica: DeploymentHandle, metrics: RequestMetrics):
+        self.store, self.replica, self.metrics = store, replica, metrics
+        self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")
+        self.tasks: dict[str, asyncio.Task] = {}  # video id -> its job, for the jobs this replica runs
+        self.runners: dict[str, JobRunner] = {}
+        self.events = JobEvents()  # the event logs of the jobs this replica runs
+        self._sweeper: asyncio.Task | None = None
+
+    async def _io(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
+
+    # -- what the routes ask ---------------------------------------------------------------------
+    async def submit(
+        self,
+        video: dict,
+        request: GenerationRequest,
+        request_id: str,
+        deadline_s: float | None = None,
+        priority: int = 0,
+        adapter: str | None = None,
+        queue_now: bool = True,
+    ) -> bool:
+        """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
+        holds too many unfinished jobs. ``queue_now`` False (no replica runs: they scaled to zero): record it as
+        queued at once, and queue it on a replica once one serves (waiting at the handle starts one). ``priority``
+        goes with it to every replica it is submitted to (a re-submission after a drain keeps it) and is kept in the
+        record; so does ``adapter`` (the LoRA adapter it runs on, None: the base model).
+
+        The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
+        DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
+        queued job that fails later."""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        if queue_now:
+            stream, first = await self._start(request, request_id, deadline_s, priority, adapter)
+            video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
+        else:  # no replica runs: queued here; its place in a replica's queue comes once one serves (_resubmit)
+            stream, first = None, {"queued": True, "event": "queued"}
+        try:
+            runner = await self._io(self.store.create, video, request_id, priority)
+        except BaseException:
+            if stream is not None:
+                stream.cancel()
+            raise
+        if runner is None:
+            if stream is not None:
+                stream.cancel()
+            return False
+        logger.info("video job %s (request %s) queued", runner.job_id, request_id)
+        self.runners[runner.job_id] = runner
+        self.events.start(runner.job_id).publish(*event_data(first))
+        job = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
+        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
+        return True
+
+    async def _start(
+        self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int, adapter: str | None
+    ) -> tuple[DeploymentResponseGenerator, dict]:
+        """The replica's event stream and its first event ({"queued": True, ...}), once that has arrived."""
+        stream = self.replica.options(stream=True).generate_video.remote(
+            request, request_id, deadline_s, priority, adapter
+        )
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"request {request_id}: the replica's stream ended before it queued") from None
+        except BaseException:
+            stream.cancel()
+            raise
+        if not first.get("queued"):
+            stream.cancel()
+            raise RuntimeError(f"request {request_id}: the replica's first event was {sorted(first)}, not queued")
+        return stream, first
+
+    async def get(self, video_id: str) -> dict | None:
+        return await self._io(self.store.get, video_id)
+
+    async def list(self) -> list[dict]:
+        return await self._io(self.store.list)
+
+    async def content(self, video_id: str) -> bytes | None:
+        return await self._io(self.store.content, video_id)
+
+    async def delete(self, video_id: str) -> bool:
+        """Remove the job; if it runs here, stop it now (elsewhere its runner sees the tombstone)."""
+        if not await self._io(self.store.delete, video_id):
+            return False
+        task, runner = self.tasks.get(video_id), self.runners.get(video_id)
+        if task is not None and runner is not None:
+            runner.stopping = "deleted"
+            task.cancel()
+        return True
+
+    async def cancel(self, video_id: str) -> dict | None:
+        """Cancel a queued or running job and return its video object, ``cancelled``; None when there is no such job,
+        a 409 APIError when it has finished. Here, its request leaves the engine (the queue at once, the pack at the
+        next step boundary) before this returns; on another ingress replica, its runner sees the request at its next
+        write and this waits for the record to say so (at most ``lease_s``: a runner that never answers loses its
+        lease, and the record then reads failed)."""
+        video = await self.get(video_id)
+        if video is None:
+            return None
+        if video["status"] in FINISHED:
+            raise APIError(
+                409,
+                f"video {video_id} is {video['status']}: only a queued or in_progress job can be cancelled",
+                "video_id",
+            )
+        task, runner = self.tasks.get(video_id), self.runners.get(video_id)
+        if task is not None and runner is not None:
+            runner.stopping = "cancelled"
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return runner.record["video"]
+        await self._io(self.store.request_cancel, video_id)
+        give_up = time.monotonic() + self.store.policy.lease_s
+        while time.monotonic() < give_up:
+            video = await self.get(video_id)
+            if video is None or video["status"] in FINISHED:
+                return video
+            await asyncio.sleep(0.25)
+        return await self.get(video_id)
+
+    # -- the sweeper -------------------------------------------------------------------------------
+    def start_sweeper(self) -> None:
+        """TTL, byte cap and lost runners without waiting for a reader; every replica sweeps, harmlessly."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await self.sweep_once()
+            await asyncio.sleep(self.store.policy.lease_s / 2)
+
+    async def sweep_once(self) -> None:
+        try:
+            await self._io(self.store.sweep)
+        except Exception:
+            logger.exception("sweeping the video job store failed; the next sweep retries")
+
+    # -- one job -----------------------------------------------------------------------------------
+    async def _run(
+        self,
+        runner: JobRunner,
+        request: GenerationRequest,
+        request_id: str,
+        deadline: float | None,
+        priority: int,
+        stream: DeploymentResponseGenerator | None,
+        adapter: str | None = None,
+        model: str = "",
+    ) -> None:
+        """Follow the job to its MP4; a replica that hands it back unstarted (it drains) gets it re-submitted.
+        ``stream`` None: not queued on a replica yet (none ran at submit); queued here first."""
+        started, code = time.perf_counter(), 500
+        job = asyncio.current_task()
+        assert job is not None  # submit's task
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(runner, job))
+        try:
+            if stream is None:
+                stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter, again=False)
+            while True:
+                try:
+                    await self._follow(runner, stream)
+                    break
+                except Exception as e:
+                    if not caused_by(e, EngineDraining):
+                        raise
+                    logger.info(
+                        "video job %s (request %s): its replica drains and handed it back unstarted; "
+                        "submitting it again",
+                        runner.job_id,
+                        request_id,
+                    )
+                    stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
+            code = 200
+            self.events.finish(runner.job_id, "completed", runner.record["video"])
+            asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
+        except JobCancelled:  # asked on another ingress replica
+            code = 499
+            if stream is not None:
+                stream.cancel()
+            await self._cancelled(runner)
+        except (JobGone, LeaseLost) as e:
+            code = 499  # deleted, or this runner lost its lease: stop generating
+            logger.info("video job %s (request %s) stopped: %r", runner.job_id, request_id, e)
+            if stream is not None:
+                stream.cancel()
+            self._stopped(runner, "deleted" if isinstance(e, JobGone) else "lease lost")
+        except asyncio.CancelledError:
+            code = 499
+            if stream is not None:  # None: still waiting for a first replica
+                stream.cancel()  # the replica's stream ends: its request leaves the engine (engine.cancel)
+            if runner.stopping == "cancelled":
+                await self._cancelled(runner)
+                return  # this replica cancelled it on purpose: the task ends normally
+            if runner.stopping == "shutdown":
+                await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
+            else:
+                self._stopped(runner, runner.stopping)
+            raise
+        except Exception as e:
+            error = http_error(e, f"video job {runner.job_id} (request {request_id})")
+            code = error.status
+            timed_out = caused_by(e, DeadlineExceeded)
+            await self._fail(runner, "timeout" if timed_out else str(code), error.message)
+        finally:
+            heartbeat.cancel()
+            self.tasks.pop(runner.job_id, None)
+            self.runners.pop(runner.job_id, None)
+            self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
+
+    async def _follow(self, runner: JobRunner, stream: DeploymentResponseGenerator) -> None:
+        """The replica's events into the job's event log and (at most every PROGRESS_EVERY_S, and at once when it
+        starts) its record, then its MP4 into the store."""
+        written, status = 0.0, runner.record["video"]["status"]
+        async for event in stream:
+            if "mp4" in event:
+                await self._io(runner.complete, event["mp4"])
+                return
+            if "event" not in event:
+                continue
+            kind, data = event_data(event)
+            if kind not in TERMINAL:
+                self.events.publish(runner.job_id, kind, data)
+            started = status == "queued" and kind in ("started", "step")
+            if kind == "preview" or (time.monotonic() - written < PROGRESS_EVERY_S and not started):
+                continue
+            written = time.monotonic()
+            done, total = event["progress"]
+            if kind == "queued":
+                fields = dict(queue_position=data.get("position"), eta_seconds=rounded(data.get("eta_s")))
+            else:
+                status = "in_progress"
+                fields = dict(
+                    status=status,
+                    progress=int(100 * done / max(total, 1)),
+                    queue_position=None,
+                    eta_seconds=rounded(data.get("eta_s")),
+                )
+            await self._write(runner, **fields)
+        raise RuntimeError("the replica's stream ended without a video")
+
+    async def _resubmit(
+        self,
+        runner: JobRunner,
+        request: GenerationRequest,
+        request_id: str,
+        deadline: float | None,
+        priority: int,
+        adapter: str | None = None,
+        again: bool = True,
+    ) -> DeploymentResponseGenerator:
+        """Queue a handed-back job on another replica with the same priority, waiting out full queues and draining
+        replicas for up to RESUBMIT.for_s (the job stays queued meanwhile; its heartbeat keeps the lease).
+        ``again`` False: its first submission (none ran when it was accepted), not counted as a re-submission; the
+        wait for a replica to load is the stream's first event, not a retry."""
+
+        async def start():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:  # not retryable: raised as it is
+                raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
+            return await self._start(request, request_id, remaining, priority, adapter)
+
+        def again_later(error: Exception, attempt: int, wait_s: float) -> None:
+            logger.info("video job %s (request %s): no replica took it yet (%r)", runner.job_id, request_id, error)
+
+        stream, first = await retry(start, RESUBMIT, lambda e: caused_by(e, RETRYABLE), again_later)
+        try:
+            if again:
+                await self._io(runner.resubmitted)
+        except BaseException:
+            stream.cancel()
+            raise
+        self.events.publish(runner.job_id, *event_data(first))  # its place in the new replica's queue
+        return stream
+
+    async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
+        """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""
+        while True:
+            await asyncio.sleep(runner.record["lease_s"] / 4)
+            try:
+                await self._io(runner.update)
+            except (JobGone, LeaseLost) as e:
+                logger.info("video job %s stopped: %r", runner.job_id, e)
+                runner.stopping = "deleted" if isinstance(e, JobGone) else "lease lost"
+                job.cancel()
+                return
+            except Exception:
+                logger.exception("heartbeat of video job %s failed; retrying", runner.job_id)
+
+    async def _write(self, runner: JobRunner, **fields) -> None:
+        """A progress write; a store hiccup is logged and left to the next write (the lease allows for it)."""
+        try:
+            await self._io(lambda: runner.update(**fields))
+        except (JobGone, LeaseLost):
+            raise
+        except Exception:
+            logger.exception("writing video job %s failed", runner.job_id)
+
+    async def _fail(self, runner: JobRunner, code: str, message: str) -> None:
+        try:
+            await self._io(runner.fail, code, message)
+        except (JobGone, LeaseLost):
+            pass
+        except Exception:  # the lease will fail it for readers
+            logger.exception("recording the failure of video job %s failed", runner.job_id)
+        self.events.finish(runner.job_id, "failed", runner.record["video"])
+
+    def _stopped(self, runner: JobRunner, why: str | None) -> None:
+        """The final event of a job stopped without a record write: deleted reads cancelled; a lost lease reads
+        failed, as the store's readers will fail it (without this its live readers would wait forever)."""
+        video = runner.record["video"]
+        if why == "deleted":
+            self.events.finish(runner.job_id, "cancelled", {**video, "status": "cancelled"})
+            return
+        error = {
+            "code": RUNNER_LOST,
+            "message": f"the runner of this job stopped ({why or 'cancelled'}); resubmit the request",
+        }
+        self.events.finish(runner.job_id, "failed", {**video, "status": "failed", "error": error})
+
+    async def _cancelled(self, runner: JobRunner) -> None:
+        """Record the job cancelled (its request has left the engine) and say so on its event stream."""
+        logger.info("video job %s cancelled", runner.job_id)
+        try:
+            await self._io(runner.cancel)
+        except (JobGone, LeaseLost):
+            pass
+        except Exception:
+            logger.exception("recording the cancel of video job %s failed", runner.job_id)
+        self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
+
+    async def close(self) -> None:
+        """Serve stops this replica: fail its running jobs now rather than after their lease."""
+        for video_id, task in list(self.tasks.items()):
+            runner = self.runners.get(video_id)
+            if runner is not None:
+                runner.stopping = "shutdown"
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.io.shutdown(wait=False)

@@ -1,0 +1,118 @@
+"""Conditioner and decoder stage deployments, shared by every H3Replica (issue 27; ``args.stages``).
+
+The builder binds ``H3Conditioner`` and ``H3Decoder`` beside ``H3Replica`` when the deploy args have a
+``stages`` section, and passes their handles to every H3Replica. Its engine then hands each request over:
+``H3Conditioner.prepare`` returns the request's prepared state (``PreparedState``: host tensors, through the
+object store), the denoiser steps it in its packs, and ``H3Decoder.decode`` gets its latents rows
+(``DecodeHandoff``) and returns the PNG/MP4 bytes. The client sees one request. A stage's error is the
+request's error (a RequestError stays one, an HTTP 400), never retried. A stage replica that dies fails no
+request and never the H3Replica: Serve replaces it, and each H3Replica makes the calls it had in flight there
+again (``h3serve.deploy.model_server.h3_replica.ServeStages``), on another live replica or on the replacement once it
+is up, up to ``STAGE_ATTEMPTS`` calls in all, counted in ``h3serve_stage_retries`` by stage. The denoiser holds a
+request's finished latents until its decode returns, so a redone decode repeats no denoising; a redone prepare repeats
+only the prepare. Every H3Replica's rank 0 then loads none of these models
+(``ReplicaSpec.stages`` "remote": the transformer partitions and the tokenizer only), and admission checks
+each stage's memory plan beside the denoiser's ranks (``h3serve/pipelines/h3/memory.py``).
+
+Each stage counts what it served per caller (``report``): the calling H3Replica's replica id, and the calls it
+is working on now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+from ray import serve
+
+from h3serve.deploy.common.args import DeployArgs, StageDeploymentArgs
+from h3serve.deploy.common.serve_logging import log_through_serve
+from h3serve.pipelines.h3 import (
+    DecodeHandoff,
+    EncodedMedia,
+    GeneratedMedia,
+    GenerationRequest,
+    H3StageModels,
+    PreparedState,
+)
+from h3serve.pipelines.h3.preview import PreviewMap
+from h3serve.replicas.allocator import cuda_allocator_defaults
+
+logger = logging.getLogger(__name__)
+
+
+class StageReplica:
+    """What both stages share: the models of one role, loaded once, and counters by caller."""
+
+    role = ""
+
+    @classmethod
+    def deployment_options(cls, args: DeployArgs) -> dict[str, Any]:
+        stage: StageDeploymentArgs = args.stage_deployments()[cls.role]
+        return dict(
+            name=cls.__name__,
+            num_replicas=stage.num_replicas,
+            ray_actor_options=stage.ray_actor_options,
+            max_ongoing_requests=stage.max_ongoing_requests,
+            health_check_period_s=5,
+        )
+
+    def __init__(self, checkpoint: str | None, device: str, dtype: str):
+        log_through_serve()
+        cuda_allocator_defaults(device)  # a VAE decode's transients vary with the clip as a pack's do
+        self.models = H3StageModels.load(self.role, checkpoint, device=device, dtype=dtype)  # type: ignore[arg-type]
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.calls: collections.Counter[str] = collections.Counter()  # caller's replica id -> requests served
+        self.failures = 0
+        self.ongoing = 0  # calls running now (report() is answered while they run)
+        logger.info("%s stage ready (replica %s)", self.role, self.replica_id)
+
+    def report(self) -> dict[str, Any]:
+        """This stage replica's id, the requests it served by calling H3Replica, how many failed, and how many
+        it is working on now."""
+        return {
+            "replica_id": self.replica_id,
+            "calls": dict(self.calls),
+            "failures": self.failures,
+            "ongoing": self.ongoing,
+        }
+
+    async def _run(self, caller: str, what: str, fn, *args):
+        self.calls[caller] += 1
+        started = time.perf_counter()
+        self.ongoing += 1
+        try:
+            result = await asyncio.to_thread(fn, *args)  # off the event loop: report() and health stay answered
+        except Exception:
+            self.failures += 1
+            logger.warning("%s for %s failed", what, caller, exc_info=True)
+            raise
+        finally:
+            self.ongoing -= 1
+        logger.info("%s for %s in %.2f s", what, caller, time.perf_counter() - started)
+        return result
+
+
+class H3Conditioner(StageReplica):
+    """Tokenizer, processor, text encoder, VAE encoders and diffusers' blocks before the loop; no transformer."""
+
+    role = "conditioner"
+
+    async def prepare(self, request: GenerationRequest, shift: float | None, caller: str) -> PreparedState:
+        return await self._run(caller, "prepare", self.models.prepare, request, shift)
+
+    async def fit_preview(self, caller: str) -> PreviewMap:
+        """The video VAE's latent -> RGB preview map, for a denoiser (which holds no VAE) when it loads."""
+        return await self._run(caller, "preview map fit", self.models.fit_preview)
+
+
+class H3Decoder(StageReplica):
+    """Both VAE decoders, diffusers' blocks after the loop and the PNG/MP4 encoding; no transformer."""
+
+    role = "decoder"
+
+    async def decode(self, handoff: DecodeHandoff, output: str | None, caller: str) -> GeneratedMedia | EncodedMedia:
+        return await self._run(caller, "decode", self.models.decode, handoff, output)

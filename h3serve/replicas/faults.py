@@ -1,0 +1,115 @@
+"""Faults injected into a rank's step at named points, for tests only: raise, hang, freeze or kill there.
+
+Nothing in a deployment can arm one: no serve config field, deploy arg or ``ReplicaSpec`` field reaches this module,
+and ``h3serve/deploy/`` never imports it. A test arms a fault on a live group (``WorkerGroup.arm``), which hands it to
+the
+rank's ``UlyssesGroup``; the fault then fires once, in the real step path of that rank, and is spent. A replacement
+group starts with none.
+
+Points (where in a step, on the rank that holds the fault):
+
+- ``before_first_collective``: at the step's start, before the pack's broadcast (the step's first collective);
+- ``between_all_to_alls``: in block ``block``'s attention, after its first all-to-all and before its second (a pack
+  without step caching runs four all-to-alls a block: q, k, v there and the output back);
+- ``final_gather``: just before the gather of the output rows onto rank 0;
+- ``step_cache_decision``: at a step-cache decision under Ulysses (action ``disagree`` only).
+
+Actions:
+
+- ``raise``: ``InjectedFault`` (an OOM or a bad kernel argument on that rank);
+- ``hang``: the rank stops there, as a rank waiting in a collective or a host sync for a peer that never comes:
+  until its communicator is aborted (``release``), then it raises; at most ``hang_s``;
+- ``freeze``: the rank's step thread stops there for ``hang_s`` whatever happens, as a kernel that never ends: an
+  abort does not bring it back (its process is killed and replaced);
+- ``kill``: the process exits at once (``os._exit``), as a rank lost with its node or to the OOM killer;
+- ``disagree``: this rank's own step-cache decisions are inverted before ranks agree on them (a non-deterministic
+  reduction, a NaN on one rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+Point = Literal["before_first_collective", "between_all_to_alls", "final_gather", "step_cache_decision"]
+Action = Literal["raise", "hang", "freeze", "kill", "disagree"]
+ALL_TO_ALLS_PER_BLOCK = 4  # q, k, v to heads, the output back to rows
+
+
+class InjectedFault(RuntimeError):
+    """What an armed fault raises (``raise``, or ``hang`` once released)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault: on ``rank``, at ``point`` (block ``block`` for ``between_all_to_alls``), do ``action`` once."""
+
+    rank: int
+    point: Point
+    action: Action
+    block: int = 0
+    hang_s: float = 120.0  # the longest a hang or a freeze holds the rank
+
+    def __post_init__(self):
+        if (self.action == "disagree") != (self.point == "step_cache_decision"):
+            raise ValueError(f"action {self.action!r} does not fit point {self.point!r}")
+
+    def __str__(self) -> str:
+        where = f"{self.point} of block {self.block}" if self.point == "between_all_to_alls" else self.point
+        return f"{self.action} on rank {self.rank} at {where}"
+
+
+class FaultInjector:
+    """One rank's armed faults; ``UlyssesGroup`` calls ``at`` at each point of its step."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.armed: list[Fault] = []
+        self.fired: list[Fault] = []
+        self._released = threading.Event()  # set when this rank's communicator is aborted
+
+    def arm(self, fault: Fault) -> None:
+        if fault.rank != self.rank:
+            raise ValueError(f"fault {fault} armed on rank {self.rank}")
+        self.armed.append(fault)
+
+    def release(self) -> None:
+        """The rank's communicator was aborted: a ``hang`` ends (a ``freeze`` does not)."""
+        self._released.set()
+
+    def _take(self, point: str, block: int | None = None) -> Fault | None:
+        for fault in self.armed:
+            if fault.point == point and (block is None or fault.block == block):
+                self.armed.remove(fault)
+                self.fired.append(fault)
+                logger.warning("injected fault fires: %s", fault)
+                return fault
+        return None
+
+    def at(self, point: Point, block: int | None = None) -> None:
+        """Fire the fault armed for ``point`` (and ``block``), if any."""
+        if not self.armed:
+            return
+        fault = self._take(point, block)
+        if fault is None:
+            return
+        if fault.action == "kill":
+            os._exit(17)  # no cleanup: a process lost mid-step leaves no goodbye
+        if fault.action == "freeze":
+            threading.Event().wait(fault.hang_s)  # nothing sets it: only the process's death ends it early
+            raise InjectedFault(f"injected fault: {fault} (froze {fault.hang_s:g} s)")
+        if fault.action == "hang":
+            released = self._released.wait(fault.hang_s)
+            raise InjectedFault(f"injected fault: {fault} ({'released by abort' if released else 'hang timed out'})")
+        raise InjectedFault(f"injected fault: {fault}")
+
+    def decisions(self, skips: list[bool]) -> list[bool]:
+        """This rank's step-cache decisions, inverted when a ``disagree`` fault is armed."""
+        if self.armed and self._take("step_cache_decision") is not None:
+            return [not skip for skip in skips]
+        return skips

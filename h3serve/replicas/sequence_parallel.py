@@ -1,0 +1,208 @@
+"""Ulysses sequence parallelism over packed ``[T, H, D]`` rows, and the collectives of one step around it.
+
+Rank r holds rows ``r*T/W : (r+1)*T/W`` of the pack with all heads. Before attention
+an all-to-all gives every rank all T rows for H/W heads, so varlen attention runs with
+the pack's global ``cu_seqlens``; a second all-to-all brings the rows home. Step caching gathers
+every rank's rows onto every rank at its transitions (``all_gather_rows``) and follows rank 0's decisions
+(``follow_rank0``).
+
+One step's collectives, in order, on every rank: the pack's tensors broadcast from rank 0 (``send_pack`` /
+``receive_pack``); the row-local prologue, then one agreement (``agree``) that carries any rank's error from
+before it to every rank, so all leave the step there together and nothing is left unmatched; the blocks'
+all-to-alls (and step caching's gathers and decision broadcasts); the gather of the output rows onto rank 0; then
+each rank waits for its device (``finish``). Every collective is counted (``collectives``), so a rank's outcome
+says how far into the step it failed. ``abort`` ends the communicator without a collective (NCCL: in-flight kernels
+exit; gloo: the sockets close once nothing holds the group), and every later collective of this object raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group  # torch 2.13: abort, world state cleared
+
+from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack
+
+from .faults import ALL_TO_ALLS_PER_BLOCK, FaultInjector
+
+logger = logging.getLogger(__name__)
+
+
+def abort_process_group() -> None:
+    """Abort this process's torch.distributed group, if any: no collective, the world state cleared for a new one."""
+    if dist.is_initialized():
+        _abort_process_group()
+
+
+class GroupAborted(RuntimeError):
+    """This rank's communicator was aborted: the step it was in is over."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed before the step's agreement; every rank leaves the step there, together."""
+
+
+class DeviceTimeout(RuntimeError):
+    """The device did not finish the step's work within the step's bound."""
+
+
+class UlyssesGroup:
+    """Implements the packed forward's ``SequenceParallel`` hook on a torch.distributed group."""
+
+    def __init__(
+        self,
+        sp_degree: int,
+        rank: int,
+        num_heads: int,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        if sp_degree < 1 or not 0 <= rank < sp_degree:
+            raise ValueError(f"rank {rank} is not within sp_degree {sp_degree}")
+        if num_heads % sp_degree:
+            raise ValueError(f"Ulysses needs num_heads % sp_degree == 0; got {num_heads} heads over {sp_degree} ranks")
+        self.sp_degree, self.rank, self.num_heads, self.group = sp_degree, rank, num_heads, group
+        self.device = torch.device(device)
+        self.faults = FaultInjector(rank)  # armed by tests only (``h3serve.replicas.faults``)
+        self.aborted = False
+        self.disagreements = 0  # step-cache decisions where this rank's own differed from rank 0's
+        self.begin_step()
+
+    # -- one step ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.collectives = 0  # collectives this rank entered in the current step
+        self.all_to_alls = 0
+        self.left_together = False  # the step ended at the agreement, on every rank
+        self.early_error: BaseException | None = None  # raised before the first collective: carried to ``agree``
+
+    def _collective(self) -> None:
+        if self.aborted:
+            raise GroupAborted(f"rank {self.rank}: the communicator was aborted")
+        self.collectives += 1
+
+    def send_pack(self, pack: Pack) -> None:
+        """Rank 0: the pack's tensors to every rank, as one flat buffer (its layout went ahead, through Ray)."""
+        _, flat = flatten_pack(pack)  # [nbytes] uint8 on the pack's device
+        self._collective()
+        dist.broadcast(flat, src=0, group=self.group)
+
+    def receive_pack(self, layout: PackLayout) -> Pack:
+        """Ranks 1..W-1: rank 0's pack, on this rank's device (its tensors are views of one received buffer)."""
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+        self._collective()
+        dist.broadcast(flat, src=0, group=self.group)
+        return layout.unflatten(flat)
+
+    def agree(self, error: BaseException | None) -> None:
+        """After the row-local prologue, before any collective that depends on the data: if any rank failed so far
+        (``error``, or an early one), every rank raises here, having entered the same collectives."""
+        error = error or self.early_error
+        failed = torch.zeros(self.sp_degree, dtype=torch.int32, device=self.device)  # [W]: 1 where a rank failed
+        failed[self.rank] = error is not None
+        self._collective()
+        dist.all_reduce(failed, group=self.group)
+        ranks = [r for r, flag in enumerate(failed.tolist()) if flag]
+        if not ranks:
+            return
+        self.left_together = True
+        if error is not None:
+            raise error
+        raise PeerFailed(f"rank(s) {ranks} failed before the step's collectives")
+
+    def follow_rank0(self, skips: list[bool]) -> list[bool]:
+        """Rank 0's step-cache decisions (one per deciding document), on every rank: a rank that decided otherwise
+        from its own arithmetic follows rank 0, so every rank runs the same sub-packs and the same collectives."""
+        mine = self.faults.decisions(skips)
+        decided = torch.tensor(mine, dtype=torch.uint8, device=self.device)  # [n deciding]
+        self._collective()
+        dist.broadcast(decided, src=0, group=self.group)
+        agreed = [bool(skip) for skip in decided.tolist()]
+        if agreed != mine:
+            self.disagreements += 1
+            logger.warning("rank %d: step-cache decisions %s, rank 0's %s: following rank 0", self.rank, mine, agreed)
+        return agreed
+
+    def finish(self, bound_s: float) -> None:
+        """Return once this rank's device has finished the step (CUDA: an event polled within ``bound_s``, so a step
+        is reported finished only when its kernels are; CPU: at once, the work is done when the host returns)."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + bound_s
+        while not done.query():
+            if self.aborted:
+                raise GroupAborted(f"rank {self.rank}: the communicator was aborted while the device finished")
+            if time.monotonic() > deadline:
+                raise DeviceTimeout(f"rank {self.rank}: the device did not finish the step within {bound_s:g} s")
+            time.sleep(0.0002)
+
+    def abort(self) -> None:
+        """End the communicator now, without a collective (never ``destroy``, which may wait on a wedged peer). Once:
+        a later call (a shutdown after a replacement) must not end the new group this process may have joined."""
+        if self.aborted:
+            return
+        self.aborted = True
+        self.faults.release()
+        abort_process_group()
+
+    # -- Ulysses ---------------------------------------------------------------------------
+    def check_rows(self, total_rows: int) -> None:
+        if total_rows % self.sp_degree:
+            raise ValueError(
+                f"a pack of {total_rows} rows does not split over {self.sp_degree} ranks; "
+                f"pad it to a multiple of {self.sp_degree}"
+            )
+
+    def _all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        """chunks [W, ...]: chunk j goes to rank j; returns [W, ...] with chunk i from rank i."""
+        if self.all_to_alls % ALL_TO_ALLS_PER_BLOCK == 1:  # between a block's first all-to-all and its second
+            self.faults.at("between_all_to_alls", block=self.all_to_alls // ALL_TO_ALLS_PER_BLOCK)
+        chunks = chunks.contiguous()  # before empty_like, which would copy a transposed view's strides
+        out = torch.empty_like(chunks)
+        self._collective()
+        self.all_to_alls += 1
+        dist.all_to_all_single(out, chunks, group=self.group)
+        return out
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, H, D] (my rows, all heads) -> [W*n, H/W, D] (all rows, my heads)."""
+        n, H, D = x.shape
+        if H != self.num_heads:
+            raise ValueError(f"expected {self.num_heads} heads, got {H}")
+        chunks = x.reshape(n, self.sp_degree, H // self.sp_degree, D).transpose(0, 1)  # [W, n, H/W, D]
+        return self._all_to_all(chunks).reshape(self.sp_degree * n, H // self.sp_degree, D)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[W*n, H/W, D] -> [n, H, D]."""
+        T, h, D = x.shape
+        self.check_rows(T)
+        chunks = x.reshape(self.sp_degree, T // self.sp_degree, h, D)  # chunk i: rank i's rows
+        back = self._all_to_all(chunks)  # [W, n, H/W, D]: chunk j holds head group j
+        return back.transpose(0, 1).reshape(T // self.sp_degree, h * self.sp_degree, D)
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's output rows, concatenated in rank order, on rank 0 (None elsewhere)."""
+        if self.sp_degree == 1:
+            return local
+        self.faults.at("final_gather")
+        self._collective()
+        if self.rank != 0:
+            dist.gather(local.contiguous(), None, dst=0, group=self.group)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.sp_degree)]
+        dist.gather(local.contiguous(), parts, dst=0, group=self.group)
+        return torch.cat(parts)
+
+    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [W*n, ...]: every rank's rows, concatenated in rank order, on every rank."""
+        if self.sp_degree == 1:
+            return local
+        local = local.contiguous()
+        out = local.new_empty((self.sp_degree * local.shape[0], *local.shape[1:]))
+        self._collective()
+        dist.all_gather_into_tensor(out, local, group=self.group)
+        return out

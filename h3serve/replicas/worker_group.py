@@ -1,0 +1,671 @@
+"""The SP worker group of one replica: rank 0 is the replica process, ranks 1..W-1 are Ray actors.
+
+The actors are placed in the replica's own placement group (bundle i for rank i), the way Ray Serve
+LLM places multi-GPU engines; outside Serve the group reserves one. torch.distributed runs nccl on
+CUDA and gloo on CPU, rendezvousing at rank 0. Rank 0 holds the whole pipeline (conditioning and
+decoding run there), unless ``spec.stages`` is "remote" (stage deployments of their own condition and decode):
+then rank 0, like the other ranks, holds only the transformer partitions (and the tokenizer).
+
+One step (``forward_async``). Rank 0 built the pack on its model thread; the workers get only its host metadata
+through Ray (a ``StepOrder``: document lengths and counts, adapter slots, the step-cache mirror, the step's bound:
+O(documents) bytes, inlined in the call, never the object store) and the pack's tensors by one broadcast from rank
+0 over the group's own backend (``UlyssesGroup.send_pack``). Every rank then runs its rows and waits for its device
+(``UlyssesGroup.finish``) before it reports the step finished (``RankOutcome``: its error, the collectives it had
+entered, whether it left at the agreement).
+
+One failure semantics (``classify``), decided by rank 0 as outcomes arrive:
+
+- every rank finished -> the step succeeded;
+- every rank left at the step's agreement (``UlyssesGroup.agree``, after the broadcast and the row-local prologue;
+  any rank's error from before it, an injected one before the first collective included, reaches every rank there)
+  -> ``PackFailed``: the pack's data failed, every rank entered the same collectives, the group stays healthy;
+- anything else (a rank raised after the agreement, died, or the step outlived its bound ``bound_s``) -> the group
+  is broken at once: no resync over a communicator that may hold unmatched collectives. Every rank's communicator is
+  aborted, never destroyed (rank 0's here, each worker's by a call on its control thread, which runs while its step
+  thread is stuck), which releases ranks waiting in collectives (NCCL: their kernels exit; gloo: the peer's sockets
+  close); rank 0 then waits ``abort_grace_s`` for every rank's side of the step to come back and raises
+  ``WorkerGroupBroken`` naming the ranks that did not (``lost``) and whether rank 0's own thread came back
+  (``recoverable``). ``h3serve.replicas.supervisor`` builds the replacement.
+
+Step caching: rank 0's per-request states live in its ``RequestState``s; each worker keeps its own
+(``step_cache.RankCaches``), the same states, kept in step by the ``CacheMirror`` each step order carries; at each
+decision every rank follows rank 0's (``UlyssesGroup.follow_rank0``).
+
+Steps are strictly serial on every rank (the workers' "step" concurrency group holds one call); health pings,
+aborts and test faults have their own "control" group and answer while a step runs.
+
+Over 600 lines on purpose: both sides of one step (rank 0's ``WorkerGroup``, the actors' ``SPWorker``) and what they
+exchange (``StepOrder``, ``RankOutcome``) and how rank 0 classifies outcomes change together: they are read together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import gc
+import logging
+import os
+import pickle
+import random
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline
+from h3serve.pipelines.h3.packing import Pack, PackLayout, pack_layout
+from h3serve.pipelines.h3.step_cache import CachedPack, CacheMirror, CacheMirrorWriter, RankCaches
+
+from .allocator import cuda_allocator_defaults
+from .faults import Fault
+from .sequence_parallel import UlyssesGroup, abort_process_group
+from .spec import ReplicaSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class WorkerGroupBroken(RuntimeError):
+    """A rank died, hung or failed past the step's agreement: the group's communicators are aborted.
+
+    ``recoverable``: rank 0's own side of the step came back, so a replacement group can be built in this process
+    (``h3serve.replicas.supervisor``); False: rank 0 is stuck, only a new replica helps. ``lost``: worker ranks whose
+    side of
+    the step never came back (or whose actor died): their actors must be killed and started anew.
+    """
+
+    def __init__(
+        self, reason: str, recoverable: bool = False, lost: frozenset[int] = frozenset(), after_s: float = 0.0
+    ):
+        super().__init__(reason)
+        self.reason, self.recoverable, self.lost = reason, recoverable, frozenset(lost)
+        self.after_s = after_s  # from the step's start to every rank aborted and back (or declared lost)
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.recoverable, self.lost, self.after_s)
+
+
+class PackFailed(RuntimeError):
+    """Every rank left the step at its agreement: the pack's data failed, the group is fine.
+
+    ``errors`` maps each rank that raised to its error text; the requests of the pack go to isolation.
+    """
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__("; ".join(f"rank {rank}: {error}" for rank, error in sorted(errors.items())))
+
+    def __reduce__(self):
+        return type(self), (self.errors,)
+
+
+def describe(error: BaseException) -> str:
+    """An error as text ("Type: message"): kept instead of the exception, whose traceback holds the failed
+    forward's frames and activations."""
+    return f"{type(error).__name__}: {error}"
+
+
+def formatted(error: BaseException) -> str:
+    """The error with its traceback, as text (a log record holding the exception would keep its frames alive)."""
+    return "".join(traceback.format_exception(error))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankOutcome:
+    """How one rank's side of one step ended (workers return it rather than raise, so rank 0 can classify)."""
+
+    rank: int
+    step: int
+    error: str | None = None  # "Type: message" when the rank raised
+    collectives: int = 0  # collectives the rank had entered in this step when it finished or raised
+    together: bool = False  # it left at the step's agreement, as every rank did
+
+    @classmethod
+    def of(cls, rank: int, step: int, error: BaseException | None, sp: UlyssesGroup | None) -> RankOutcome:
+        collectives, together = (sp.collectives, sp.left_together) if sp is not None else (0, False)
+        return cls(rank, step, None if error is None else describe(error), collectives, together)
+
+    @property
+    def breaks_group(self) -> bool:
+        """It raised somewhere its peers may still be in (or about to enter) a collective."""
+        return self.error is not None and not self.together
+
+
+def broken_by(outcome: RankOutcome) -> str | None:
+    """Why ``outcome`` breaks the group (None: it finished, or left at the agreement with every rank)."""
+    if not outcome.breaks_group:
+        return None
+    return (
+        f"rank {outcome.rank} failed in step {outcome.step} after {outcome.collectives} collective(s), "
+        f"past the step's agreement: {outcome.error}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOrder:
+    """What a worker receives through Ray for one step: host metadata only, O(documents) bytes."""
+
+    step: int
+    layout: PackLayout  # the pack's host fields and where its tensors lie in the broadcast buffer
+    mirror: CacheMirror | None  # the step caches' keys and counters, and what rank 0 freed
+    bound_s: float  # how long this rank's device may take to finish the step
+
+    @property
+    def nbytes(self) -> int:
+        """Its size as Ray's serializer sends it (pickle protocol 5; no out-of-band buffers: it holds no tensor)."""
+        return len(pickle.dumps(self, protocol=5))
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where ranks 1..W-1 run: bundles ``first``.. of ``pg`` (the replica's own, or one this group reserved)."""
+
+    pg: PlacementGroup
+    owned: bool  # reserved by this group (outside Serve): removed with it
+    first: int  # the bundle of rank 1
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.first + rank - 1)
+
+    def bundle(self, rank: int) -> dict[str, float]:
+        return self.pg.bundle_specs[self.first + rank - 1]
+
+    @classmethod
+    def reserve(cls, spec: ReplicaSpec, timeout_s: float) -> Placement:
+        """The replica's placement group (rank i -> bundle i), or one reserved for ranks 1..W-1."""
+        pg = get_current_placement_group()
+        if pg is not None:
+            if len(pg.bundle_specs) < spec.sp_degree:
+                raise ValueError(
+                    f"sp_degree={spec.sp_degree} needs {spec.sp_degree} placement group bundles, "
+                    f"the replica has {len(pg.bundle_specs)}"
+                )
+            return cls(pg, False, 1)
+        pg = placement_group([dict(spec.rank_resources)] * (spec.sp_degree - 1), strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except BaseException:
+            remove_placement_group(pg)  # never leave a reservation behind
+            raise
+        return cls(pg, True, 0)
+
+    def release(self) -> None:
+        if self.owned:
+            remove_placement_group(self.pg)
+
+
+def _load_kwargs(spec: ReplicaSpec) -> dict:
+    return dict(
+        device=spec.device,
+        dtype=spec.dtype,
+        expected=spec.geometry,
+        loras=spec.loras,
+    )
+
+
+def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
+    """Rank 0's pipeline with exactly the resolved backend; fails closed if this node cannot run it. With
+    ``spec.stages`` "remote" it loads no text encoder and no VAE (``H3Pipeline.load_denoiser_only``)."""
+    cuda_allocator_defaults(spec.device)  # before anything touches CUDA in this process
+    return H3Pipeline.load(
+        spec.checkpoint, spec.resolution.backend, name=spec.model_name, stages=spec.stages, **_load_kwargs(spec)
+    )
+
+
+def build_worker(spec: ReplicaSpec) -> H3Denoiser:
+    cuda_allocator_defaults(spec.device)
+    return H3Denoiser.load(spec.checkpoint, spec.resolution.backend, **_load_kwargs(spec))
+
+
+FREE_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), above Ray's worker ports (10002-19999)
+
+
+def free_port() -> int:
+    """A port free now, for a listener started a moment later (a TCPStore, an HTTP server). Not ``bind(0)``: that
+    draws from the ephemeral range, where every connection and ``bind(0)`` of the processes starting meanwhile draw
+    too, so the port can be gone by the time it is bound (a test run saw it)."""
+    for port in random.sample(FREE_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
+
+
+def init_distributed(spec: ReplicaSpec, rank: int, master: str) -> UlyssesGroup:
+    abort_process_group()  # a previous group in this process: aborted (a destroy may wait on a wedged peer)
+    device = torch.device("cpu")
+    if spec.device == "cuda":
+        torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU as device 0
+        device = torch.device("cuda", 0)
+        # A collective past the timeout aborts its communicator and raises, instead of tearing the process down
+        # (torch's default, 3): rank 0 is the replica, and the step bound normally aborts long before this.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    dist.init_process_group(
+        "nccl" if spec.device == "cuda" else "gloo",
+        init_method=f"tcp://{master}",
+        rank=rank,
+        world_size=spec.sp_degree,
+        timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+    )
+    return UlyssesGroup(spec.sp_degree, rank, spec.num_heads, device=device)
+
+
+@ray.remote(concurrency_groups={"step": 1, "control": 1})
+class SPWorker:
+    """Ranks 1..W-1. Model work runs in the "step" group, one call at a time, so two forwards never
+    interleave their collectives; ``ping``, ``abort`` and ``arm`` have their own group and answer while a
+    forward runs (or is stuck)."""
+
+    def __init__(self, spec: ReplicaSpec, rank: int):
+        self.spec, self.rank = spec, rank
+        self.denoiser: H3Denoiser | None = None
+        self.sp: UlyssesGroup | None = None
+        self.master: str | None = None  # the rendezvous of ``sp``: names the communicator an abort is meant for
+        self.step_caches = RankCaches()  # this rank's copy of each caching request's state, by key
+
+    @ray.method(concurrency_group="step")
+    def build(self) -> str:
+        self.denoiser = build_worker(self.spec)
+        return ray.util.get_node_ip_address()
+
+    @ray.method(concurrency_group="step")
+    def join(self, master: str) -> tuple[int, str]:
+        """Rendezvous on a new communicator (after a replacement too: the states of the old group's caches go);
+        this rank's process id and node."""
+        self.sp = init_distributed(self.spec, self.rank, master)
+        self.master = master
+        self.step_caches = RankCaches()
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    @ray.method(concurrency_group="step")
+    def forward(self, order: StepOrder) -> RankOutcome:
+        """This rank's share of step ``order.step``; an error is returned (classified), not raised."""
+        assert self.denoiser is not None and self.sp is not None, "build() and join() first"
+        sp, cache = self.sp, None
+        sp.begin_step()
+        try:
+            try:  # before the first collective: an error here is carried to the agreement
+                sp.faults.at("before_first_collective")
+                if order.mirror is not None:  # this rank's states of the documents; first drops what rank 0 freed
+                    cache = self.step_caches.pack_cache(order.mirror)
+                    if not order.mirror.documents:  # it only said what rank 0 freed: the pack caches nothing
+                        cache = None
+            except Exception as e:
+                sp.early_error = e
+            pack = sp.receive_pack(order.layout)  # rank 0's broadcast: [nbytes] on this rank's device
+            if cache is not None:
+                pack = CachedPack.of(pack, cache)
+            self.denoiser.forward(pack, sp)
+            sp.finish(order.bound_s)
+        except Exception as e:
+            logger.error("rank %d: step %d failed\n%s", self.rank, order.step, formatted(e))
+            return RankOutcome.of(self.rank, order.step, e, sp)
+        return RankOutcome.of(self.rank, order.step, None, sp)
+
+    @ray.method(concurrency_group="step")
+    def step_cache_bytes(self) -> dict[int, int]:
+        """Each step-cache state this rank holds (by key): the bytes of its residuals."""
+        return {key: state.residual_bytes for key, state in self.step_caches.documents.items()}
+
+    @ray.method(concurrency_group="step")
+    def step_cache_skipped(self) -> dict[int, list[bool]]:
+        """Each step-cache state this rank holds (by key): whether it skipped the middle blocks, step by step."""
+        return {key: list(state.skipped) for key, state in self.step_caches.documents.items()}
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return self.rank
+
+    @ray.method(concurrency_group="control")
+    def abort(self, master: str) -> None:
+        """Abort this rank's communicator of the rendezvous at ``master`` (no collective): a step stuck in one of its
+        collectives is released. A late call for an older communicator leaves the current one alone."""
+        if self.sp is not None and self.master == master:
+            self.sp.abort()
+        gc.collect()  # a gloo group nothing holds any more closes its sockets: the peers stuck on them are released
+
+    @ray.method(concurrency_group="control")
+    def arm(self, fault: Fault) -> None:
+        """Tests only (``h3serve.replicas.faults``): arm ``fault`` on this rank's current communicator."""
+        assert self.sp is not None, "join() first"
+        self.sp.faults.arm(fault)
+
+    @ray.method(concurrency_group="control")
+    def disagreements(self) -> int:
+        """Step-cache decisions where this rank's own differed from rank 0's (it followed rank 0)."""
+        return self.sp.disagreements if self.sp is not None else 0
+
+
+class WorkerGroup:
+    """Rank 0's view of the group: build, run one step on every rank, classify how it ended, check health."""
+
+    abort_grace_s = 10.0  # after an abort, how long rank 0 waits for every rank's side of the step to come back
+
+    def __init__(
+        self,
+        spec: ReplicaSpec,
+        pipeline: H3Pipeline,
+        workers: list,
+        sp: UlyssesGroup | None,
+        placement: Placement | None,
+        steps: int = 0,
+    ):
+        self.spec, self.pipeline, self.workers, self.sp, self.placement = spec, pipeline, workers, sp, placement
+        self.broken_reason: str | None = None
+        self.broken_at: float | None = None  # time.monotonic() of the break
+        self.broken_in_step = False  # a step broke it: the caller is aborting it and will replace it
+        self.stepping = False  # a step is in flight: it classifies a rank's death itself, within its bound
+        self.steps = steps  # steps launched; every rank numbers them alike
+        self.step_cache_mirror = CacheMirrorWriter()  # what the workers hold of the requests' step caches
+        self.master = ""  # the rendezvous address of this group's communicator
+        self.processes: dict[int, tuple[int, str]] = {}  # worker rank -> its process id and node
+        self._blocking: concurrent.futures.ThreadPoolExecutor | None = None  # rank 0's thread for ``__call__``
+        # packs are now aligned for, and run on, the whole group
+        pipeline.row_multiple = spec.sp_degree
+        pipeline.forward = self
+
+    @property
+    def sp_degree(self) -> int:
+        return self.spec.sp_degree
+
+    @property
+    def default_bound_s(self) -> float:
+        """A step's bound when the caller gives none (warm-up, tests): nothing measured yet, the collective timeout."""
+        return self.spec.collective_timeout_s
+
+    # -- building ---------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0, placement_timeout_s: float = 120.0
+    ) -> WorkerGroup:
+        pipeline = build_rank0(spec)  # rank 0 fails closed first, before reserving anything
+        if spec.sp_degree == 1:
+            return cls(spec, pipeline, [], None, None)
+        placement = Placement.reserve(spec, placement_timeout_s)
+        try:
+            return cls.start(spec, pipeline, placement, startup_timeout_s)
+        except BaseException:
+            placement.release()
+            raise
+
+    @classmethod
+    def start(
+        cls,
+        spec: ReplicaSpec,
+        pipeline: H3Pipeline,
+        placement: Placement,
+        startup_timeout_s: float,
+        reuse: Mapping[int, Any] | None = None,
+        steps: int = 0,
+    ) -> WorkerGroup:
+        """Ranks 1..W-1 on ``placement`` rendezvous with rank 0 on a new communicator: ``reuse``'s live actors (rank
+        -> actor, their models loaded) and new actors for the other ranks, each built before any rendezvous (so a
+        BackendUnavailable surfaces at once)."""
+        reuse = dict(reuse or {})
+        new: dict[int, Any] = {}
+        try:
+            for rank in range(1, spec.sp_degree):
+                if rank not in reuse:
+                    bundle = placement.bundle(rank)
+                    new[rank] = SPWorker.options(  # type: ignore[attr-defined]  # a Ray actor class
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        scheduling_strategy=placement.strategy(rank),
+                    ).remote(spec, rank)
+            ray.get([w.build.remote() for w in new.values()], timeout=startup_timeout_s)
+            workers = [{**reuse, **new}[rank] for rank in range(1, spec.sp_degree)]
+            master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+            joins = [w.join.remote(master) for w in workers]
+            sp = init_distributed(spec, 0, master)
+            processes = ray.get(joins, timeout=spec.collective_timeout_s)
+        except BaseException:
+            for w in [*reuse.values(), *new.values()]:
+                ray.kill(w, no_restart=True)
+            abort_process_group()
+            raise
+        logger.info(
+            "SP group of %d ranks up (%s; %d worker(s) kept, %d new)",
+            spec.sp_degree,
+            spec.resolution.backend,
+            len(reuse),
+            len(new),
+        )
+        group = cls(spec, pipeline, workers, sp, placement, steps)
+        group.master = master
+        group.processes = dict(zip(range(1, spec.sp_degree), processes, strict=True))
+        return group
+
+    # -- one step -----------------------------------------------------------------------------
+    def launch(self, pack: Pack, bound_s: float) -> list[ray.ObjectRef]:
+        """Start step ``steps`` on ranks 1..W-1 (host metadata only); run ``forward_rank0`` next, on rank 0."""
+        if self.broken_reason:
+            raise WorkerGroupBroken(self.broken_reason, recoverable=True, lost=frozenset(range(1, self.sp_degree)))
+        self.steps += 1
+        if not self.workers:
+            return []
+        # the step-cache states' keys and counters, not their tensors; and those rank 0 freed since its last pack
+        mirror = self.step_cache_mirror.mirror(pack.step_cache if isinstance(pack, CachedPack) else None)
+        order = StepOrder(self.steps, pack_layout(pack), mirror, bound_s)
+        return [w.forward.remote(order) for w in self.workers]
+
+    def forward_rank0(self, pack: Pack, bound_s: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's share of the launched step: broadcast the pack, run its rows, gather every rank's output, wait for
+        the device. Raises whatever it raised (``forward_async`` classifies it)."""
+        sp = self.sp
+        if sp is None:
+            out = self.pipeline.denoiser.forward(pack)
+        else:
+            sp.begin_step()
+            try:
+                sp.faults.at("before_first_collective")
+            except Exception as e:  # carried to the agreement, where every rank leaves the step with it
+                sp.early_error = e
+            sp.send_pack(pack)
+            out = self.pipeline.denoiser.forward(pack, sp)
+            sp.finish(self.default_bound_s if bound_s is None else bound_s)
+        assert out is not None  # rank 0 gathers every rank's rows
+        return out
+
+    async def forward_async(
+        self, pack: Pack, run_blocking: Callable[..., Awaitable[Any]], bound_s: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step with rank 0 on ``run_blocking`` (the engine's model thread), every wait within ``bound_s``.
+        Raises PackFailed (the pack's data, on every rank alike) or WorkerGroupBroken (communicators aborted)."""
+        started = time.monotonic()
+        refs = self.launch(pack, bound_s)
+        step = self.steps
+        local: asyncio.Future = asyncio.ensure_future(run_blocking(self.forward_rank0, pack, bound_s))
+        if not refs:  # one rank: no collective, so nothing to bound but the stall watchdog; any error is the data's
+            try:
+                return await local
+            except Exception as e:
+                logger.warning("rank 0: step %d failed\n%s", step, formatted(e))
+                raise PackFailed({0: describe(e)}) from None
+        self.stepping = True
+        try:
+            return await self._await_step(step, started, bound_s, local, refs)
+        finally:
+            self.stepping = False
+
+    async def _await_step(
+        self, step: int, started: float, bound_s: float, local: asyncio.Future, refs: list[ray.ObjectRef]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's side of step ``step`` within ``bound_s`` of ``started``, classified (see ``forward_async``)."""
+        workers = {asyncio.wrap_future(ref.future()): rank for rank, ref in enumerate(refs, start=1)}
+        outcomes: dict[int, RankOutcome] = {}
+        pending: set[asyncio.Future] = {local, *workers}
+        reason: str | None = None
+        while pending and reason is None:
+            done, pending = await asyncio.wait(
+                pending, timeout=max(0.0, started + bound_s - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                ranks = sorted([0] * (local in pending) + [workers[f] for f in pending if f is not local])
+                reason = f"step {step} did not finish within its bound of {bound_s:.3g} s (ranks {ranks} still in it)"
+            for future in done:
+                if future is local:
+                    error = future.exception()
+                    if error is not None:
+                        logger.warning("rank 0: step %d failed\n%s", step, formatted(error))
+                    outcome = RankOutcome.of(0, step, error, self.sp)
+                elif (died := future.exception()) is not None:  # a worker returns its error: only a lost one raises
+                    reason = reason or f"rank {workers[future]} was lost in step {step}: {describe(died)}"
+                    continue
+                else:
+                    outcome = future.result()
+                outcomes[outcome.rank] = outcome
+                reason = reason or broken_by(outcome)
+        if reason is not None:
+            broken = await self._break(reason, local, workers)
+            broken.after_s = time.monotonic() - started
+            raise broken
+        errors = {o.rank: o.error for o in outcomes.values() if o.error is not None}
+        if errors:  # every rank left at the agreement: the pack's data failed, the group is as it was
+            local.exception().__traceback__ = None  # type: ignore[union-attr]  # the failed forward's frames go
+            raise PackFailed(errors)
+        return local.result()
+
+    async def _break(self, reason: str, local: asyncio.Future, workers: dict[asyncio.Future, int]) -> WorkerGroupBroken:
+        """Abort every rank's communicator, then wait for every rank's side of the step to come back: the workers'
+        within ``abort_grace_s`` (one that does not is killed: a dead peer's sockets close, which is what releases
+        rank 0 from a gloo collective), then rank 0's within ``abort_grace_s`` more. The error says who did not."""
+        self.broken_in_step = True  # first: a health check from now on knows the break is being handled
+        self.mark_broken(reason)
+        await asyncio.get_running_loop().run_in_executor(None, self.abort)  # its gc.collect stays off the loop
+        done: set[asyncio.Future] = set()
+        if workers:
+            done, _ = await asyncio.wait(workers, timeout=self.abort_grace_s)
+        lost = frozenset(rank for f, rank in workers.items() if f not in done or f.exception() is not None)
+        died = [
+            f"rank {rank} was lost: {describe(e)}" for f, rank in workers.items() if f in done and (e := f.exception())
+        ]
+        if died and "was lost" not in reason:  # what the others saw of it came first: name the cause too
+            reason = "; ".join([reason, *died])
+        for rank in sorted(lost):
+            logger.error("rank %d did not come back from step %d after the abort: killed", rank, self.steps)
+            self.kill(rank)
+        back, _ = await asyncio.wait([local], timeout=self.abort_grace_s)
+        for future in [local, *workers]:
+            future.add_done_callback(_consume)
+        if not back:
+            logger.error("rank 0's side of step %d did not come back after the abort", self.steps)
+        return WorkerGroupBroken(reason, recoverable=bool(back), lost=lost)
+
+    def __call__(self, pack: Pack, bound_s: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step, blocking (the pipeline's forward, warm-up, tests): ``forward_async`` with rank 0 on a thread of
+        this group's own. Raises PackFailed or WorkerGroupBroken as it does."""
+        if not self.workers:  # one rank: nothing to wait for but this thread
+            self.launch(pack, self.default_bound_s)  # numbers the step
+            try:
+                return self.forward_rank0(pack)
+            except Exception as e:
+                logger.warning("rank 0: step failed\n%s", formatted(e))
+                raise PackFailed({0: describe(e)}) from None
+        if self._blocking is None:
+            self._blocking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-rank0")
+        executor = self._blocking
+
+        def on_rank0_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+            return asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+        bound = self.default_bound_s if bound_s is None else bound_s
+        return _run_sync(self.forward_async(pack, on_rank0_thread, bound))
+
+    def abort(self) -> None:
+        """Abort every rank's communicator without a collective: the workers' by a call on their control thread (a
+        dead one's call just fails), rank 0's here. Ranks stuck in a collective of this group are released."""
+        for w in self.workers:
+            w.abort.remote(self.master)
+        if self.sp is not None:
+            self.sp.abort()
+        gc.collect()  # a gloo group nothing holds any more closes its sockets
+
+    def kill(self, rank: int) -> None:
+        """End worker ``rank``'s process now. Ray's kill asks the process to exit, which a frozen one never does; the
+        replica's placement group is STRICT_PACK, so a worker on this node also gets SIGKILL by its process id."""
+        ray.kill(self.workers[rank - 1], no_restart=True)
+        pid, node = self.processes.get(rank, (0, ""))
+        if pid and node == ray.util.get_node_ip_address():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # gone already
+                pass
+
+    def mark_broken(self, reason: str) -> None:
+        if not self.broken_reason:
+            self.broken_reason, self.broken_at = reason, time.monotonic()
+            logger.error("SP group broken: %s", reason)
+
+    # -- tests ----------------------------------------------------------------------------
+    def arm(self, fault: Fault) -> None:
+        """Tests only (``h3serve.replicas.faults``): arm ``fault`` on its rank (this process for rank 0, which cannot
+        kill
+        itself here: rank 0 is the replica, whose death Serve handles)."""
+        if fault.rank == 0:
+            if fault.action == "kill" or self.sp is None:
+                raise ValueError(f"cannot arm {fault} in this process")
+            self.sp.faults.arm(fault)
+        else:
+            ray.get(self.workers[fault.rank - 1].arm.remote(fault), timeout=10)
+
+    # -- health ---------------------------------------------------------------------------
+    def check_health(self, timeout_s: float = 5.0) -> None:
+        """Raise WorkerGroupBroken if any rank is gone or the group already failed (answers while a step runs)."""
+        if self.broken_reason:
+            raise WorkerGroupBroken(self.broken_reason)
+        if not self.workers:
+            return
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
+        except Exception as e:
+            self.mark_broken(f"SP worker did not answer a health check: {type(e).__name__}: {e}")
+            raise WorkerGroupBroken(self.broken_reason or "") from e
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self.placement is not None:
+            self.placement.release()
+            self.placement = None
+        if self.sp is not None:
+            self.sp.abort()  # never destroy: a wedged communicator may block a destroy
+            self.sp = None
+        if self._blocking is not None:
+            self._blocking.shutdown(wait=False)
+            self._blocking = None
+
+
+def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` to its end from synchronous code, inside a running event loop or not."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # this thread's loop is busy running our caller
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _consume(future: asyncio.Future) -> None:
+    """Retrieve a result nobody awaits any more, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
