@@ -31,9 +31,9 @@ from torch._dynamo.utils import counters
 
 from h3serve.attention import get_backend, probe_platform, resolve
 from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.denoiser import REQUIREMENTS, check_capable, check_runs_here
 from h3serve.pipelines.h3.forward import packed_forward
 from h3serve.pipelines.h3.packing import pack_documents
-from h3serve.pipelines.h3.pipeline import REQUIREMENTS, check_capable, check_runs_here
 from h3serve.pipelines.h3.shapes import (
     FLOPS_FORMULA,
     Clip,

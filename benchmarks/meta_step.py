@@ -38,10 +38,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from h3serve.pipelines.h3.attention_processor import install
+from h3serve.pipelines.h3.denoiser import H3Denoiser
+from h3serve.pipelines.h3.handoff import PreparedState
 from h3serve.pipelines.h3.lora import LoraAdapter, LoraLayer, LoraSpec, LoraSpecs
 from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, GiB, activation_row_cost, request_row_cost
-from h3serve.pipelines.h3.pipeline import H3Denoiser, H3Pipeline, PreparedState, RequestState
+from h3serve.pipelines.h3.pipeline import H3Pipeline
 from h3serve.pipelines.h3.request import GenerationRequest
+from h3serve.pipelines.h3.request_state import RequestState
 from h3serve.pipelines.h3.shapes import (
     AUDIO_SHIFT,
     VIDEO_SHIFT,

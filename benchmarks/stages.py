@@ -76,7 +76,7 @@ GPU = dataclasses.replace(TRACE_GPU, loads=(LOAD,))
 # -- object-store bytes, measured (h3serve.pipelines.h3.shapes.handoff_bytes: the formula) -----------------------------
 def prepared_bytes_by_key(prepared) -> dict[str, int]:
     """A measured ``PreparedState``'s bytes by key (its tensors only; the layout sizes are Python ints)."""
-    from h3serve.pipelines.h3.pipeline import payload_bytes
+    from h3serve.pipelines.h3.handoff import payload_bytes
 
     return {key: payload_bytes(value) for key, value in prepared.values.items() if payload_bytes(value)}
 

@@ -29,8 +29,8 @@ from PIL import Image
 from torch.overrides import TorchFunctionMode
 
 from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+from h3serve.pipelines.h3.denoiser import H3Denoiser
 from h3serve.pipelines.h3.packing import pack_documents
-from h3serve.pipelines.h3.pipeline import H3Denoiser
 from h3serve.replicas.sequence_parallel import UlyssesGroup
 from tests.harness import free_port
 from tests.test_h3_forward import DOCUMENTS, document

@@ -26,6 +26,9 @@ Three stages, each a library class trained in place and saved in the released la
    cut to a window of the clip (``crop_to_window``): a step costs a fraction of a whole clip's, and the
    prompt is a larger share of what each row attends to, which the model learns to read sooner.
 
+Over 600 lines: one recipe, read top to bottom (its settings, the three stages, the record it writes); a stage
+split into its own module would only be called from here.
+
 ``--vaes-from CHECKPOINT`` keeps the VAEs of a checkpoint this recipe wrote and trains the transformer alone
 (stage 3), for iterating on it without the VAE stages' ~22 minutes.
 

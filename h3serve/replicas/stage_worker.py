@@ -34,7 +34,8 @@ from h3serve.pipelines.h3 import (
     PreparedState,
     RequestState,
 )
-from h3serve.pipelines.h3.pipeline import H3Pipeline, payload_bytes
+from h3serve.pipelines.h3.handoff import payload_bytes
+from h3serve.pipelines.h3.pipeline import H3Pipeline
 
 from . import scheduler
 from .contract import EngineLimits

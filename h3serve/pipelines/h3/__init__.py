@@ -16,35 +16,27 @@ _LAZY = {
     "validate_deployment": ".admission",
     "CheckpointConfigs": ".checkpoint",
     "CheckpointError": ".checkpoint",
-    "REQUIREMENTS": ".pipeline",
-    "DecodeHandoff": ".pipeline",
-    "EncodedMedia": ".pipeline",
-    "GeneratedMedia": ".pipeline",
-    "H3Denoiser": ".pipeline",
+    "REQUIREMENTS": ".denoiser",
+    "DecodeHandoff": ".handoff",
+    "EncodedMedia": ".handoff",
+    "GeneratedMedia": ".handoff",
+    "H3Denoiser": ".denoiser",
     "H3Pipeline": ".pipeline",
-    "H3StageModels": ".pipeline",
-    "PreparedState": ".pipeline",
-    "RequestState": ".pipeline",
-    "StepStats": ".pipeline",
-    "checkpoint_rules": ".pipeline",
+    "H3StageModels": ".stage_models",
+    "PreparedState": ".handoff",
+    "RequestState": ".request_state",
+    "StepStats": ".request_state",
+    "checkpoint_rules": ".stage_models",
 }
 
 if TYPE_CHECKING:
     from .admission import CheckpointMismatch, DeploymentConfigError, checkpoint_geometry, validate_deployment
     from .checkpoint import CheckpointConfigs, CheckpointError
-    from .pipeline import (
-        REQUIREMENTS,
-        DecodeHandoff,
-        EncodedMedia,
-        GeneratedMedia,
-        H3Denoiser,
-        H3Pipeline,
-        H3StageModels,
-        PreparedState,
-        RequestState,
-        StepStats,
-        checkpoint_rules,
-    )
+    from .denoiser import REQUIREMENTS, H3Denoiser
+    from .handoff import DecodeHandoff, EncodedMedia, GeneratedMedia, PreparedState
+    from .pipeline import H3Pipeline
+    from .request_state import RequestState, StepStats
+    from .stage_models import H3StageModels, checkpoint_rules
 
 
 def __getattr__(name: str):

@@ -11,6 +11,9 @@ only the partition(s) like the workers, and the plan has two more roles, each on
 the **decoder** (both VAEs). They hold no pack rows: weights + the reserve, and their per-request transients
 (Qwen3-VL over a prompt, a VAE decode) must fit in what is left of their device.
 
+Over 600 lines (by a little): one plan, whose formulas are written beside the code that applies them so the
+docs, admission's message and the meta-device check quote the same text.
+
 * **Weights** are counted by building every component from its config on the ``meta`` device (no
   memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
   except diffusers' ``_keep_in_fp32_modules`` (fp32), Qwen3-VL at the served dtype with its decoder

@@ -1,8 +1,10 @@
-"""MiniMax-H3 from a checkpoint directory: the denoiser every SP rank holds, and rank 0's whole pipeline.
+"""MiniMax-H3 from a checkpoint directory: rank 0's whole pipeline.
 
-``H3Denoiser`` is the transformer partition(s) with h3serve's attention processor on exactly the
-admitted backend. ``H3Pipeline`` adds what runs once per request on rank 0 — diffusers' blocks
-before and after the loop — and advances any number of requests by one step per packed forward.
+``H3Pipeline`` holds the denoiser every SP rank holds (``denoiser.H3Denoiser``: the transformer partition(s) with
+h3serve's attention processor on exactly the admitted backend), adds what runs once per request on rank 0 —
+diffusers' blocks before and after the loop (``stage_models``) — and advances any number of requests
+(``request_state.RequestState``) by one step per packed forward. What crosses to stages of their own is in
+``handoff``.
 
 With its stages elsewhere (``H3Pipeline.load(stages="remote")``: conditioner and decoder deployments of their
 own) rank 0 holds only the transformer partitions and the tokenizer (to size a request's rows): no text
@@ -12,513 +14,42 @@ encoder, no VAE. Its model rules are read off the VAEs' configs on the ``meta`` 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines import PipelineState
 
 from h3serve.attention import (
-    AdmissionError,
-    AttentionRequirements,
-    BackendUnavailable,
     DeviceType,
-    get_backend,
     parse_dtype,
-    probe_platform,
 )
 
 from . import checkpoint as ckpt
-from .attention_processor import SequenceParallel, install
-from .config import TransformerGeometry, transformer_defaults
-from .forward import packed_forward
-from .lora import BASE_SLOT, LoraAdapter, LoraSpecs, load_partitions
+from .config import TransformerGeometry
+from .denoiser import REQUIREMENTS, H3Denoiser
+from .handoff import DecodeHandoff, GeneratedMedia, PreparedState
+from .lora import LoraSpecs
 from .lora_spec import asked_steps
-from .packing import Document, Pack, pack_documents
-from .placement import STAGE_PLACEMENTS, STAGE_ROLES, StagePlacement
-from .preview import PreviewLayout, PreviewMap, clean_rows, preview_frames, strip_png
+from .packing import Pack, pack_documents
+from .placement import STAGE_PLACEMENTS, StagePlacement
+from .preview import PreviewLayout, PreviewMap, preview_frames, strip_png
 from .request import GenerationRequest, ModelRules, RequestError
-from .stages import DECODE_KEYS, PREPARED_KEYS, H3Stages
-from .step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, skipped_block_rows
+from .request_state import RequestState, StepStats
+from .stage_models import config_only_component, held_modules, prepare_shifted
+from .stages import DECODE_KEYS, H3Stages
+from .step_cache import CachedPack, PackCache, StepCachePolicy, skipped_block_rows
 
 logger = logging.getLogger(__name__)
 
-# What H3 needs from attention: many documents packed into one [T, H, D] forward.
-REQUIREMENTS = AttentionRequirements(packed_varlen=True)
+logger = logging.getLogger(__name__)
 
 
 class StagesElsewhere(RuntimeError):
     """A pipeline loaded without its conditioner and decoder models (``stages="remote"``) was asked to run them."""
-
-
-def _quiet_libraries() -> None:
-    """No per-call progress bars in a server's log."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def check_capable(backend: str, model: str) -> None:
-    """Fail closed unless the admitted backend can do what H3 needs (a fact of its code).
-
-    The driver admitted it already; a replica checks again rather than trust its spec.
-    """
-    attention = get_backend(backend)
-    missing = attention.unsupported_requirements(REQUIREMENTS)
-    if missing:
-        raise AdmissionError(
-            f"Attention backend {attention.name!r} does not implement "
-            f"{', '.join(AttentionRequirements.describe(m) for m in missing)}, which MiniMax-H3 "
-            "requires; this replica refuses to build with it",
-            backend=attention.name,
-            model=model,
-            missing=missing,
-        )
-
-
-def check_runs_here(backend: str, device: DeviceType, dtype: torch.dtype, head_dim: int, model: str) -> None:
-    """Fail closed unless this node can run the admitted backend; it is never swapped for another."""
-    attention = get_backend(backend)
-    here = probe_platform(device)
-    available = attention.availability(here, dtype=dtype, head_dim=head_dim)
-    if not available or here.device_type != device:
-        reason = available.reason or f"the node has no {device} device"
-        raise BackendUnavailable(
-            f"Attention backend {attention.name!r} cannot run on this node: {reason}",
-            backend=attention.name,
-            model=model,
-        )
-
-
-class H3Denoiser:
-    """The transformer partition(s) of a checkpoint, attending only through the admitted backend.
-
-    With LoRA adapters (``load_adapters``), every partition holds each adapter in its slot, placed on the
-    partition's device and dtype; base weights are never modified.
-    """
-
-    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device, directory: Path):
-        self.transformers, self.backend, self.device, self.directory = transformers, backend, device, directory
-        for model in transformers.values():
-            install(model, get_backend(backend).make_impl())
-        self.loras = LoraSpecs()
-        self.adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in transformers}
-
-    def load_adapters(self, loras: LoraSpecs) -> None:
-        """Read every adapter onto every partition (``load_partitions``: a file's keys routed as diffusers routes
-        them; refused by name and key unless it fits). A partition an adapter leaves alone holds it with no layers."""
-        adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in self.transformers}
-        for name, spec in loras.loras.items():
-            for partition, adapter in load_partitions(name, spec, self.transformers).items():
-                adapters[partition][loras.slots[name]] = adapter.placed_for(self.transformers[partition])
-        self.loras, self.adapters = loras, adapters
-        if loras.loras:
-            logger.info("LoRA adapters served in slots %s", loras.slots)
-
-    @classmethod
-    def load(
-        cls,
-        checkpoint: str | Path | None,
-        backend: str,
-        *,
-        device: DeviceType = "cpu",
-        dtype: str | torch.dtype = "float32",
-        expected: TransformerGeometry | None = None,
-        loras: LoraSpecs | None = None,
-    ) -> H3Denoiser:
-        """Build with exactly ``backend`` (the driver's choice); never re-resolve.
-
-        ``checkpoint`` None is the built-in tiny checkpoint. Raises AdmissionError for an incapable
-        backend (before reading anything), BackendUnavailable when this node cannot run it,
-        CheckpointError when the checkpoint does not fit or is not what the deployment was admitted for,
-        LoraError for an adapter of ``loras`` that does not fit a partition.
-        """
-        check_capable(backend, str(checkpoint or "the built-in checkpoint"))
-        _quiet_libraries()
-        directory = ckpt.resolve_checkpoint(checkpoint)
-        index = ckpt.CheckpointIndex(directory)
-        geometries = {
-            partition: TransformerGeometry.of(
-                {**transformer_defaults(), **ckpt.load_component_config(index, partition)}
-            )
-            for partition in index.partitions()
-        }
-        for partition, found in geometries.items():  # the driver read them too, but this node's copy may differ
-            if expected is not None and found != expected:
-                raise ckpt.CheckpointError(
-                    f"{directory / partition} has {found.describe()}, but the deployment was admitted for "
-                    f"{expected.describe()} ({'; '.join(expected.differences(found))})"
-                )
-        geometry = geometries["transformer"]
-        torch_dtype = parse_dtype(dtype)
-        check_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
-        models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}
-        denoiser = cls(models, backend, torch.device(device), directory)
-        if loras is not None:
-            denoiser.load_adapters(loras)
-        return denoiser
-
-    def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This rank's share of one packed forward; rank 0 gets every row's velocity back.
-
-        A ``CachedPack`` carries its documents' step caches into the forward (under Ulysses each rank its own).
-        """
-        cache = pack.step_cache if isinstance(pack, CachedPack) else None
-        adapters = self.adapters[pack.partition] if pack.adapted else None
-        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp, cache, adapters)
-
-
-@dataclasses.dataclass
-class GeneratedMedia:
-    frames: np.ndarray  # uint8 [F, H, W, 3]
-    audio: np.ndarray  # float32 [2, S] stereo
-    fps: int
-    sample_rate: int
-
-    # media is imported on use: PyAV is needed to encode, not to build or run the model
-    def png(self) -> bytes:
-        """A still: the middle frame of the clip."""
-        from .media import encode_png
-
-        return encode_png(self.frames[len(self.frames) // 2])
-
-    def mp4(self) -> bytes:
-        from .media import encode_mp4
-
-        return encode_mp4(self.frames, self.fps, self.audio, self.sample_rate)
-
-
-@dataclasses.dataclass
-class EncodedMedia:
-    """A decoder stage's answer when asked for an encoding: the PNG or MP4 bytes, never the raw frames."""
-
-    kind: str  # "png" | "mp4"
-    data: bytes
-
-
-def move_tensors(value: Any, device: torch.device | str) -> Any:
-    """``value`` with every tensor in it (through tuples and lists: the row-timestep plan) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(move_tensors(v, device) for v in value)
-    return value
-
-
-def payload_bytes(value: Any) -> int:
-    """The bytes of the tensors, arrays and byte strings in ``value``: what a stage hand-off moves."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    if isinstance(value, (bytes, bytearray)):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(payload_bytes(v) for v in value.values())
-    if isinstance(value, (tuple, list)):
-        return sum(payload_bytes(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return sum(payload_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
-    return 0
-
-
-@dataclasses.dataclass
-class PreparedState:
-    """A conditioner stage's answer: the values of diffusers' pipeline state that ``RequestState`` reads
-    (``PREPARED_KEYS``), every tensor on the host, so it crosses the Ray object store once."""
-
-    values: dict[str, Any]
-
-    @classmethod
-    def of(cls, state: PipelineState) -> PreparedState:
-        return cls({key: move_tensors(state.get(key), "cpu") for key in PREPARED_KEYS})
-
-    def pipeline_state(self, device: torch.device) -> PipelineState:
-        """A diffusers ``PipelineState`` holding these values on ``device`` (the denoiser's)."""
-        state = PipelineState()
-        for key, value in self.values.items():
-            state.set(key, move_tensors(value, device))
-        return state
-
-    @property
-    def nbytes(self) -> int:
-        return payload_bytes(self.values)
-
-
-@dataclasses.dataclass
-class DecodeHandoff:
-    """What a decoder stage needs of a finished request: its rows after the last step and the layout sizes."""
-
-    video_rows: torch.Tensor  # [n_video, C*p] fp32 on the host, conditioning rows first
-    audio_rows: torch.Tensor  # [n_audio, C_audio] fp32 on the host
-    layout: dict[str, Any]  # DECODE_KEYS
-
-    @property
-    def nbytes(self) -> int:
-        return payload_bytes([self.video_rows, self.audio_rows])
-
-
-def prepare_shifted(
-    stages: H3Stages,
-    planner: MiniMaxH3Scheduler,
-    lock: threading.Lock,
-    request: GenerationRequest,
-    rules: ModelRules,
-    shift: float | None,
-) -> PipelineState:
-    """diffusers' blocks before the loop for ``request``, its rows' schedule planned with ``shift`` (None: the
-    released one). The timesteps block plans with the pipeline's own scheduler (``planner``): an adapter's shift
-    is set there for this prepare and put back; ``lock`` keeps any other prepare from seeing it."""
-    with lock:
-        if shift is None:
-            return stages.prepare(request, rules)
-        released = planner.shift
-        planner.set_shift(shift)
-        try:
-            return stages.prepare(request, rules)
-        finally:
-            planner.set_shift(released)
-
-
-def _config_only(index: ckpt.CheckpointIndex, name: str) -> torch.nn.Module:
-    """A diffusers component (a VAE) built from its folder's config on the ``meta`` device: its config and the
-    properties derived from it, no weights, no memory."""
-    import diffusers
-
-    library, class_name = ckpt.LAYOUT[name]
-    assert library == "diffusers", name
-    cls = getattr(diffusers, class_name)
-    config = cls.load_config(index.folder(name), local_files_only=True)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.filterwarnings("ignore", message=".*weight_norm.*", category=FutureWarning)  # the audio VAE's
-        return cls.from_config(config)
-
-
-def checkpoint_rules(checkpoint: str | Path | None) -> ModelRules:
-    """A checkpoint's model rules from its configs alone (config-only VAEs on ``meta``, its tokenizer, processor and
-    schedulers; no weights): what an ingress checks video jobs against before any replica has loaded the model."""
-    _quiet_libraries()
-    index = ckpt.CheckpointIndex(ckpt.resolve_checkpoint(checkpoint))
-    components: dict[str, Any] = dict(
-        vae=_config_only(index, "vae"),
-        audio_vae=_config_only(index, "audio_vae"),
-        tokenizer=ckpt.load_tokenizer(index),
-        processor=ckpt.load_processor(index),
-        **{name: ckpt.load_scheduler(index, name) for name in ("scheduler", "audio_scheduler")},
-    )
-    return H3Stages(components, index.pipeline_config).rules().model_copy(update={"partitions": index.partitions()})
-
-
-def _held_modules(value: Any) -> dict[str, torch.nn.Module]:
-    return {name: module for name, module in vars(value).items() if isinstance(module, torch.nn.Module)}
-
-
-class H3StageModels:
-    """A stage deployment's share of a checkpoint, without any transformer partition.
-
-    ``conditioner``: tokenizer, processor, Qwen3-VL through the layer H3 reads, both VAEs (their encoders read
-    keyframes and references) and diffusers' blocks before the loop; ``prepare`` returns a ``PreparedState``.
-    ``decoder``: both VAEs and the blocks after the loop; ``decode`` returns the media, or its PNG/MP4 bytes.
-    The text encoder is not loaded by a decoder. Outputs equal ``H3Pipeline.prepare``/``decode`` on the same
-    checkpoint, device and dtype (the same diffusers blocks on the same weights).
-    """
-
-    def __init__(
-        self,
-        role: str,
-        stages: H3Stages,
-        schedulers: dict[str, MiniMaxH3Scheduler],
-        device: torch.device,
-        partitions: tuple[str, ...],
-    ):
-        """``partitions``: the checkpoint's transformer partitions, which the denoisers hold (a stage loads none,
-        yet prepares Ref2VA requests for ``transformer_ref``)."""
-        self.role, self.stages, self.device = role, stages, device
-        self._schedulers = schedulers
-        self._preparing = threading.Lock()
-        self.rules: ModelRules = stages.rules().model_copy(update={"partitions": partitions})
-
-    @classmethod
-    def load(
-        cls,
-        role: str,
-        checkpoint: str | Path | None,
-        *,
-        device: DeviceType = "cpu",
-        dtype: str | torch.dtype = "float32",
-    ) -> H3StageModels:
-        if role not in STAGE_ROLES:
-            raise ValueError(f"stage role must be one of {', '.join(STAGE_ROLES)}, got {role!r}")
-        _quiet_libraries()
-        index = ckpt.CheckpointIndex(ckpt.resolve_checkpoint(checkpoint))
-        components: dict[str, Any] = dict(
-            vae=ckpt.load_model(index, "vae", torch.float32, device),  # the VAEs run in fp32
-            audio_vae=ckpt.load_model(index, "audio_vae", torch.float32, device),
-            tokenizer=ckpt.load_tokenizer(index),
-            processor=ckpt.load_processor(index),
-        )
-        if role == "conditioner":
-            components["text_encoder"] = ckpt.load_model(index, "text_encoder", parse_dtype(dtype), "cpu")
-        schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
-        stages = H3Stages({**components, **schedulers}, index.pipeline_config)
-        if role == "conditioner":  # as H3Pipeline.load: trimmed to the layer H3 reads before it moves
-            ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
-            components["text_encoder"].to(device)
-        return cls(role, stages, schedulers, torch.device(device), index.partitions())
-
-    def held_models(self) -> dict[str, torch.nn.Module]:
-        """Every model this stage holds, by component name (the memory plan's stage roles count these)."""
-        models: dict[str, torch.nn.Module] = {}
-        for pipeline in (self.stages.before, self.stages.after):
-            models.update(_held_modules(pipeline))
-        return models
-
-    @torch.no_grad()
-    def prepare(self, request: GenerationRequest, shift: float | None = None) -> PreparedState:
-        """The conditioner's work for one request (the denoiser checked it and chose ``shift``: its adapter's)."""
-        if self.role != "conditioner":
-            raise RuntimeError(f"a {self.role} stage does not prepare requests")
-        self.rules.check(request)
-        state = prepare_shifted(self.stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
-        return PreparedState.of(state)
-
-    def fit_preview(self) -> PreviewMap:
-        """The latent -> RGB preview map of this checkpoint's video VAE, for the denoisers (which hold no VAE)."""
-        return PreviewMap.fit(self.stages.after.vae, self.stages.before.pixel_mean, self.stages.before.pixel_std)
-
-    @torch.no_grad()
-    def decode(self, handoff: DecodeHandoff, output: str | None = None) -> GeneratedMedia | EncodedMedia:
-        """Both VAE decoders for one finished request; ``output`` "png"/"mp4": encoded here, None: the media."""
-        layout = PipelineState()
-        for key, value in handoff.layout.items():
-            layout.set(key, value)
-        video_rows, audio_rows = handoff.video_rows.to(self.device), handoff.audio_rows.to(self.device)
-        frames, audio, sample_rate = self.stages.finish(layout, video_rows, audio_rows)
-        media = GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
-        if output is None:
-            return media
-        if output not in ("png", "mp4"):
-            raise ValueError(f"output must be 'png', 'mp4' or None, got {output!r}")
-        return EncodedMedia(output, media.png() if output == "png" else media.mp4())
-
-
-class RequestState:
-    """One request between diffusers' stages: its packed rows, layout, and its own two schedulers."""
-
-    def __init__(
-        self,
-        request: GenerationRequest,
-        state: PipelineState,
-        video: MiniMaxH3Scheduler,
-        audio: MiniMaxH3Scheduler,
-        device: torch.device,
-        step_cache: StepCachePolicy | None = None,
-        adapter_slot: int = BASE_SLOT,
-    ):
-        """``video`` must already carry the request's shift (an adapter's; ``H3Pipeline.prepare`` sets it)."""
-        self.request, self.state = request, state
-        self.adapter_slot = adapter_slot  # its documents' slot in every pack (0: the base model)
-        # this request's First-Block-Cache state (None: it computes every block at every step)
-        self.step_cache: DocumentCache | None = DocumentCache(step_cache) if step_cache is not None else None
-        self.partition = ckpt.PARTITIONS[request.task]
-        self.video_rows: torch.Tensor = state.get("latents")  # [n_video, C*p] fp32, conditioning rows first
-        self.audio_rows: torch.Tensor = state.get("audio_latents")  # [n_audio, C_audio] fp32
-        self.plan = state.get("row_timestep_plan")  # per step: (distinct timesteps, row -> index)
-        self.video_scheduler, self.audio_scheduler = video, audio
-        for scheduler in (video, audio):
-            scheduler.set_timesteps(request.num_inference_steps, device=device)
-        if not torch.equal(video.timesteps, state.get("timesteps")):
-            raise RuntimeError("the request's own video schedule differs from the one its layout was planned with")
-        self.num_condition_video = state.get("num_condition_video_rows") or 0
-        self.num_condition_audio = state.get("num_condition_audio_rows") or 0
-        self.step_index = 0
-        # previews (``preview.py``): the generated rows whose clean prediction the next ``advance`` captures, and the
-        # last capture ``[k, C*p]``, which the engine takes for rendering off the model thread
-        self.preview_index: torch.Tensor | None = None
-        self.preview: torch.Tensor | None = None
-        embeds = state.get("prompt_embeds")[0]  # [n_text, text_dim]
-        self.layout = dict(
-            prompt_embeds=embeds,
-            position_ids=state.get("position_ids"),
-            token_tags=state.get("token_tags"),
-            video_indices=state.get("video_indices"),
-            audio_indices=state.get("audio_indices"),
-            text_indices=state.get("text_indices"),
-        )
-
-    @property
-    def steps(self) -> int:
-        return len(self.plan)
-
-    @property
-    def rows(self) -> int:
-        return int(self.layout["position_ids"].shape[0])
-
-    @property
-    def text_rows(self) -> int:
-        """Its prompt rows: the prompt's tokens and the keyframes' vision tokens."""
-        return int(self.layout["text_indices"].shape[0])
-
-    @property
-    def done(self) -> bool:
-        return self.step_index >= self.steps
-
-    @property
-    def progress(self) -> tuple[int, int]:
-        return self.step_index, self.steps
-
-    def document(self) -> Document:
-        timestep, timestep_indices = self.plan[self.step_index]
-        return Document(
-            video_rows=self.video_rows,
-            audio_rows=self.audio_rows,
-            timestep=timestep,
-            timestep_indices=timestep_indices,
-            **self.layout,
-        )
-
-    def advance(self, video_velocity: torch.Tensor, audio_velocity: torch.Tensor) -> None:
-        """One step of each schedule on the generated rows; conditioning rows are never written."""
-        i, nv, na = self.step_index, self.num_condition_video, self.num_condition_audio
-        t_video, t_audio = self.video_scheduler.timesteps[i], self.audio_scheduler.timesteps[i]
-        video_velocity, audio_velocity = (
-            video_velocity.to(self.video_rows.device),
-            audio_velocity.to(self.audio_rows.device),
-        )
-        if self.preview_index is not None:  # before the step overwrites x_t in place
-            self.preview = clean_rows(self.video_rows[nv:], video_velocity[nv:], t_video, self.preview_index)
-            self.preview_index = None
-        self.video_rows[nv:] = self.video_scheduler.step(
-            video_velocity[nv:].float(), t_video, self.video_rows[nv:], return_dict=False
-        )[0]
-        self.audio_rows[na:] = self.audio_scheduler.step(
-            audio_velocity[na:].float(), t_audio, self.audio_rows[na:], return_dict=False
-        )[0]
-        self.step_index += 1
-        if self.done:
-            self.free_step_cache()  # decoding needs none of it
-
-    def free_step_cache(self) -> None:
-        """Drop the cached residuals (two [S, hidden] tensors); its counters stay for reporting."""
-        if self.step_cache is not None:
-            self.step_cache.free()
-
-
-@dataclasses.dataclass
-class StepStats:
-    requests: int
-    rows: int
-    padding_rows: int
-    skipped_block_rows: int = 0  # rows x transformer blocks step caching skipped in this forward
 
 
 class H3Pipeline:
@@ -606,8 +137,8 @@ class H3Pipeline:
         tokenizer = ckpt.load_tokenizer(index)
         config_only = dict(
             denoiser.transformers,
-            vae=_config_only(index, "vae"),
-            audio_vae=_config_only(index, "audio_vae"),
+            vae=config_only_component(index, "vae"),
+            audio_vae=config_only_component(index, "audio_vae"),
             tokenizer=tokenizer,
             processor=ckpt.load_processor(index),  # whether video references are served: torchvision here
             **schedulers,
@@ -631,7 +162,7 @@ class H3Pipeline:
         models = dict(self.denoiser.transformers)
         if self._stages is not None:
             for pipeline in (self._stages.before, self._stages.after):
-                models.update(_held_modules(pipeline))
+                models.update(held_modules(pipeline))
         return models
 
     def _local_stages(self, what: str) -> H3Stages:

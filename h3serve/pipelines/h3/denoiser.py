@@ -1,0 +1,151 @@
+"""The denoiser every SP rank holds: the transformer partition(s) attending only through the admitted backend,
+which a replica checks again (capable, and available on this node) rather than trust its spec."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from h3serve.attention import (
+    AdmissionError,
+    AttentionRequirements,
+    BackendUnavailable,
+    DeviceType,
+    get_backend,
+    parse_dtype,
+    probe_platform,
+)
+
+from . import checkpoint as ckpt
+from .attention_processor import SequenceParallel, install
+from .config import TransformerGeometry, transformer_defaults
+from .forward import packed_forward
+from .lora import LoraAdapter, LoraSpecs, load_partitions
+from .packing import Pack
+from .step_cache import CachedPack
+
+logger = logging.getLogger(__name__)
+
+# What H3 needs from attention: many documents packed into one [T, H, D] forward.
+REQUIREMENTS = AttentionRequirements(packed_varlen=True)
+
+
+def quiet_libraries() -> None:
+    """No per-call progress bars in a server's log."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def check_capable(backend: str, model: str) -> None:
+    """Fail closed unless the admitted backend can do what H3 needs (a fact of its code).
+
+    The driver admitted it already; a replica checks again rather than trust its spec.
+    """
+    attention = get_backend(backend)
+    missing = attention.unsupported_requirements(REQUIREMENTS)
+    if missing:
+        raise AdmissionError(
+            f"Attention backend {attention.name!r} does not implement "
+            f"{', '.join(AttentionRequirements.describe(m) for m in missing)}, which MiniMax-H3 "
+            "requires; this replica refuses to build with it",
+            backend=attention.name,
+            model=model,
+            missing=missing,
+        )
+
+
+def check_runs_here(backend: str, device: DeviceType, dtype: torch.dtype, head_dim: int, model: str) -> None:
+    """Fail closed unless this node can run the admitted backend; it is never swapped for another."""
+    attention = get_backend(backend)
+    here = probe_platform(device)
+    available = attention.availability(here, dtype=dtype, head_dim=head_dim)
+    if not available or here.device_type != device:
+        reason = available.reason or f"the node has no {device} device"
+        raise BackendUnavailable(
+            f"Attention backend {attention.name!r} cannot run on this node: {reason}",
+            backend=attention.name,
+            model=model,
+        )
+
+
+class H3Denoiser:
+    """The transformer partition(s) of a checkpoint, attending only through the admitted backend.
+
+    With LoRA adapters (``load_adapters``), every partition holds each adapter in its slot, placed on the
+    partition's device and dtype; base weights are never modified.
+    """
+
+    def __init__(self, transformers: dict[str, torch.nn.Module], backend: str, device: torch.device, directory: Path):
+        self.transformers, self.backend, self.device, self.directory = transformers, backend, device, directory
+        for model in transformers.values():
+            install(model, get_backend(backend).make_impl())
+        self.loras = LoraSpecs()
+        self.adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in transformers}
+
+    def load_adapters(self, loras: LoraSpecs) -> None:
+        """Read every adapter onto every partition (``load_partitions``: a file's keys routed as diffusers routes
+        them; refused by name and key unless it fits). A partition an adapter leaves alone holds it with no layers."""
+        adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in self.transformers}
+        for name, spec in loras.loras.items():
+            for partition, adapter in load_partitions(name, spec, self.transformers).items():
+                adapters[partition][loras.slots[name]] = adapter.placed_for(self.transformers[partition])
+        self.loras, self.adapters = loras, adapters
+        if loras.loras:
+            logger.info("LoRA adapters served in slots %s", loras.slots)
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path | None,
+        backend: str,
+        *,
+        device: DeviceType = "cpu",
+        dtype: str | torch.dtype = "float32",
+        expected: TransformerGeometry | None = None,
+        loras: LoraSpecs | None = None,
+    ) -> H3Denoiser:
+        """Build with exactly ``backend`` (the driver's choice); never re-resolve.
+
+        ``checkpoint`` None is the built-in tiny checkpoint. Raises AdmissionError for an incapable
+        backend (before reading anything), BackendUnavailable when this node cannot run it,
+        CheckpointError when the checkpoint does not fit or is not what the deployment was admitted for,
+        LoraError for an adapter of ``loras`` that does not fit a partition.
+        """
+        check_capable(backend, str(checkpoint or "the built-in checkpoint"))
+        quiet_libraries()
+        directory = ckpt.resolve_checkpoint(checkpoint)
+        index = ckpt.CheckpointIndex(directory)
+        geometries = {
+            partition: TransformerGeometry.of(
+                {**transformer_defaults(), **ckpt.load_component_config(index, partition)}
+            )
+            for partition in index.partitions()
+        }
+        for partition, found in geometries.items():  # the driver read them too, but this node's copy may differ
+            if expected is not None and found != expected:
+                raise ckpt.CheckpointError(
+                    f"{directory / partition} has {found.describe()}, but the deployment was admitted for "
+                    f"{expected.describe()} ({'; '.join(expected.differences(found))})"
+                )
+        geometry = geometries["transformer"]
+        torch_dtype = parse_dtype(dtype)
+        check_runs_here(backend, device, torch_dtype, geometry.head_dim, str(directory))
+        models = {p: ckpt.load_model(index, p, torch_dtype, device) for p in index.partitions()}
+        denoiser = cls(models, backend, torch.device(device), directory)
+        if loras is not None:
+            denoiser.load_adapters(loras)
+        return denoiser
+
+    def forward(self, pack: Pack, sp: SequenceParallel | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's share of one packed forward; rank 0 gets every row's velocity back.
+
+        A ``CachedPack`` carries its documents' step caches into the forward (under Ulysses each rank its own).
+        """
+        cache = pack.step_cache if isinstance(pack, CachedPack) else None
+        adapters = self.adapters[pack.partition] if pack.adapted else None
+        return packed_forward(self.transformers[pack.partition], pack.to(self.device), sp, cache, adapters)
