@@ -52,6 +52,9 @@ class DeviceUnhealthy(RuntimeError):
     """This process's device did not run a tiny kernel within the ping's deadline (or it raised)."""
 
 
+_PING_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def device_ping(device: torch.device, timeout_s: float) -> None:
     """Launch a tiny kernel on ``device`` and wait for it within ``timeout_s`` (an event polled, so a hung device does
     not hang the caller). On a side stream: it must not queue behind a running step's kernels. A poisoned context
@@ -61,7 +64,9 @@ def device_ping(device: torch.device, timeout_s: float) -> None:
         if probe.item() != 2.0:
             raise DeviceUnhealthy(f"{device}: 1 + 1 gave {probe.item()}")
         return
-    stream = torch.cuda.Stream(device=device)
+    stream = _PING_STREAMS.get(device)
+    if stream is None:  # its own high-priority stream: a pool stream may be the stage worker's, behind a VAE decode
+        stream = _PING_STREAMS[device] = torch.cuda.Stream(device=device, priority=-1)
     with torch.cuda.stream(stream):
         probe = torch.ones(1, device=device).add_(1)
         done = torch.cuda.Event()
