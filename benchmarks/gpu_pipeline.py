@@ -14,7 +14,15 @@ materialised on the GPU (no checkpoint), runs h3serve's ``packed_forward`` with 
      frames in one pack vs one after another (throughput ratio), and how long a joining request waits for
      its first step;
   3. the same single request with ``torch.compile`` of the repeated blocks (diffusers' regional
-     compilation, ``compile_repeated_blocks``): compile time, seconds per step, MFU.
+     compilation, ``compile_repeated_blocks``): compile time, seconds per step, MFU;
+  4. (``pack2``) one pack of two requests (124 and 141 frames, ~81k rows), eager, one forward;
+  5. (``max_rows``) the warm-up at the row budget: a pack of released-size clips filling ``--max-rows`` (the H200
+     config's ``engine.max_rows_per_step``), with ``torch.cuda.mem_get_info`` before and after: the measured
+     activations against the memory plan's (``h3serve/pipelines/h3/memory.py``) at the same rows and prompt rows,
+     and what the device holds outside torch's allocator (CUDA context, cuBLAS workspaces), each against the
+     plan's reserve.
+``--parts`` picks and orders them (default: single, packing, compile); ``benchmarks/gpu_session.sh`` runs
+``single compile`` in one process and ``pack2 max_rows`` in another.
 Targets (issue 15): MFU >= 50%, seconds per step <= 5.7 (sglang's per-GPU rate: 1.43 s/step on 4 H200).
 Every part runs under ``attempt`` and a wall-clock budget; the JSON is rewritten after each part.
 Needs torch, diffusers and pydantic (no Ray, no checkpoint).
@@ -33,6 +41,7 @@ from h3serve.attention import get_backend, probe_platform, resolve
 from h3serve.pipelines.h3.attention_processor import install
 from h3serve.pipelines.h3.denoiser import REQUIREMENTS, check_capable, check_runs_here
 from h3serve.pipelines.h3.forward import packed_forward
+from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, activation_row_cost
 from h3serve.pipelines.h3.packing import pack_documents
 from h3serve.pipelines.h3.shapes import (
     FLOPS_FORMULA,
@@ -50,6 +59,7 @@ from h3serve.pipelines.h3.shapes import (
 from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
+PARTS = ["single", "packing", "compile", "pack2", "max_rows"]
 LENGTHS = (124, 141, 158, 175)  # the 17n+5 clip lengths of the packing part, 5.2 to 7.3 s
 SETTINGS = {
     "full": dict(
@@ -62,6 +72,7 @@ SETTINGS = {
         reps=2,
         pack_reps=1,
         compiled_reps=1,
+        max_rows=80_000,  # engine.max_rows_per_step of h3serve/deploy/serve_config.gpu.yaml
     ),
     "cpu": dict(
         preset="tiny",
@@ -73,6 +84,7 @@ SETTINGS = {
         reps=1,
         pack_reps=1,
         compiled_reps=1,
+        max_rows=4_000,
     ),
 }
 
@@ -103,6 +115,8 @@ class Bench:
             "single": {},
             "packing": [],
             "compiled": {},
+            "pack2": {},
+            "max_rows": {},
             "skipped": budget.skipped,
             "errors": {},
         }
@@ -303,6 +317,83 @@ class Bench:
         )
         self.report([("eager", eager), ("compiled", r)] if eager else [("compiled", r)])
 
+    # -- 4. one pack of two -----------------------------------------------------------------------------
+    def pack2(self) -> None:
+        """One forward of a pack of two released-size requests (no warm-up: at seconds per forward, first-call costs
+        are noise, and this process's first forward is this one)."""
+        pack = self.pack(self.clips[:2])
+        say(f"\n== 4. one pack of two T2VA requests, {self.clips[0]} + {self.clips[1]} ({pack.total_rows} rows), eager")
+        r = self.res["pack2"] = {"requests": [str(c) for c in self.clips[:2]], **self.measure(pack, 1, 0)}
+        self.report([("pack of 2", r)])
+
+    # -- 5. the warm-up at the row budget ----------------------------------------------------------------
+    def fill(self, max_rows: int) -> list[Clip]:
+        """Released-size clips (the packing part's lengths, in turn) while their rows stay within ``max_rows``."""
+        clips: list[Clip] = []
+        for n in range(64):
+            candidate = [*clips, self.clips[n % len(self.clips)]]
+            if pack_documents([clip_document(self.cfg, c) for c in candidate]).total_rows > max_rows:
+                break
+            clips = candidate
+        return clips or self.clips[:1]
+
+    def max_rows(self, max_rows: int) -> None:
+        """One forward at the row budget, as a replica's warm-up should run it, with the device's free memory before
+        and after: what the plan says the activations take at these rows, what they took, and what the device holds
+        outside torch's allocator, each against the plan's reserve (CPU: the same forward, no device numbers)."""
+        clips = self.fill(max_rows)
+        pack = self.pack(clips)
+        text_rows = sum(c.text_tokens for c in clips)
+        planned = activation_row_cost(self.cfg, self.dtype, text_rows=text_rows).bytes_for(pack.total_rows, 1)
+        r: dict = {
+            "max_rows": max_rows,
+            "rows": pack.total_rows,
+            "requests": [str(c) for c in clips],
+            "text_rows": text_rows,
+            "planned_activation_bytes": planned,
+            "reserve_bytes": DEFAULT_RESERVE_BYTES,
+        }
+        say(f"\n== 5. the warm-up at the row budget: {len(clips)} requests, {pack.total_rows} of {max_rows} rows")
+        cuda = self.device == "cuda"
+        if cuda:
+            self.sync()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            free, total = torch.cuda.mem_get_info()
+            allocated = torch.cuda.memory_allocated()
+            r |= {
+                "device_bytes": total,
+                "free_before": free,
+                "outside_torch_bytes": total - free - torch.cuda.memory_reserved(),
+            }
+        start = time.perf_counter()
+        packed_forward(self.model, pack)
+        self.sync()
+        r["s_per_step"] = time.perf_counter() - start
+        if cuda:
+            measured = torch.cuda.max_memory_allocated() - allocated
+            r |= {
+                "free_after": torch.cuda.mem_get_info()[0],
+                "measured_activation_bytes": measured,
+                "plan_error_bytes": measured - planned,
+                "within_reserve": abs(measured - planned) <= DEFAULT_RESERVE_BYTES
+                and r["outside_torch_bytes"] <= DEFAULT_RESERVE_BYTES,
+            }
+        self.res["max_rows"] = r
+        say(
+            f"  planned activations {human_bytes(planned)} at {pack.total_rows} rows ({text_rows} prompt rows); "
+            + (
+                f"measured {human_bytes(r['measured_activation_bytes'])} (plan off by "
+                f"{human_bytes(abs(r['plan_error_bytes']))}); outside torch's allocator "
+                f"{human_bytes(r['outside_torch_bytes'])}; free {human_bytes(r['free_before'])} -> "
+                f"{human_bytes(r['free_after'])} of {human_bytes(r['device_bytes'])}; within the "
+                f"{human_bytes(DEFAULT_RESERVE_BYTES)} reserve: {'YES' if r['within_reserve'] else 'NO'}"
+                if cuda
+                else "no device memory on CPU (the forward ran; mem_get_info is CUDA's)"
+            )
+            + f"; {r['s_per_step']:.2f} s"
+        )
+
 
 def choose_backend(name: str, device: str, dtype: torch.dtype, head_dim: int) -> str:
     """``auto`` resolves as a deployment would (a measured ranking first, when one is configured)."""
@@ -316,7 +407,9 @@ def choose_backend(name: str, device: str, dtype: torch.dtype, head_dim: int) ->
 def options(ap: argparse.ArgumentParser) -> None:  # --json: every number, rewritten after each part
     ap.add_argument("--backend", default="auto", help="attention backend (default: auto, as a deployment resolves)")
     ap.add_argument("--max-seconds", type=float, default=230.0, help="skip the remaining parts past this")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["packing", "compile"], help="parts to leave out")
+    ap.add_argument("--skip", nargs="*", default=[], choices=PARTS, help="parts to leave out")
+    ap.add_argument("--parts", nargs="+", default=["single", "packing", "compile"], choices=PARTS, help="in order")
+    ap.add_argument("--max-rows", type=int, default=None, help="max_rows's row budget (default: the mode's)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same code paths at the tiny dims on CPU, fp32")
 
 
@@ -337,14 +430,17 @@ def run(args: argparse.Namespace) -> dict:
             budget.checkpoint = bench.save  # the numbers so far reach the JSON before each next case
             res = bench.res
             res["mode"] = mode
-            parts = [
-                ("single", bench.single),
-                ("packing", bench.packing),
+            parts = {
+                "single": bench.single,
+                "packing": bench.packing,
                 # CPU: dynamo traces (graph breaks show) but inductor's C++ build (~30 s) is left out
-                ("compile", lambda: bench.compiled({} if mode == "full" else {"backend": "eager"})),
-            ]
-            for name, part in parts:
-                if name in args.skip or (name != "single" and budget.over(name)):
+                "compile": lambda: bench.compiled({} if mode == "full" else {"backend": "eager"}),
+                "pack2": bench.pack2,
+                "max_rows": lambda: bench.max_rows(args.max_rows or s["max_rows"]),
+            }
+            for i, name in enumerate(args.parts):
+                part = parts[name]
+                if name in args.skip or (i > 0 and budget.over(name)):
                     continue
                 _, error = attempt(part)
                 if error:

@@ -1,146 +1,144 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark session (issue 15) as ONE command on one lent H200, sized for a 10-minute slot: each step
-# has a hard `timeout`, and the caps of the steps that run there add up to 480 s (CAPS below; tests/test_benchmarks.py
-# checks the sum): 45 + 60 + 40 + 90 + 180 + 35 + 30. The first step prints the meta-device PROJECTION of the packs
-# that step 4 measures (benchmarks/meta_step.py --session: FLOPs counted on the meta device, seconds assumed), into
-# gpu_pipeline.log, which step 4 appends its measurements to: measured beside projected in one file. Then a smoke of
-# the serving path on the device (benchmarks/gpu_smoke.py, issue 22); when it fails, the session stops there, loudly,
-# with exit 1. Two more steps, the arrival trace (issue 23) and the staged app (issue 27), run only on a node with Ray
-# and the released checkpoint (steps 5 and 6, outside the 480 s).
+# h3serve's first GPU measurement (issues 15, 53) as ONE command on one lent H200, planned at <= 6 minutes of the
+# session's device time, with what that machine has: Python 3.12, torch 2.11 + CUDA 13 (Triton), transformers,
+# tokenizers, safetensors, pillow, numpy, pyyaml; no diffusers, no pydantic, no Ray, no flash-attn, no network, and
+# at most 64 MiB carried over with the code.
 #
-# The lent machine has Python 3.12 with torch 2.11 (CUDA, Triton), transformers, accelerate, huggingface_hub,
-# safetensors, tokenizers, pillow, numpy and pyyaml, but no diffusers, no pydantic, no Ray and no network.
-# Prepare once, here, in the repository root (wheels for CPython 3.12 on manylinux x86_64; no torch):
+# The parts, in order, each under its own hard cap (CAPS, seconds; tests/test_benchmarks.py holds the sum <= 360):
 #
-#   echo /.gpu-deps/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-deps \
-#       "diffusers==0.42.1" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" \
-#       "typing-inspection==0.4.5" "typing-extensions==4.16.0"
+#   0. env           20 s  nvidia-smi, versions, h3serve's probe of the platform                    -> env.txt
+#   1. single+compile 170 s  the released 33.1B transformer built on the device (random bf16), one T2VA request
+#                          1344x768x124 (37,966 rows): s/step, MFU, peak memory; then diffusers' regional compile
+#                          of the repeated blocks and the same request compiled             -> gpu_pipeline.{log,json}
+#   2. pack2+max_rows 125 s  a new process (eager): one pack of two (124 + 141 frames, ~81k rows); then the warm-up
+#                          at the row budget (engine.max_rows_per_step 80,000) with torch.cuda.mem_get_info before
+#                          and after, against the memory plan and its 4 GiB reserve   -> gpu_pack.{log,json}
+#   3. smoke         45 s  the serving path on the device (generate on the tiny checkpoint, padded packs, a
+#                          released-size pack built there)                                          -> gpu_smoke.log
 #
-# (8.8 MB; wheels rather than a `pip install --target` here, because pydantic-core is compiled and this
-# machine's Python is 3.11: tests/test_benchmarks.py checks these pins equal the versions installed here.)
+# 20 + 170 + 125 + 45 = 360 s. The machine's start comes on top (the device tool's, not this plan's). Attention is
+# torch_varlen (torch.nn.attention.varlen), the STAND-IN for flash-attn, which the lent machine lacks and which has no
+# offline wheel small enough to carry; every log and JSON names the backend it measured. Flex attention (cold Triton
+# compiles) is opt-in: --flex adds the kernels' GPU tests (40 s cap). What runs on CPU runs here, not there: the
+# meta-device projection (python -m benchmarks.meta_step --session) and every dry run.
 #
-# then run it there in one call, with room under the session's 15 device-minutes for the machine's start:
+# Every part saves its result as it finishes (each JSON is rewritten after each sub-part, logs are unbuffered), so a
+# part cut at its cap loses only the sub-part it was in, and the parts after it still run.
 #
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-deps"], timeout_s=570)
+# Prepare once, here (needs the network; 8.8 MB of wheels for CPython 3.12 on manylinux x86_64, never torch):
 #
-# and copy what comes back (files_at/<machine>-<date>/: gpu_smoke.log, env.txt, gpu_tests.log,
-# gpu_kernels.{log,json}, attention_ranking.json, gpu_pipeline.{log,json}; 8 files, the most the device tool
-# returns) to benchmarks/results/<machine>-<date>/. On any other CUDA node with the project installed, run it as is:
-# without $OUT it writes straight into benchmarks/results/<machine>-<date>/.
+#   bash benchmarks/gpu_session.sh --prepare          # downloads them into .gpu-deps/ (git-ignored via info/exclude)
 #
-# Every part writes its numbers as soon as it has them (each JSON is rewritten before the next case starts, logs are
-# unbuffered), so a step cut at its cap loses only the case it was in.
+# then on the device, in one call, with room under the session's device minutes for the machine's start and a rerun:
 #
-#   bash benchmarks/gpu_session.sh --cpu-dry-run     # the same steps at the tiny dims on CPU (the projection of
-#                                                    # one request), into ${OUT:-a temporary directory}/cpu-dry-run
+#   run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-deps"], timeout_s=420)
+#
+# and copy files_at/<machine>-<date>/ to benchmarks/results/<machine>-<date>/. On any CUDA node with the project
+# installed it runs as is (nothing to install there) and writes into benchmarks/results/<machine>-<date>/.
+#
+#   bash benchmarks/gpu_session.sh --dry-run          # on CPU: every part at the tiny dims, every check but the CUDA
+#                                                     # calls; the plan's caps; the carried wheels, when present
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY="" DEVICE=cuda
-[ "${1:-}" = "--cpu-dry-run" ] && DRY="--cpu-dry-run" DEVICE=cpu
 
+DRY="" FLEX="" PREPARE=""
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        --flex) FLEX=1 ;;
+        --prepare) PREPARE=1 ;;
+        *) echo "usage: bash benchmarks/gpu_session.sh [--dry-run] [--flex] | --prepare"; exit 2 ;;
+    esac
+done
 PY=${PYTHON:-python3}
-if [ -d .gpu-deps ]; then  # the carried wheels, installed beside (not into) the image's site-packages
+# each part's hard cap in seconds, in the order they run: the plan is their sum (<= 360)
+CAPS=(20 170 125 45)
+FLEX_CAP=40
+CARRY_LIMIT=$((64 * 1024 * 1024))  # what the device tool carries with the code
+WHEELS=("diffusers==0.42.1" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0"
+    "typing-inspection==0.4.5" "typing-extensions==4.16.0")
+
+if [ -n "$PREPARE" ]; then
+    grep -qx '/.gpu-deps/' .git/info/exclude 2>/dev/null || echo /.gpu-deps/ >> "$(git rev-parse --git-path info/exclude)"
+    exec $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-deps "${WHEELS[@]}"
+fi
+
+fail() { echo "gpu_session: $*"; exit 2; }
+
+# The carried wheels, when present: exactly the pins, within what the device tool carries.
+if [ -d .gpu-deps ]; then
+    for pin in "${WHEELS[@]}"; do
+        name=${pin%%==*} version=${pin##*==}
+        ls .gpu-deps/"${name//-/_}"-"$version"-*.whl >/dev/null 2>&1 || fail ".gpu-deps lacks $pin (run --prepare)"
+    done
+    size=$(du -sb .gpu-deps | cut -f1)
+    [ "$size" -le "$CARRY_LIMIT" ] || fail ".gpu-deps is $size bytes, over the $CARRY_LIMIT the device tool carries"
+fi
+
+# What the benchmarks need beyond the machine's image: installed already (this machine, a CUDA node with the
+# project), or from the carried wheels into a temporary site beside the image's. Neither: say how, do nothing.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! $PY -c "import diffusers, pydantic" 2>/dev/null; then
+    [ -d .gpu-deps ] || fail "diffusers and pydantic are missing and .gpu-deps is not here: run 'bash benchmarks/gpu_session.sh --prepare' where the network is, then carry .gpu-deps"
     SITE=$(mktemp -d)/site
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .gpu-deps/*.whl \
-        || { echo "gpu_session: installing .gpu-deps failed"; exit 2; }
-    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        || fail "installing .gpu-deps failed"
+    export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 H3SERVE_CACHE=${H3SERVE_CACHE:-/tmp/h3serve-cache}
-# each step's hard cap in seconds, in the order they run on the lent machine: 480 in all
-CAPS=(45 60 40 90 180 35 30)
+$PY -c "import torch, diffusers, pydantic; import benchmarks.gpu_pipeline, benchmarks.gpu_smoke" \
+    || fail "the benchmarks do not import here (see above); nothing measured"
 
-$PY -c "import diffusers, pydantic, torch; import benchmarks.gpu_kernels, benchmarks.gpu_pipeline, benchmarks.gpu_smoke, benchmarks.lora_step, benchmarks.step_cache_step, benchmarks.meta_step" \
-    || { echo "gpu_session: the benchmarks do not import here (see above); nothing measured"; exit 2; }
 if [ -n "$DRY" ]; then
-    DEST="${OUT:-$(mktemp -d)}/cpu-dry-run"
+    DEST="${OUT:-$(mktemp -d)}/dry-run"
+    MODE=(--cpu-dry-run) BACKEND=auto MAX_ROWS=(--max-rows 2000) DEVICE=cpu
+    # the caps are the device's plan; on a shared CPU the same parts at the tiny dims get 4x (a dry run checks the
+    # steps, it does not time them), so a loaded CI machine never cuts one
+    for i in "${!CAPS[@]}"; do CAPS[i]=$((CAPS[i] * 4)); done
 else
     MACHINE=$($PY -c "import torch; print(torch.cuda.get_device_name(0).lower().removeprefix('nvidia ')
           .replace(' ', '-') if torch.cuda.is_available() else 'no-gpu')")
+    [ "$MACHINE" != no-gpu ] || fail "no CUDA device here (--dry-run runs the parts on CPU)"
     DEST="${OUT:-benchmarks/results}/${MACHINE}-$(date -u +%Y-%m-%d)"
+    MODE=() BACKEND=torch_varlen MAX_ROWS=() DEVICE=cuda
 fi
 mkdir -p "$DEST"
-echo "gpu_session: writing to $DEST"
+echo "gpu_session: writing to $DEST (caps: ${CAPS[*]} s = $((CAPS[0] + CAPS[1] + CAPS[2] + CAPS[3])) s)"
 
-# 0. the PROJECTION of step 4's packs on this GPU, from one meta-device step each (no GPU used): the numbers step 4
-# measures, beside what was assumed for them. It opens gpu_pipeline.log; step 4 appends its measurements.
-SMOKE=()
-[ -n "$DRY" ] && SMOKE=(--smoke)
-timeout "${CAPS[0]}" $PY -m benchmarks.meta_step --session ${SMOKE[@]+"${SMOKE[@]}"} 2>&1 | tee "$DEST/gpu_pipeline.log"
-
-# 1. in a minute: h3serve's serving path ON the device (generate end to end on the tiny checkpoint, packs with a
-# padding document, one released-size packed step of two requests built on the device). A tensor made on the wrong
-# device fails every step of a replica, so nothing else is worth measuring until this passes.
-timeout "${CAPS[1]}" $PY -m benchmarks.gpu_smoke $DRY 2>&1 | tee "$DEST/gpu_smoke.log"
-if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-    echo "gpu_session: FAILED: the serving path does not run on $DEVICE (benchmarks/gpu_smoke.py; see $DEST/gpu_smoke.log)"
-    exit 1
-fi
-
-{   # the machine, the libraries, h3serve's view of the platform (seconds: no cap)
+# 0. the machine, the libraries, h3serve's view of the platform, and which attention kernel the numbers are of
+export DRY DEVICE BACKEND PY
+timeout "${CAPS[0]}" bash -c '
     [ -z "$DRY" ] && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    $PY -c "import sys, torch, diffusers, pydantic, transformers; print('python', sys.version.split()[0],
-        '| torch', torch.__version__, 'cuda', torch.version.cuda, '| diffusers', diffusers.__version__,
-        '| transformers', transformers.__version__, '| pydantic', pydantic.__version__)"
-    $PY -c "from attention import probe_platform; print(probe_platform('$DEVICE').model_dump_json(indent=1))"
-} > "$DEST/env.txt" 2>&1
-cat "$DEST/env.txt"
+    $PY -c "import sys, torch, diffusers, pydantic, transformers; print(\"python\", sys.version.split()[0],
+        \"| torch\", torch.__version__, \"cuda\", torch.version.cuda, \"| diffusers\", diffusers.__version__,
+        \"| transformers\", transformers.__version__, \"| pydantic\", pydantic.__version__)"
+    $PY -c "from h3serve.attention import probe_platform; print(probe_platform(\"$DEVICE\").model_dump_json(indent=1))"
+    [ "$BACKEND" = torch_varlen ] && echo "attention: torch_varlen, the STAND-IN for flash-attn (not on this machine)"
+    true' 2>&1 | tee "$DEST/env.txt"
 
-# 2. the attention kernels' GPU tests (varlen and flex against the fp32 sdpa reference)
-timeout "${CAPS[2]}" $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_attention_gpu.py tests/test_attention_flex.py \
-    2>&1 | tee "$DEST/gpu_tests.log"
+# 1. one released-size request, eager, then regionally compiled (single first: saved before compile starts)
+timeout "${CAPS[1]}" $PY -m benchmarks.gpu_pipeline ${MODE[@]+"${MODE[@]}"} --backend "$BACKEND" \
+    --parts single compile --max-seconds $((CAPS[1] - 20)) --json "$DEST/gpu_pipeline.json" \
+    2>&1 | tee "$DEST/gpu_pipeline.log"
 
-# 3. varlen kernels (Part 1, writes the measured ranking) and one released-size block (Part 2)
-timeout "${CAPS[3]}" $PY -m benchmarks.gpu_kernels $DRY --max-seconds 60 --out "$DEST/gpu_kernels.json" \
-    --ranking-out "$DEST/attention_ranking.json" 2>&1 | tee "$DEST/gpu_kernels.log"
+# 2. a new process (no compiled blocks): one pack of two, then the warm-up at the row budget with mem_get_info
+timeout "${CAPS[2]}" $PY -m benchmarks.gpu_pipeline ${MODE[@]+"${MODE[@]}"} --backend "$BACKEND" \
+    --parts pack2 max_rows ${MAX_ROWS[@]+"${MAX_ROWS[@]}"} --max-seconds $((CAPS[2] - 20)) \
+    --json "$DEST/gpu_pack.json" 2>&1 | tee "$DEST/gpu_pack.log"
 
-# 4. the released transformer: s/step, MFU, packing at real shapes, regional compile; auto follows the ranking
-[ -f "$DEST/attention_ranking.json" ] && export H3SERVE_ATTENTION_RANKING="$DEST/attention_ranking.json"
-timeout "${CAPS[4]}" $PY -m benchmarks.gpu_pipeline $DRY --max-seconds 130 --json "$DEST/gpu_pipeline.json" \
-    2>&1 | tee -a "$DEST/gpu_pipeline.log"
+# 3. the serving path on the device: a tensor made on the wrong device fails every step of a replica
+timeout "${CAPS[3]}" $PY -m benchmarks.gpu_smoke ${MODE[@]+"${MODE[@]}"} 2>&1 | tee "$DEST/gpu_smoke.log"
+SMOKE=${PIPESTATUS[0]}
 
-# 4b. LoRA (issue 25: benchmarks/lora_step.py --gpu): one packed forward at the released width (2 blocks, bf16) of
-# 4 documents, base-only against 3 adapters + base at ranks 16 and 64; the ratio against the <= 1.15x target. No Ray
-# needed. Its log joins gpu_pipeline.log (the device tool returns 8 files, all taken); its JSON only off the tool.
-LORA_JSON=()
-[ -z "${OUT:-}" ] && LORA_JSON=(--json "$DEST/lora_step.json")
-if [ -n "$DRY" ]; then LORA_MODE=--quick; else LORA_MODE=--gpu; fi
-timeout "${CAPS[5]}" $PY -m benchmarks.lora_step $LORA_MODE ${LORA_JSON[@]+"${LORA_JSON[@]}"} 2>&1 | tee -a "$DEST/gpu_pipeline.log"
-
-# 4c. step caching (issue 24: benchmarks/step_cache_step.py --gpu): one packed forward at the released width (4 blocks,
-# bf16) of 4 documents, no cache against F1B0 caching with 0, 2 and 4 documents skipping their middle blocks, projected
-# to 50 blocks. Its log joins gpu_pipeline.log, as 4b's.
-CACHE_JSON=()
-[ -z "${OUT:-}" ] && CACHE_JSON=(--json "$DEST/step_cache_step.json")
-if [ -n "$DRY" ]; then CACHE_MODE=--smoke; else CACHE_MODE=--gpu; fi
-timeout "${CAPS[6]}" $PY -m benchmarks.step_cache_step $CACHE_MODE ${CACHE_JSON[@]+"${CACHE_JSON[@]}"} 2>&1 \
-    | tee -a "$DEST/gpu_pipeline.log"
-
-# 5. the arrival trace (issue 23) through request-level FCFS and the engine's policies on the released model. It
-# needs what the lent machine lacks (Ray, which replicas imports, and the released checkpoint), so it runs only
-# where $H3SERVE_CHECKPOINT names a checkpoint directory and Ray imports; elsewhere it says why it did not run
-# (and the 8 files above stay the most the device tool returns). The CPU trace: python -m benchmarks.trace.
-if [ -z "$DRY" ] && [ -d "${H3SERVE_CHECKPOINT:-}" ] && $PY -c "import ray" 2>/dev/null; then
-    timeout 600 $PY -m benchmarks.trace --gpu --checkpoint "$H3SERVE_CHECKPOINT" --json "$DEST/trace.json" \
-        2>&1 | tee "$DEST/trace.log"
-else
-    echo "gpu_session: trace skipped: it needs CUDA, Ray and \$H3SERVE_CHECKPOINT (a released checkpoint directory)"
-fi
-
-# 6. the staged app against the one-replica app (issue 27: benchmarks/stages.py --gpu): the same arrival trace through
-# both, the denoiser's duty cycle and the object-store bytes per request. Two Serve apps of the released model at
-# once need Ray, $H3SERVE_CHECKPOINT and 4 CUDA devices (solo's replica; staged's denoiser, conditioner, decoder);
-# the lent single-GPU machine has none of the first two, so there this step says why and takes no time. Where it
-# can run, the Python refuses at once (exit 2) with fewer than 4 devices. Arrivals: $H3SERVE_STAGES_RATE per second
-# (the driver holds no copy of the model to measure capacity). The CPU run: python -m benchmarks.stages.
-if [ -z "$DRY" ] && [ -d "${H3SERVE_CHECKPOINT:-}" ] && $PY -c "import ray" 2>/dev/null; then
-    timeout 900 $PY -m benchmarks.stages --gpu --checkpoint "$H3SERVE_CHECKPOINT" \
-        --rate "${H3SERVE_STAGES_RATE:-0.05}" --json "$DEST/stages.json" 2>&1 | tee "$DEST/stages.log"
-else
-    echo "gpu_session: stages skipped: it needs CUDA (4 devices), Ray and \$H3SERVE_CHECKPOINT (a released checkpoint)"
+# opt-in: flex attention's and the varlen kernels' GPU tests (cold Triton compiles)
+if [ -n "$FLEX" ] && [ -z "$DRY" ]; then
+    timeout "$FLEX_CAP" $PY -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_attention_gpu.py \
+        tests/test_attention_flex.py 2>&1 | tee "$DEST/gpu_tests.log"
 fi
 
 ls -l "$DEST"
+if [ "$SMOKE" -ne 0 ]; then
+    echo "gpu_session: FAILED: the serving path does not run on $DEVICE (see $DEST/gpu_smoke.log)"
+    exit 1
+fi

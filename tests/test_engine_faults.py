@@ -23,6 +23,7 @@ from h3serve.replicas import (
     EngineStopped,
     WorkerGroup,
 )
+from h3serve.replicas.cuda_faults import InjectedDeviceError
 from tests.harness import gone
 from tests.test_replicas import poison, request, spec
 
@@ -347,3 +348,47 @@ def test_watchdog_reports_a_stall_when_a_rank_hangs_then_the_step_bound_replaces
         assert gone(pid)  # the frozen process was killed, not left behind
     finally:
         engine.group.shutdown()
+
+
+# --- CUDA-fatal outside a step ------------------------------------------------------------
+
+
+def test_a_cuda_fatal_error_in_a_decode_stops_the_engine_retryably_and_fails_its_health(tiny_checkpoint, monkeypatch):
+    """A decode on rank 0 that raises a CUDA-fatal error (as an illegal address in the VAE would) poisons the replica's
+    process, not the request: the engine stops at once, every request it holds fails with EngineStopped (503, run
+    again elsewhere; counted as ``worker_group``, never ``decode``), and health fails so Serve replaces the replica."""
+    group = WorkerGroup.create(spec(1, tiny_checkpoint))  # its own: the engine gives it up
+    decode = group.pipeline.decode
+
+    def poisoned_once(state):  # the real decode, after one injected device fault
+        if not seen:
+            seen.append(state)
+            raise InjectedDeviceError("CUDA error: an illegal memory access was encountered (injected in a decode)")
+        return decode(state)
+
+    seen: list = []
+    monkeypatch.setattr(group.pipeline, "decode", poisoned_once)
+
+    async def scenario():
+        recorder = Recorder()
+        engine = Engine(group, EngineLimits(max_active=2), recorder)
+        tickets = [engine.submit(request(f"clip {i}", 3, seed=i), request_id=f"clip-{i}") for i in range(2)]
+        started = time.monotonic()
+        results = await asyncio.gather(*(t.future for t in tickets), return_exceptions=True)
+        with pytest.raises(EngineStopped, match="rank 0 hit a CUDA-fatal error"):  # Serve's health check
+            await asyncio.to_thread(engine.check_health)
+        with pytest.raises(EngineStopped):
+            engine.submit(request("after"))
+        await engine.close()
+        return engine, recorder, results, time.monotonic() - started
+
+    try:
+        engine, recorder, results, seconds = asyncio.run(scenario())
+    finally:
+        group.shutdown()
+    assert seconds < 30, seconds
+    for result in results:
+        assert isinstance(result, EngineStopped), result
+        assert "rank 0 hit a CUDA-fatal error: its process is lost: InjectedDeviceError" in str(result), result
+    assert engine.stats.failed_requests == {"worker_group": 2} and recorder.failed_requests == {"worker_group": 2}
+    assert recorder.failed_steps == {"worker_group": 1}

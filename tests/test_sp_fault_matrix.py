@@ -1,7 +1,7 @@
 """The SP group's one failure semantics, end to end through the engine at sp=2 on real gloo: faults injected at named
-points of the real step path (``h3serve.replicas.faults``) raise, hang, freeze or kill rank 0 or the worker, one case at
-a
-time, over one group that each broken step replaces.
+points of the real step path (``h3serve.replicas.faults``) raise, hang, freeze or kill rank 0 or the worker, raise a
+CUDA-fatal error there or at the next sync, or leave an abort stuck, one case at a time, over one group that each
+broken step replaces.
 
 Each case: two requests share a pack when the fault fires; the broken step is over (every rank aborted and back, or
 killed) within ``BROKEN_BOUND_S`` and both requests are answered within ``ANSWER_BOUND_S`` (beside the time a new
@@ -49,22 +49,36 @@ class Case:
     outcome: str  # "data": PackFailed, retried in halves on the same group; "kept"/"started": the group is replaced,
     # the worker's actor kept or started anew; "stopped": rank 0 itself is stuck, the engine stops
     reason: str = ""  # what the break's reason says (a regex)
+    abort: Fault | None = None  # and the abort that follows the break does not return on this rank
 
     def __str__(self) -> str:
-        return str(self.fault).replace(" ", "-")
+        name = str(self.fault).replace(" ", "-")
+        return name if self.abort is None else f"{name}+abort-stuck-on-rank-{self.abort.rank}"
+
+    @property
+    def faults(self) -> list[Fault]:
+        return [self.fault] if self.abort is None else [self.fault, self.abort]
 
 
-def worker(point, action, outcome, reason="", block=1):
-    return Case(Fault(1, point, action, block=block), outcome, reason)
+def worker(point, action, outcome, reason="", block=1, abort=None):
+    return Case(Fault(1, point, action, block=block), outcome, reason, abort)
 
 
 def rank0(point, action, outcome, reason="", block=1):
     return Case(Fault(0, point, action, block=block), outcome, reason)
 
 
+def stuck_abort(rank: int) -> Fault:
+    """The abort of ``rank``'s communicator does not return (as ncclCommAbort with a dead peer has hung)."""
+    return Fault(rank, "abort", "freeze", hang_s=60.0)
+
+
 BOUND = r"did not finish within its bound"
 LOST = r"rank 1 was lost( in step \d+)?: \w*Actor\w*Error"  # its death reported first, or rank 0's own error
 IN_BLOCK = r"failed in step \d+ after \d+ collective\(s\), past the step's agreement: InjectedFault"
+FATAL = r"hit a CUDA-fatal error in step \d+ after \d+ collective\(s\): its process is lost: " + (
+    r"InjectedDeviceError: CUDA error"
+)
 CASES = [
     worker("before_first_collective", "raise", "data"),
     worker("before_first_collective", "hang", "kept", BOUND),
@@ -76,6 +90,13 @@ CASES = [
     worker("final_gather", "raise", "kept", "rank 1 " + IN_BLOCK),
     worker("final_gather", "hang", "kept", BOUND),
     worker("final_gather", "kill", "started", LOST),
+    # CUDA-fatal on the worker, raised (before the first collective: it leaves at the agreement with its peer, yet its
+    # process is poisoned) or surfacing at its next sync (the device wait after the gather): it is lost, replaced
+    worker("before_first_collective", "cuda_fatal", "started", "rank 1 " + FATAL),
+    worker("between_all_to_alls", "cuda_fatal", "started", "rank 1 " + FATAL),
+    worker("between_all_to_alls", "cuda_fatal_late", "started", "rank 1 " + FATAL),
+    # the worker's abort does not return within its deadline: given up, killed and replaced like a lost rank
+    worker("between_all_to_alls", "raise", "started", "rank 1 " + IN_BLOCK, abort=stuck_abort(1)),
     rank0("before_first_collective", "raise", "data"),
     rank0("before_first_collective", "hang", "kept", BOUND),
     rank0("between_all_to_alls", "raise", "kept", "rank 0 " + IN_BLOCK),
@@ -95,12 +116,12 @@ class Together(StepGate):
 LIMITS = EngineLimits(step_timeout_min_s=STEP_BOUND_S, max_active=4)
 
 
-async def serve(group: WorkerGroup, fault: Fault | None = None):
+async def serve(group: WorkerGroup, *faults: Fault):
     """The pair (with ``fault`` armed), then the next request alone, Serve's health check polled meanwhile: the
     engine, the pair's results, seconds from the pair's submit to both answers, the next request's media (None when
     the engine stopped), and what the health checks raised."""
     engine = Engine(group, LIMITS, gate=Together())
-    if fault is not None:
+    for fault in faults:
         group.arm(fault)
     unhealthy: list[str] = []
 
@@ -164,7 +185,7 @@ def matrix(tiny_checkpoint):
 def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case):
     group: WorkerGroup = matrix["group"]
     old_pid, _ = group.processes[1]
-    engine, results, answered, following, unhealthy = asyncio.run(serve(group, case.fault))
+    engine, results, answered, following, unhealthy = asyncio.run(serve(group, *case.faults))
     matrix["group"] = new = engine.group
     replaced = engine.supervisor.history
     how = f" (broken after {replaced[0].broken_after_s:.1f}, replaced in {replaced[0].seconds:.1f})" if replaced else ""
@@ -196,6 +217,44 @@ def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case)
     assert new.placement is not None and live_groups(matrix["before"]) == [new.placement.pg.id.hex()]
     (alive,) = live_workers(matrix["before"], expected=1)
     assert (alive.pid, alive.placement_group_id) == (new.processes[1][0], new.placement.pg.id.hex())
+
+
+RANK0_LOST = [
+    (Fault(0, "between_all_to_alls", "cuda_fatal", block=1), r"rank 0 " + FATAL),
+    (Fault(0, "final_gather", "cuda_fatal_late"), r"rank 0 " + FATAL),
+    # a worker breaks the step, and rank 0's own abort does not return: its communicator may still be live here
+    (
+        Fault(1, "between_all_to_alls", "raise", block=1),
+        r"rank 1 " + IN_BLOCK + r".*; rank 0's abort did not return within",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "fault, reason", RANK0_LOST, ids=["cuda_fatal-rank0", "cuda_fatal_late-rank0", "abort-stuck-rank0"]
+)
+def test_rank0_lost_stops_the_engine_retryably_fails_health_and_leaves_nothing_behind(
+    matrix, tiny_checkpoint, fault, reason
+):
+    """Rank 0 is the replica: a CUDA-fatal error there, or its own abort stuck, cannot be mended in this process. The
+    engine stops at once, every request of the pack fails with EngineStopped (503: run again on another replica, never
+    failed as its own data), health fails (Serve replaces the replica), and nothing is left behind."""
+    group: WorkerGroup = matrix["group"]
+    old_pid, _ = group.processes[1]
+    faults = [fault] if fault.rank == 0 else [fault, stuck_abort(0)]
+    engine, results, answered, _, unhealthy = asyncio.run(serve(group, *faults))
+    matrix["times"].append(f"{'+'.join(str(f).replace(' ', '-') for f in faults)} {answered:.1f}")
+    assert answered < ANSWER_BOUND_S, answered
+    for result in results:
+        assert isinstance(result, EngineStopped), result
+        assert re.search(r"SP worker group failed: " + reason, str(result)), result
+    assert engine.stats.failed_requests == {"worker_group": 2}  # never "error": not the requests' data
+    with pytest.raises(EngineStopped):  # Serve sees it, and replaces the replica
+        engine.check_health()
+    group.shutdown()  # what the replica's teardown does
+    assert gone(old_pid) and not live_workers(matrix["before"], expected=0) and not live_groups(matrix["before"])
+    matrix["group"] = fresh = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=COLLECTIVE_TIMEOUT_S))
+    fresh.abort_grace_s = ABORT_GRACE_S
 
 
 def test_rank0_stuck_past_the_abort_stops_the_engine_naming_the_cause_and_leaves_nothing_behind(matrix):

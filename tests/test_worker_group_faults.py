@@ -16,6 +16,7 @@ import torch
 
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import PackFailed, WorkerGroup, WorkerGroupBroken
+from h3serve.replicas.faults import Fault
 from h3serve.replicas.supervisor import GroupSupervisor
 from tests.harness import gone
 from tests.test_replicas import poison, request, spec
@@ -143,3 +144,23 @@ def test_a_rank_that_does_not_finish_within_the_step_bound_breaks_the_group_and_
     assert gone(pid)  # a frozen process cannot run Ray's own exit: it was killed by its id
     with pytest.raises(WorkerGroupBroken):
         pair.check_health()
+
+
+def test_a_worker_whose_communicator_does_not_come_up_fails_the_join_within_its_bound(supervised):
+    """Last in the module: the supervised group is left without a replacement. A kept worker joins the replacement's
+    rendezvous and stops before the communicator's first all-reduce: rank 0's join fails within the collective timeout
+    (never the first step), the replacement fails naming the join, and the stuck worker is killed."""
+    group = supervised.group
+    if group.broken_reason:
+        group = supervised.replace(WorkerGroupBroken(group.broken_reason, recoverable=True))
+    pid, _ = group.processes[1]
+    group.arm(Fault(1, "join", "freeze", hang_s=60.0))
+    group.mark_broken("broken by the test, to be replaced")
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupBroken, match=r"building its replacement failed: JoinFailed: rank 0: the SP group"):
+        supervised.replace(WorkerGroupBroken(group.broken_reason, recoverable=True))
+    elapsed = time.monotonic() - started
+    assert COLLECTIVE_TIMEOUT_S <= elapsed < COLLECTIVE_TIMEOUT_S + 5, elapsed
+    assert gone(pid)  # killed, not left frozen in its join
+    with pytest.raises(WorkerGroupBroken, match="building its replacement failed"):  # health fails: Serve replaces it
+        supervised.check_health()

@@ -72,7 +72,7 @@ class Engine:
             else RemoteStages(self.pipeline, self.stage_worker, remote, self.stats.handoff_bytes)
         )
         self._wake = asyncio.Event()  # the step loop: a request became ready, or the engine stops
-        self.stage_loop = StageLoop(self.requests, self.stages, self.progress, self.limits, self._wake)
+        self.stage_loop = StageLoop(self.requests, self.stages, self.progress, self.limits, self._wake, self._poisoned)
         self._task: asyncio.Task | None = None
         self._stage_task: asyncio.Task | None = None
         self._stop_reason: str | None = None
@@ -407,6 +407,21 @@ class Engine:
         self.progress.report_queue()
         self._wake.set()
         self.stage_loop.wake.set()
+
+    def _poisoned(self, why: str) -> None:
+        """A CUDA-fatal error on this process outside a step (a prepare or decode on rank 0): the process is lost. The
+        engine stops, health fails (Serve replaces the replica) and every request fails with EngineStopped, which the
+        API answers 503 (a video job runs again elsewhere): never a failure of the request's own data."""
+        reason = f"rank 0 hit a CUDA-fatal error: its process is lost: {why}"
+        logger.error("%s; this replica stops and is replaced", reason)
+        self.group.mark_broken(reason)
+        self.supervisor.failed = self.supervisor.failed or reason
+        self.stats.failed_steps += 1
+        self.progress.observe("on_failed_step", "worker_group")
+        self._stop_reason = self._stop_reason or reason
+        self._fail_all(EngineStopped(reason), "worker_group")
+        self.stage_loop.stop()
+        self._wake.set()
 
     def _fail_all(self, error: Exception, reason: str) -> None:
         for ticket in self.requests.held():

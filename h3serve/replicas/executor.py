@@ -34,6 +34,7 @@ from h3serve.pipelines.h3.packing import Pack
 from h3serve.pipelines.h3.step_cache import skipped_block_rows
 
 from .contract import EngineLimits
+from .cuda_faults import fatal
 from .progress import Ema
 from .requests import Ticket
 from .supervisor import GroupSupervisor
@@ -255,7 +256,8 @@ class Executor:
         states = [t.prepared for t in tickets]
         try:
             ((states, pack),) = await self.run_blocking(self.pipeline.packs, states)
-        except Exception as e:  # the documents do not even pack together: their data
+        except Exception as e:  # the documents do not even pack together: their data (unless the device is poisoned)
+            self._raise_if_fatal(e)
             logger.warning("requests %s do not pack together\n%s", [t.id for t in tickets], formatted(e))
             return describe(e)
         started = time.perf_counter()
@@ -267,6 +269,7 @@ class Executor:
         except WorkerGroupBroken:
             raise
         except Exception as e:
+            self._raise_if_fatal(e)
             logger.warning("requests %s: their step failed\n%s", [t.id for t in tickets], formatted(e))
             return describe(e)
         seconds = time.perf_counter() - started
@@ -277,6 +280,15 @@ class Executor:
         stats = StepStats(len(states), pack.total_rows, pack.padding_rows, skipped_block_rows(pack))
         outcome.forwards.append(Forward(tuple(tickets), tuple(errors), stats, seconds))
         return None
+
+    def _raise_if_fatal(self, error: BaseException) -> None:
+        """A CUDA-fatal error on rank 0 (packing, applying a step's output) is this process's, not the pack's data:
+        WorkerGroupBroken, not recoverable here, so the engine stops and the replica is replaced."""
+        why = fatal(error)
+        if why is not None:
+            reason = f"rank 0 hit a CUDA-fatal error: its process is lost: {why}"
+            self.group.mark_broken(reason)
+            raise WorkerGroupBroken(reason, recoverable=False) from None
 
     def _apply(
         self, states: list[RequestState], pack: Pack, out: tuple[torch.Tensor, torch.Tensor]

@@ -12,7 +12,11 @@ Points (where in a step, on the rank that holds the fault):
 - ``between_all_to_alls``: in block ``block``'s attention, after its first all-to-all and before its second (a pack
   without step caching runs four all-to-alls a block: q, k, v there and the output back);
 - ``final_gather``: just before the gather of the output rows onto rank 0;
-- ``step_cache_decision``: at a step-cache decision under Ulysses (action ``disagree`` only).
+- ``step_cache_decision``: at a step-cache decision under Ulysses (action ``disagree`` only);
+- ``join``: a worker's join, after the rendezvous and before the communicator's first all-reduce (armed on the worker
+  before a replacement it joins: a communicator that does not come up);
+- ``abort``: on the thread that aborts the rank's communicator, before the abort (action ``freeze`` only: an abort
+  that does not return).
 
 Actions:
 
@@ -23,7 +27,11 @@ Actions:
   abort does not bring it back (its process is killed and replaced);
 - ``kill``: the process exits at once (``os._exit``), as a rank lost with its node or to the OOM killer;
 - ``disagree``: this rank's own step-cache decisions are inverted before ranks agree on them (a non-deterministic
-  reduction, a NaN on one rank).
+  reduction, a NaN on one rank);
+- ``cuda_fatal``: ``InjectedDeviceError`` raised there (a ``torch.AcceleratorError``: an illegal address, a
+  device-side assert);
+- ``cuda_fatal_late``: nothing there; the same error surfaces at the rank's next sync (the device wait that ends its
+  step), as an asynchronous kernel fault does.
 """
 
 from __future__ import annotations
@@ -34,10 +42,15 @@ import os
 import threading
 from typing import Literal
 
+from .cuda_faults import InjectedDeviceError
+
 logger = logging.getLogger(__name__)
 
-Point = Literal["before_first_collective", "between_all_to_alls", "final_gather", "step_cache_decision"]
-Action = Literal["raise", "hang", "freeze", "kill", "disagree"]
+Point = Literal[
+    "before_first_collective", "between_all_to_alls", "final_gather", "step_cache_decision", "join", "abort"
+]
+Action = Literal["raise", "hang", "freeze", "kill", "disagree", "cuda_fatal", "cuda_fatal_late"]
+STEP_POINTS = ("before_first_collective", "between_all_to_alls", "final_gather")
 ALL_TO_ALLS_PER_BLOCK = 4  # q, k, v to heads, the output back to rows
 
 
@@ -58,6 +71,10 @@ class Fault:
     def __post_init__(self):
         if (self.action == "disagree") != (self.point == "step_cache_decision"):
             raise ValueError(f"action {self.action!r} does not fit point {self.point!r}")
+        if self.point == "abort" and self.action != "freeze":
+            raise ValueError(f"action {self.action!r} does not fit point 'abort' (only 'freeze')")
+        if self.action.startswith("cuda_fatal") and self.point not in STEP_POINTS:
+            raise ValueError(f"action {self.action!r} does not fit point {self.point!r}")
 
     def __str__(self) -> str:
         where = f"{self.point} of block {self.block}" if self.point == "between_all_to_alls" else self.point
@@ -72,6 +89,7 @@ class FaultInjector:
         self.armed: list[Fault] = []
         self.fired: list[Fault] = []
         self._released = threading.Event()  # set when this rank's communicator is aborted
+        self.poisoned: Fault | None = None  # a ``cuda_fatal_late`` that fired: it surfaces at the next ``sync``
 
     def arm(self, fault: Fault) -> None:
         if fault.rank != self.rank:
@@ -98,6 +116,11 @@ class FaultInjector:
         fault = self._take(point, block)
         if fault is None:
             return
+        if fault.action == "cuda_fatal":
+            raise InjectedDeviceError(f"CUDA error: an illegal memory access was encountered (injected: {fault})")
+        if fault.action == "cuda_fatal_late":
+            self.poisoned = fault  # the kernels "ran"; the fault shows at the next sync
+            return
         if fault.action == "kill":
             os._exit(17)  # no cleanup: a process lost mid-step leaves no goodbye
         if fault.action == "freeze":
@@ -107,6 +130,12 @@ class FaultInjector:
             released = self._released.wait(fault.hang_s)
             raise InjectedFault(f"injected fault: {fault} ({'released by abort' if released else 'hang timed out'})")
         raise InjectedFault(f"injected fault: {fault}")
+
+    def sync(self) -> None:
+        """A device sync point: a ``cuda_fatal_late`` that fired earlier in the step surfaces here."""
+        fault, self.poisoned = self.poisoned, None
+        if fault is not None:
+            raise InjectedDeviceError(f"CUDA error: unspecified launch failure (injected, surfacing at sync: {fault})")
 
     def decisions(self, skips: list[bool]) -> list[bool]:
         """This rank's step-cache decisions, inverted when a ``disagree`` fault is armed."""

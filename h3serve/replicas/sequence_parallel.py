@@ -12,7 +12,8 @@ before it to every rank, so all leave the step there together and nothing is lef
 all-to-alls (and step caching's gathers and decision broadcasts); the gather of the output rows onto rank 0; then
 each rank waits for its device (``finish``). Every collective is counted (``collectives``), so a rank's outcome
 says how far into the step it failed. ``abort`` ends the communicator without a collective (NCCL: in-flight kernels
-exit; gloo: the sockets close once nothing holds the group), and every later collective of this object raises.
+exit; gloo: the sockets close once nothing holds the group) on a thread with a deadline (``h3serve.replicas.nccl``),
+and every later collective of this object raises.
 """
 
 from __future__ import annotations
@@ -22,19 +23,19 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _abort_process_group  # torch 2.13: abort, world state cleared
 
 from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack
 
+from . import nccl
 from .faults import ALL_TO_ALLS_PER_BLOCK, FaultInjector
 
 logger = logging.getLogger(__name__)
 
 
-def abort_process_group() -> None:
-    """Abort this process's torch.distributed group, if any: no collective, the world state cleared for a new one."""
-    if dist.is_initialized():
-        _abort_process_group()
+def abort_process_group(deadline_s: float = nccl.ABORT_DEADLINE_S) -> bool:
+    """Abort this process's torch.distributed group, if any: no collective, the world state cleared for a new one;
+    whether the abort returned within ``deadline_s``."""
+    return nccl.abort(deadline_s)
 
 
 class GroupAborted(RuntimeError):
@@ -68,6 +69,7 @@ class UlyssesGroup:
         self.device = torch.device(device)
         self.faults = FaultInjector(rank)  # armed by tests only (``h3serve.replicas.faults``)
         self.aborted = False
+        self.abort_returned = True  # the abort (once it ran) returned within its deadline
         self.disagreements = 0  # step-cache decisions where this rank's own differed from rank 0's
         self.begin_step()
 
@@ -83,9 +85,12 @@ class UlyssesGroup:
             raise GroupAborted(f"rank {self.rank}: the communicator was aborted")
         self.collectives += 1
 
-    def send_pack(self, pack: Pack) -> None:
-        """Rank 0: the pack's tensors to every rank, as one flat buffer (its layout went ahead, through Ray)."""
-        _, flat = flatten_pack(pack)  # [nbytes] uint8 on the pack's device
+    def send_pack(self, pack: Pack, flat: torch.Tensor | None = None) -> None:
+        """Rank 0: the pack's tensors to every rank, as one flat buffer (its layout went ahead, through Ray). ``flat``:
+        ``flatten_pack(pack)``'s buffer, made before the step was launched (``WorkerGroup.forward_async``: a failure
+        to make it, an OOM, is then the pack's before any rank waits in this broadcast)."""
+        if flat is None:
+            _, flat = flatten_pack(pack)  # [nbytes] uint8 on the pack's device
         self._collective()
         dist.broadcast(flat, src=0, group=self.group)
 
@@ -128,6 +133,7 @@ class UlyssesGroup:
     def finish(self, bound_s: float) -> None:
         """Return once this rank's device has finished the step (CUDA: an event polled within ``bound_s``, so a step
         is reported finished only when its kernels are; CPU: at once, the work is done when the host returns)."""
+        self.faults.sync()  # an injected asynchronous device fault surfaces at this sync, as a real one would
         if self.device.type != "cuda":
             return
         done = torch.cuda.Event()
@@ -140,14 +146,17 @@ class UlyssesGroup:
                 raise DeviceTimeout(f"rank {self.rank}: the device did not finish the step within {bound_s:g} s")
             time.sleep(0.0002)
 
-    def abort(self) -> None:
-        """End the communicator now, without a collective (never ``destroy``, which may wait on a wedged peer). Once:
-        a later call (a shutdown after a replacement) must not end the new group this process may have joined."""
+    def abort(self, deadline_s: float = nccl.ABORT_DEADLINE_S) -> bool:
+        """End the communicator now, without a collective (never ``destroy``, which may wait on a wedged peer), on a
+        daemon thread; whether it returned within ``deadline_s`` (False: this process cannot be trusted with another
+        communicator). Once: a later call (a shutdown after a replacement) must not end the new group this process
+        may have joined."""
         if self.aborted:
-            return
+            return self.abort_returned
         self.aborted = True
         self.faults.release()
-        abort_process_group()
+        self.abort_returned = nccl.abort(deadline_s, before=lambda: self.faults.at("abort"))
+        return self.abort_returned
 
     # -- Ulysses ---------------------------------------------------------------------------
     def check_rows(self, total_rows: int) -> None:

@@ -39,6 +39,7 @@ from h3serve.pipelines.h3.pipeline import H3Pipeline
 
 from . import scheduler
 from .contract import EngineLimits
+from .cuda_faults import fatal
 from .progress import Progress
 from .requests import RequestTable, Stage, Ticket, check_rows
 
@@ -180,9 +181,18 @@ class StageLoop:
     """The stage worker's loop over the request table (``run``, one task beside the step loop)."""
 
     def __init__(
-        self, table: RequestTable, stages: Stages, progress: Progress, limits: EngineLimits, wake_step: asyncio.Event
+        self,
+        table: RequestTable,
+        stages: Stages,
+        progress: Progress,
+        limits: EngineLimits,
+        wake_step: asyncio.Event,
+        on_fatal: Callable[[str], None] | None = None,
     ):
+        """``on_fatal``: a CUDA-fatal error in a prepare or decode here (``cuda_faults.fatal``'s why): the process is
+        poisoned, so the engine stops (its requests fail retryably) rather than failing the request as its own."""
         self.table, self.stages, self.progress, self.limits = table, stages, progress, limits
+        self.on_fatal = on_fatal
         self._wake_step = wake_step  # the step loop's: a request became ready
         self.wake = asyncio.Event()  # a request waits for prepare or decode, or the engine stops
         self.draining = self.stopped = False
@@ -215,6 +225,14 @@ class StageLoop:
                     error = RuntimeError(f"request {ticket.id} failed; see the replica log")
                     self.progress.fail(ticket, error, "error")
                     self.table.drop_finished(Stage.PREPARING)
+
+    def _poisoned(self, error: BaseException) -> bool:
+        """Whether ``error`` poisoned this process (then the engine was told: it fails every request, retryably)."""
+        why = fatal(error)
+        if why is None or self.on_fatal is None:
+            return False
+        self.on_fatal(why)
+        return True
 
     def _next_to_prepare(self) -> Ticket | None:
         """The waiting request ``scheduler.admit`` names; the prepared one it evicts waits again, its state freed."""
@@ -249,6 +267,9 @@ class StageLoop:
             check_rows(self.limits, state.rows, state.text_rows)  # the estimate at submit was short (keyframes)
         except Exception as e:
             logger.warning("request %s: prepare failed", ticket.id, exc_info=True)
+            if self._poisoned(e):
+                self.table.move(ticket, Stage.DONE)
+                return
             self.progress.fail(ticket, e, "prepare")
             self.table.move(ticket, Stage.DONE)
             return
@@ -278,7 +299,8 @@ class StageLoop:
             media = await self.stages.decode(ticket)
         except Exception as e:
             logger.error("request %s: decode failed", ticket.id, exc_info=True)
-            self.progress.fail(ticket, e, "decode")
+            if not self._poisoned(e):
+                self.progress.fail(ticket, e, "decode")
             return
         finally:
             self.table.move(ticket, Stage.DONE)

@@ -53,9 +53,13 @@ class GroupSupervisor:
         started = time.monotonic()
         self.replacing_since = started
         placement, old.placement = old.placement, None  # the new group owns it from here
+        # a step that broke it aborted it already (each abort runs once); a group a health check broke is aborted here
+        aborted, aborts = old.abort()
+        if not aborted:  # rank 0's communicator may still be live in this process: no new one beside it
+            placement.release()
+            self.fail(WorkerGroupBroken(f"{broken.reason}; rank 0's abort did not return", lost=broken.lost))
         try:
-            old.abort()  # a step that broke it aborted it already; a group a health check broke is aborted here
-            lost = set(broken.lost) | self._unreachable(old, broken.lost)
+            lost = set(broken.lost) | self._stuck(aborts, old.abort_grace_s) | self._unreachable(old, broken.lost)
             for rank in sorted(lost):
                 old.kill(rank)
             kept = {rank: w for rank, w in enumerate(old.workers, start=1) if rank not in lost}
@@ -89,6 +93,18 @@ class GroupSupervisor:
         self.failed = broken.reason
         raise broken
 
+    @staticmethod
+    def _stuck(aborts: dict[int, ray.ObjectRef], grace_s: float) -> set[int]:
+        """Worker ranks whose abort did not return within its deadline: their process is given up, never kept."""
+        stuck = set()
+        for rank, ref in aborts.items():
+            try:
+                if ray.get(ref, timeout=grace_s + 2.0) is False:
+                    stuck.add(rank)
+            except Exception:
+                stuck.add(rank)
+        return stuck
+
     def _unreachable(self, group: WorkerGroup, known: frozenset[int]) -> set[int]:
         """Worker ranks (beyond ``known``) whose actors do not answer a ping: they are replaced, not kept."""
         pings = {rank: w.ping.remote() for rank, w in enumerate(group.workers, start=1) if rank not in known}
@@ -114,8 +130,8 @@ class GroupSupervisor:
                 )
             return
         if group.broken_in_step and group.broken_at is not None:
-            # the step's abort waits up to twice the grace for its ranks, then the engine starts the replacement
-            if now - group.broken_at > 2 * group.abort_grace_s + 2 * self.ping_timeout_s:
+            # the step's abort waits up to three graces (aborts, workers, rank 0), then the engine replaces the group
+            if now - group.broken_at > 3 * group.abort_grace_s + 2 * self.ping_timeout_s:
                 raise WorkerGroupBroken(f"{group.broken_reason}; no replacement started")
             return
         try:

@@ -25,7 +25,12 @@ One failure semantics (``classify``), decided by rank 0 as outcomes arrive:
   thread is stuck), which releases ranks waiting in collectives (NCCL: their kernels exit; gloo: the peer's sockets
   close); rank 0 then waits ``abort_grace_s`` for every rank's side of the step to come back and raises
   ``WorkerGroupBroken`` naming the ranks that did not (``lost``) and whether rank 0's own thread came back
-  (``recoverable``). ``h3serve.replicas.supervisor`` builds the replacement.
+  (``recoverable``). ``h3serve.replicas.supervisor`` builds the replacement;
+- a rank whose error is CUDA-fatal (``cuda_faults.fatal``: its process is poisoned) breaks the group wherever it was,
+  even at the agreement: a worker is lost (killed, replaced), rank 0 makes the group unrecoverable here.
+
+The communicator is set up and torn down by ``h3serve.replicas.nccl``: made at the join and proven by a first
+all-reduce within its bound, aborted on a thread with a deadline (a rank whose abort does not return is given up).
 
 Step caching: rank 0's per-request states live in its ``RequestState``s; each worker keeps its own
 (``step_cache.RankCaches``), the same states, kept in step by the ``CacheMirror`` each step order carries; at each
@@ -43,14 +48,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import datetime
 import gc
 import logging
 import os
 import pickle
-import random
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -58,21 +60,17 @@ from typing import Any, TypeVar
 
 import ray
 import torch
-import torch.distributed as dist
-from ray.util.placement_group import (
-    PlacementGroup,
-    get_current_placement_group,
-    placement_group,
-    remove_placement_group,
-)
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline
-from h3serve.pipelines.h3.packing import Pack, PackLayout, pack_layout
+from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack, pack_layout
 from h3serve.pipelines.h3.step_cache import CachedPack, CacheMirror, CacheMirrorWriter, RankCaches
 
+from . import nccl
 from .allocator import cuda_allocator_defaults
-from .faults import Fault
+from .cuda_faults import device_ping, fatal
+from .faults import Fault, FaultInjector
+from .placement import Placement
+from .placement import free_port as free_port  # tests pick their ports with it
 from .sequence_parallel import UlyssesGroup, abort_process_group
 from .spec import ReplicaSpec
 
@@ -135,22 +133,31 @@ class RankOutcome:
     error: str | None = None  # "Type: message" when the rank raised
     collectives: int = 0  # collectives the rank had entered in this step when it finished or raised
     together: bool = False  # it left at the step's agreement, as every rank did
+    fatal: str | None = None  # its error poisoned its process (``cuda_faults.fatal``): the rank is lost wherever it was
 
     @classmethod
     def of(cls, rank: int, step: int, error: BaseException | None, sp: UlyssesGroup | None) -> RankOutcome:
         collectives, together = (sp.collectives, sp.left_together) if sp is not None else (0, False)
-        return cls(rank, step, None if error is None else describe(error), collectives, together)
+        if error is None:
+            return cls(rank, step, None, collectives, together)
+        return cls(rank, step, describe(error), collectives, together, fatal(error))
 
     @property
     def breaks_group(self) -> bool:
-        """It raised somewhere its peers may still be in (or about to enter) a collective."""
-        return self.error is not None and not self.together
+        """It raised somewhere its peers may still be in (or about to enter) a collective, or its process is
+        poisoned (even where every rank left together: its next step would fail too, whatever the data)."""
+        return self.error is not None and (not self.together or self.fatal is not None)
 
 
 def broken_by(outcome: RankOutcome) -> str | None:
     """Why ``outcome`` breaks the group (None: it finished, or left at the agreement with every rank)."""
     if not outcome.breaks_group:
         return None
+    if outcome.fatal is not None:
+        return (
+            f"rank {outcome.rank} hit a CUDA-fatal error in step {outcome.step} after {outcome.collectives} "
+            f"collective(s): its process is lost: {outcome.fatal}"
+        )
     return (
         f"rank {outcome.rank} failed in step {outcome.step} after {outcome.collectives} collective(s), "
         f"past the step's agreement: {outcome.error}"
@@ -170,44 +177,6 @@ class StepOrder:
     def nbytes(self) -> int:
         """Its size as Ray's serializer sends it (pickle protocol 5; no out-of-band buffers: it holds no tensor)."""
         return len(pickle.dumps(self, protocol=5))
-
-
-@dataclasses.dataclass
-class Placement:
-    """Where ranks 1..W-1 run: bundles ``first``.. of ``pg`` (the replica's own, or one this group reserved)."""
-
-    pg: PlacementGroup
-    owned: bool  # reserved by this group (outside Serve): removed with it
-    first: int  # the bundle of rank 1
-
-    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.first + rank - 1)
-
-    def bundle(self, rank: int) -> dict[str, float]:
-        return self.pg.bundle_specs[self.first + rank - 1]
-
-    @classmethod
-    def reserve(cls, spec: ReplicaSpec, timeout_s: float) -> Placement:
-        """The replica's placement group (rank i -> bundle i), or one reserved for ranks 1..W-1."""
-        pg = get_current_placement_group()
-        if pg is not None:
-            if len(pg.bundle_specs) < spec.sp_degree:
-                raise ValueError(
-                    f"sp_degree={spec.sp_degree} needs {spec.sp_degree} placement group bundles, "
-                    f"the replica has {len(pg.bundle_specs)}"
-                )
-            return cls(pg, False, 1)
-        pg = placement_group([dict(spec.rank_resources)] * (spec.sp_degree - 1), strategy="PACK")
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except BaseException:
-            remove_placement_group(pg)  # never leave a reservation behind
-            raise
-        return cls(pg, True, 0)
-
-    def release(self) -> None:
-        if self.owned:
-            remove_placement_group(self.pg)
 
 
 def _load_kwargs(spec: ReplicaSpec) -> dict:
@@ -233,39 +202,20 @@ def build_worker(spec: ReplicaSpec) -> H3Denoiser:
     return H3Denoiser.load(spec.checkpoint, spec.resolution.backend, **_load_kwargs(spec))
 
 
-FREE_PORTS = range(20000, 32768)  # below Linux's ephemeral range (32768-60999), above Ray's worker ports (10002-19999)
-
-
-def free_port() -> int:
-    """A port free now, for a listener started a moment later (a TCPStore, an HTTP server). Not ``bind(0)``: that
-    draws from the ephemeral range, where every connection and ``bind(0)`` of the processes starting meanwhile draw
-    too, so the port can be gone by the time it is bound (a test run saw it)."""
-    for port in random.sample(FREE_PORTS, 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
-
-
-def init_distributed(spec: ReplicaSpec, rank: int, master: str) -> UlyssesGroup:
-    abort_process_group()  # a previous group in this process: aborted (a destroy may wait on a wedged peer)
+def init_distributed(
+    spec: ReplicaSpec, rank: int, master: str, before_first_collective: Callable[[], None] | None = None
+) -> UlyssesGroup:
+    """Join the SP group at ``master``, its communicator up and proven by a first all-reduce within
+    ``collective_timeout_s`` (``nccl.join``; JoinFailed otherwise)."""
+    if not abort_process_group():  # a previous group in this process (a destroy may wait on a wedged peer)
+        raise nccl.AbortTimedOut(f"rank {rank}: the previous communicator's abort did not return")
     device = torch.device("cpu")
     if spec.device == "cuda":
         torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU as device 0
         device = torch.device("cuda", 0)
-        # A collective past the timeout aborts its communicator and raises, instead of tearing the process down
-        # (torch's default, 3): rank 0 is the replica, and the step bound normally aborts long before this.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    dist.init_process_group(
-        "nccl" if spec.device == "cuda" else "gloo",
-        init_method=f"tcp://{master}",
-        rank=rank,
-        world_size=spec.sp_degree,
-        timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
-    )
+        nccl.nccl_environment(spec.collective_timeout_s, nccl.ABORT_DEADLINE_S)
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    nccl.join(backend, master, rank, spec.sp_degree, spec.collective_timeout_s, device, before_first_collective)
     return UlyssesGroup(spec.sp_degree, rank, spec.num_heads, device=device)
 
 
@@ -281,6 +231,7 @@ class SPWorker:
         self.sp: UlyssesGroup | None = None
         self.master: str | None = None  # the rendezvous of ``sp``: names the communicator an abort is meant for
         self.step_caches = RankCaches()  # this rank's copy of each caching request's state, by key
+        self.join_faults = FaultInjector(rank)  # tests only: faults armed for this process's next join
 
     @ray.method(concurrency_group="step")
     def build(self) -> str:
@@ -291,7 +242,7 @@ class SPWorker:
     def join(self, master: str) -> tuple[int, str]:
         """Rendezvous on a new communicator (after a replacement too: the states of the old group's caches go);
         this rank's process id and node."""
-        self.sp = init_distributed(self.spec, self.rank, master)
+        self.sp = init_distributed(self.spec, self.rank, master, lambda: self.join_faults.at("join"))
         self.master = master
         self.step_caches = RankCaches()
         return os.getpid(), ray.util.get_node_ip_address()
@@ -332,20 +283,30 @@ class SPWorker:
         return {key: list(state.skipped) for key, state in self.step_caches.documents.items()}
 
     @ray.method(concurrency_group="control")
-    def ping(self) -> int:
+    def ping(self, timeout_s: float = 2.0) -> int:
+        """This rank, once a one-element kernel ran on its device within ``timeout_s`` (a poisoned or wedged device
+        fails here, not only a dead process)."""
+        device = self.sp.device if self.sp is not None else torch.device("cpu")
+        device_ping(device, timeout_s)
         return self.rank
 
     @ray.method(concurrency_group="control")
-    def abort(self, master: str) -> None:
+    def abort(self, master: str, deadline_s: float = nccl.ABORT_DEADLINE_S) -> bool:
         """Abort this rank's communicator of the rendezvous at ``master`` (no collective): a step stuck in one of its
-        collectives is released. A late call for an older communicator leaves the current one alone."""
+        collectives is released. A late call for an older communicator leaves the current one alone. False when the
+        abort did not return within ``deadline_s``: this process is given up (killed and replaced)."""
+        returned = True
         if self.sp is not None and self.master == master:
-            self.sp.abort()
+            returned = self.sp.abort(deadline_s)
         gc.collect()  # a gloo group nothing holds any more closes its sockets: the peers stuck on them are released
+        return returned
 
     @ray.method(concurrency_group="control")
     def arm(self, fault: Fault) -> None:
         """Tests only (``h3serve.replicas.faults``): arm ``fault`` on this rank's current communicator."""
+        if fault.point == "join":  # for the next communicator this process joins
+            self.join_faults.arm(fault)
+            return
         assert self.sp is not None, "join() first"
         self.sp.faults.arm(fault)
 
@@ -467,9 +428,12 @@ class WorkerGroup:
         order = StepOrder(self.steps, pack_layout(pack), mirror, bound_s)
         return [w.forward.remote(order) for w in self.workers]
 
-    def forward_rank0(self, pack: Pack, bound_s: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank 0's share of the launched step: broadcast the pack, run its rows, gather every rank's output, wait for
-        the device. Raises whatever it raised (``forward_async`` classifies it)."""
+    def forward_rank0(
+        self, pack: Pack, bound_s: float | None = None, flat: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's share of the launched step: broadcast the pack (``flat``: its buffer, made before the launch; None:
+        made here), run its rows, gather every rank's output, wait for the device. Raises whatever it raised
+        (``forward_async`` classifies it)."""
         sp = self.sp
         if sp is None:
             out = self.pipeline.denoiser.forward(pack)
@@ -479,7 +443,7 @@ class WorkerGroup:
                 sp.faults.at("before_first_collective")
             except Exception as e:  # carried to the agreement, where every rank leaves the step with it
                 sp.early_error = e
-            sp.send_pack(pack)
+            sp.send_pack(pack, flat)
             out = self.pipeline.denoiser.forward(pack, sp)
             sp.finish(self.default_bound_s if bound_s is None else bound_s)
         assert out is not None  # rank 0 gathers every rank's rows
@@ -491,20 +455,37 @@ class WorkerGroup:
         """One step with rank 0 on ``run_blocking`` (the engine's model thread), every wait within ``bound_s``.
         Raises PackFailed (the pack's data, on every rank alike) or WorkerGroupBroken (communicators aborted)."""
         started = time.monotonic()
+        flat = None
+        if self.workers:  # the broadcast's second copy of the pack, before any rank waits in it: an OOM is the pack's
+            try:
+                _, flat = await run_blocking(flatten_pack, pack)
+            except Exception as e:
+                raise self._rank0_failed(self.steps + 1, e) from None
         refs = self.launch(pack, bound_s)
         step = self.steps
-        local: asyncio.Future = asyncio.ensure_future(run_blocking(self.forward_rank0, pack, bound_s))
-        if not refs:  # one rank: no collective, so nothing to bound but the stall watchdog; any error is the data's
+        local: asyncio.Future = asyncio.ensure_future(run_blocking(self.forward_rank0, pack, bound_s, flat))
+        del flat  # rank 0's thread holds it for the broadcast only
+        if not refs:  # one rank: no collective, so nothing to bound but the stall watchdog
             try:
                 return await local
             except Exception as e:
-                logger.warning("rank 0: step %d failed\n%s", step, formatted(e))
-                raise PackFailed({0: describe(e)}) from None
+                raise self._rank0_failed(step, e) from None
         self.stepping = True
         try:
             return await self._await_step(step, started, bound_s, local, refs)
         finally:
             self.stepping = False
+
+    def _rank0_failed(self, step: int, error: BaseException) -> PackFailed | WorkerGroupBroken:
+        """Rank 0's error where no peer waits on it: the pack's data (PackFailed), or, CUDA-fatal, this process's:
+        WorkerGroupBroken, not recoverable here (the replica is replaced; its requests run again elsewhere)."""
+        logger.warning("rank 0: step %d failed\n%s", step, formatted(error))
+        why = fatal(error)
+        if why is None:
+            return PackFailed({0: describe(error)})
+        reason = f"rank 0 hit a CUDA-fatal error in step {step}: its process is lost: {why}"
+        self.mark_broken(reason)
+        return WorkerGroupBroken(reason, recoverable=False)
 
     async def _await_step(
         self, step: int, started: float, bound_s: float, local: asyncio.Future, refs: list[ray.ObjectRef]
@@ -535,7 +516,8 @@ class WorkerGroup:
                 outcomes[outcome.rank] = outcome
                 reason = reason or broken_by(outcome)
         if reason is not None:
-            broken = await self._break(reason, local, workers)
+            fatal_ranks = frozenset(o.rank for o in outcomes.values() if o.fatal is not None)
+            broken = await self._break(reason, local, workers, fatal_ranks)
             broken.after_s = time.monotonic() - started
             raise broken
         errors = {o.rank: o.error for o in outcomes.values() if o.error is not None}
@@ -544,31 +526,52 @@ class WorkerGroup:
             raise PackFailed(errors)
         return local.result()
 
-    async def _break(self, reason: str, local: asyncio.Future, workers: dict[asyncio.Future, int]) -> WorkerGroupBroken:
-        """Abort every rank's communicator, then wait for every rank's side of the step to come back: the workers'
-        within ``abort_grace_s`` (one that does not is killed: a dead peer's sockets close, which is what releases
-        rank 0 from a gloo collective), then rank 0's within ``abort_grace_s`` more. The error says who did not."""
+    async def _break(
+        self,
+        reason: str,
+        local: asyncio.Future,
+        workers: dict[asyncio.Future, int],
+        fatal_ranks: frozenset[int] = frozenset(),
+    ) -> WorkerGroupBroken:
+        """Abort every rank's communicator (each on a thread with a deadline), then wait for every rank's side of the
+        step to come back: the workers' within ``abort_grace_s`` (one that does not, whose abort did not return, or
+        whose process a CUDA-fatal error poisoned (``fatal_ranks``) is killed: a dead peer's sockets close, which is
+        what releases rank 0 from a gloo collective), then rank 0's within ``abort_grace_s`` more. Not recoverable
+        here when rank 0's own abort did not return or rank 0 is poisoned. The error says who did not come back."""
         self.broken_in_step = True  # first: a health check from now on knows the break is being handled
         self.mark_broken(reason)
-        await asyncio.get_running_loop().run_in_executor(None, self.abort)  # its gc.collect stays off the loop
+        aborted, aborts = await asyncio.get_running_loop().run_in_executor(None, self.abort)  # gc.collect: off the loop
         done: set[asyncio.Future] = set()
         if workers:
             done, _ = await asyncio.wait(workers, timeout=self.abort_grace_s)
-        lost = frozenset(rank for f, rank in workers.items() if f not in done or f.exception() is not None)
+        lost = {rank for f, rank in workers.items() if f not in done or f.exception() is not None}
+        lost |= {rank for rank in fatal_ranks if rank}
         died = [
             f"rank {rank} was lost: {describe(e)}" for f, rank in workers.items() if f in done and (e := f.exception())
         ]
         if died and "was lost" not in reason:  # what the others saw of it came first: name the cause too
             reason = "; ".join([reason, *died])
         for rank in sorted(lost):
-            logger.error("rank %d did not come back from step %d after the abort: killed", rank, self.steps)
+            logger.error(
+                "rank %d did not come back from step %d after the abort, or is poisoned: killed", rank, self.steps
+            )
             self.kill(rank)
-        back, _ = await asyncio.wait([local], timeout=self.abort_grace_s)
+        # the ranks whose step came back: each one's abort, bounded on its side by the grace, must have returned too
+        stuck = await _stuck_aborts({r: ref for r, ref in aborts.items() if r not in lost}, self.abort_grace_s)
+        for rank in sorted(stuck):
+            logger.error("rank %d's abort did not return within %g s: killed", rank, self.abort_grace_s)
+            self.kill(rank)
+        lost |= stuck
+        back: set[asyncio.Future] = set()
+        if aborted and 0 not in fatal_ranks:
+            back, _ = await asyncio.wait([local], timeout=self.abort_grace_s)
         for future in [local, *workers]:
             future.add_done_callback(_consume)
-        if not back:
+        if not aborted:
+            reason = f"{reason}; rank 0's abort did not return within {self.abort_grace_s:g} s"
+        elif not back and 0 not in fatal_ranks:
             logger.error("rank 0's side of step %d did not come back after the abort", self.steps)
-        return WorkerGroupBroken(reason, recoverable=bool(back), lost=lost)
+        return WorkerGroupBroken(reason, recoverable=bool(back), lost=frozenset(lost))
 
     def __call__(self, pack: Pack, bound_s: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step, blocking (the pipeline's forward, warm-up, tests): ``forward_async`` with rank 0 on a thread of
@@ -578,8 +581,7 @@ class WorkerGroup:
             try:
                 return self.forward_rank0(pack)
             except Exception as e:
-                logger.warning("rank 0: step failed\n%s", formatted(e))
-                raise PackFailed({0: describe(e)}) from None
+                raise self._rank0_failed(self.steps, e) from None
         if self._blocking is None:
             self._blocking = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-rank0")
         executor = self._blocking
@@ -590,14 +592,14 @@ class WorkerGroup:
         bound = self.default_bound_s if bound_s is None else bound_s
         return _run_sync(self.forward_async(pack, on_rank0_thread, bound))
 
-    def abort(self) -> None:
+    def abort(self) -> tuple[bool, dict[int, ray.ObjectRef]]:
         """Abort every rank's communicator without a collective: the workers' by a call on their control thread (a
-        dead one's call just fails), rank 0's here. Ranks stuck in a collective of this group are released."""
-        for w in self.workers:
-            w.abort.remote(self.master)
-        if self.sp is not None:
-            self.sp.abort()
+        dead one's call just fails), rank 0's here, each within ``abort_grace_s``. Ranks stuck in a collective of this
+        group are released. Whether rank 0's abort returned, and each worker's answer to come (False: stuck)."""
+        aborts = {rank: w.abort.remote(self.master, self.abort_grace_s) for rank, w in enumerate(self.workers, 1)}
+        returned = self.sp.abort(self.abort_grace_s) if self.sp is not None else True
         gc.collect()  # a gloo group nothing holds any more closes its sockets
+        return returned, aborts
 
     def kill(self, rank: int) -> None:
         """End worker ``rank``'s process now. Ray's kill asks the process to exit, which a frozen one never does; the
@@ -621,7 +623,7 @@ class WorkerGroup:
         kill
         itself here: rank 0 is the replica, whose death Serve handles)."""
         if fault.rank == 0:
-            if fault.action == "kill" or self.sp is None:
+            if fault.action == "kill" or fault.point == "join" or self.sp is None:
                 raise ValueError(f"cannot arm {fault} in this process")
             self.sp.faults.arm(fault)
         else:
@@ -632,10 +634,13 @@ class WorkerGroup:
         """Raise WorkerGroupBroken if any rank is gone or the group already failed (answers while a step runs)."""
         if self.broken_reason:
             raise WorkerGroupBroken(self.broken_reason)
+        # rank 0's own device: a poisoned or wedged one fails health here (DeviceUnhealthy, or the CUDA error itself),
+        # whatever the workers say, so Serve replaces the replica
+        device_ping(self.sp.device if self.sp is not None else self.pipeline.denoiser.device, timeout_s / 2)
         if not self.workers:
             return
         try:
-            ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
+            ray.get([w.ping.remote(timeout_s / 2) for w in self.workers], timeout=timeout_s)
         except Exception as e:
             self.mark_broken(f"SP worker did not answer a health check: {type(e).__name__}: {e}")
             raise WorkerGroupBroken(self.broken_reason or "") from e
@@ -663,6 +668,17 @@ def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coroutine)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # this thread's loop is busy running our caller
         return pool.submit(asyncio.run, coroutine).result()
+
+
+async def _stuck_aborts(aborts: Mapping[int, ray.ObjectRef], grace_s: float) -> set[int]:
+    """Worker ranks whose abort did not return within its deadline (it answered False), or did not answer at all."""
+    if not aborts:
+        return set()
+    futures = {asyncio.wrap_future(ref.future()): rank for rank, ref in aborts.items()}
+    done, _ = await asyncio.wait(futures, timeout=grace_s + 2.0)  # each worker bounds its own abort by grace_s
+    for future in futures:
+        future.add_done_callback(_consume)
+    return {rank for f, rank in futures.items() if f not in done or f.exception() is not None or f.result() is False}
 
 
 def _consume(future: asyncio.Future) -> None:
