@@ -306,3 +306,45 @@ def test_a_cancel_asked_on_another_replica_reaches_the_runner_at_its_next_write(
     runner.update(progress=99)  # a late heartbeat changes nothing: the record is final
     assert b.get(job_id)["progress"] == 10
     assert b.delete(job_id) and b.get(job_id) is None  # a finished job: removed at once
+
+
+def test_a_job_whose_replica_is_lost_is_queued_again_until_its_attempts_run_out(url):
+    """Each lost replica counts an attempt in the record (read by every replica) and queues the job again; at
+    max_attempts requeue says no and the runner fails it (video_jobs: code replica_lost)."""
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=3)
+    _, (a, b) = replicas(url, policy)
+    runner = a.create(video(), "req-lost")
+    job_id = runner.job_id
+    record = json.loads(MediaStore(url).get(f"{job_id}.json"))
+    assert (record["attempts"], record["max_attempts"], record["submissions"]) == (1, 3, 1)
+    for attempt in (2, 3):
+        runner.update(status="in_progress", progress=40)
+        assert runner.requeue()
+        seen = b.get(job_id)
+        assert (seen["status"], seen["progress"]) == ("queued", 0)  # the truth: it waits for a replica again
+        record = json.loads(MediaStore(url).get(f"{job_id}.json"))
+        assert (record["attempts"], record["submissions"]) == (attempt, attempt)
+    assert not runner.requeue()  # the third replica lost under it: no fourth run
+    assert json.loads(MediaStore(url).get(f"{job_id}.json"))["attempts"] == 3
+    runner.fail("replica_lost", "lost on each of its 3 attempts")
+    assert b.get(job_id)["status"] == "failed" and b.get(job_id)["error"]["code"] == "replica_lost"
+
+
+def test_the_first_final_status_wins_a_cancel_racing_completion(url):
+    """A cancel asked elsewhere does not stop a completion already on its way (the record takes the first final
+    status); a cancel after it finds the job completed and changes nothing, and one that won keeps the MP4 out."""
+    _, (a, b) = replicas(url)
+    done = a.create(video(), "req-done")
+    done.update(status="in_progress", progress=90)
+    b.request_cancel(done.job_id)
+    done.complete(b"mp4")  # final: written although a cancel is pending
+    done.cancel()  # the runner answering the cancel afterwards: the record is final
+    assert b.get(done.job_id)["status"] == "completed" and b.content(done.job_id) == b"mp4"
+    cancelled = a.create(video(), "req-cancelled")
+    cancelled.cancel()
+    cancelled.complete(b"late")  # the MP4 of a cancelled job is never stored, its record never changes
+    assert b.get(cancelled.job_id)["status"] == "cancelled" and b.content(cancelled.job_id) is None
+    failed = a.create(video(), "req-failed")
+    b.request_cancel(failed.job_id)
+    failed.fail("500", "internal error")
+    assert b.get(failed.job_id)["status"] == "failed"

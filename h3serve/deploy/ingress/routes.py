@@ -207,6 +207,7 @@ class H3Ingress:
             max_bytes=args.jobs.max_bytes,
             lease_s=args.jobs.lease_s,
             max_jobs=self.limits.max_video_jobs,
+            max_attempts=args.jobs.max_attempts,
         )
         self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
         self.generation_slots, self.generations = args.generation_slots, 0

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 FINISHED = ("completed", "failed", "cancelled")
 JOB_ID = re.compile(r"video_[0-9a-f]{32}")
 RUNNER_LOST = "runner_lost"
+REPLICA_LOST = "replica_lost"  # the job's replica was lost under it on every one of its attempts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class JobPolicy:
     max_bytes: int  # MP4 bytes kept; beyond it the oldest finished jobs go first
     lease_s: float  # an unfinished job whose record is older than this has lost its runner
     max_jobs: int  # records kept; at the limit the oldest finished go, else creating one is refused
+    max_attempts: int = 3  # runs of a job on a replica, counting those lost under it (a poison job stops here)
 
 
 def is_record(record) -> bool:
@@ -157,6 +159,8 @@ class JobStore:
             "bytes": 0,
             "request_id": request_id,
             "submissions": 1,
+            "attempts": 1,
+            "max_attempts": self.policy.max_attempts,
             "priority": priority,
         }
         runner = JobRunner(self, record)
@@ -299,10 +303,12 @@ class JobRunner:
         self.last_write = time.monotonic()
         self.gone = False
         self.stopping: str | None = None  # why the ingress cancels it: "deleted", "shutdown", "lease lost"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # complete and requeue hold it across their write
 
-    def update(self, **fields) -> None:
-        """Write the record with ``fields``; JobGone if it was deleted, LeaseLost if readers may have failed it."""
+    def update(self, final: bool = False, **fields) -> None:
+        """Write the record with ``fields``; JobGone if it was deleted, LeaseLost if readers may have failed it,
+        JobCancelled if a cancel was asked. ``final``: the job's outcome (completed, failed), written even when a
+        cancel is pending: the first final status the record takes is the truth, a later cancel finds it finished."""
         with self._lock:
             if self.record["video"]["status"] in FINISHED:
                 return  # a heartbeat that raced the result: the record is final (and may be deleted by now)
@@ -313,7 +319,7 @@ class JobRunner:
                 self.gone = True  # the tombstone stays until the sweeper sees no runner can write
                 self.jobs.store.delete(f"{self.job_id}.json", f"{self.job_id}.mp4")
                 raise JobGone(self.job_id)
-            if self.stopping != "cancelled" and self.jobs.store.exists(f"{self.job_id}.cancel"):
+            if not final and self.stopping != "cancelled" and self.jobs.store.exists(f"{self.job_id}.cancel"):
                 raise JobCancelled(self.job_id)
             self.record = {**self.record, "updated_at": self.jobs.clock(), "video": {**self.record["video"], **fields}}
             self.jobs._write(self.record)
@@ -325,19 +331,39 @@ class JobRunner:
             self.record = {**self.record, "submissions": self.record.get("submissions", 1) + 1}
         self.update()
 
+    def requeue(self) -> bool:
+        """The job's replica was lost under it (died, its worker group broke, it stopped): True and the record reads
+        queued again with one more attempt counted, or False when it has had ``max_attempts`` (the caller fails it)."""
+        with self._lock:
+            attempts = self.record.get("attempts", 1)
+            if attempts >= self.record.get("max_attempts", 1):
+                return False
+            self.record = {
+                **self.record,
+                "attempts": attempts + 1,
+                "submissions": self.record.get("submissions", 1) + 1,
+            }
+            self.update(status="queued", progress=0, queue_position=None, eta_seconds=None)
+            return True
+
     def complete(self, mp4: bytes) -> None:
-        """The MP4 first, then the record that says it is there."""
-        self.jobs.store.put(f"{self.job_id}.mp4", mp4)
-        self.record = {**self.record, "bytes": len(mp4)}
-        now = int(self.jobs.clock())
-        self.update(
-            status="completed",
-            progress=100,
-            completed_at=now,
-            expires_at=int(now + self.jobs.policy.ttl_s),
-            queue_position=None,
-            eta_seconds=None,
-        )
+        """The MP4 first, then the record that says it is there; nothing when the record is final already (a cancel
+        won the race). Under the lock throughout, so a cancel on another thread comes wholly before or after."""
+        with self._lock:
+            if self.record["video"]["status"] in FINISHED:
+                return
+            self.jobs.store.put(f"{self.job_id}.mp4", mp4)
+            self.record = {**self.record, "bytes": len(mp4)}
+            now = int(self.jobs.clock())
+            self.update(
+                final=True,
+                status="completed",
+                progress=100,
+                completed_at=now,
+                expires_at=int(now + self.jobs.policy.ttl_s),
+                queue_position=None,
+                eta_seconds=None,
+            )
 
     def cancel(self) -> None:
         """Record the job cancelled (its request left the engine), then drop the cancel request if one was written."""
@@ -355,6 +381,7 @@ class JobRunner:
     def fail(self, code: str, message: str) -> None:
         now = int(self.jobs.clock())
         self.update(
+            final=True,
             status="failed",
             completed_at=now,
             expires_at=int(now + self.jobs.policy.ttl_s),

@@ -19,7 +19,16 @@ from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
 from h3serve.deploy.jobs.events import TERMINAL, JobEvents, event_data
-from h3serve.deploy.jobs.store import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
+from h3serve.deploy.jobs.store import (
+    FINISHED,
+    REPLICA_LOST,
+    RUNNER_LOST,
+    JobCancelled,
+    JobGone,
+    JobRunner,
+    JobStore,
+    LeaseLost,
+)
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import DeadlineExceeded, EngineDraining
 
@@ -30,6 +39,28 @@ JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 # replaced), backing off as RESUBMIT says, for at most its for_s; then it fails (503).
 RETRYABLE = QUEUE_FULL + UNAVAILABLE
 RESUBMIT = Backoff(first_s=0.5, max_s=5.0, for_s=600.0)
+# A replica lost under a job it had accepted (its process died or was killed, its worker group broke, it stopped or
+# Serve replaced it as unhealthy, a stage's replicas kept dying): the job is queued again, up to its record's
+# max_attempts (a job that kills every replica it runs on stops there).
+LOST = UNAVAILABLE
+
+
+def lost_cause(error: BaseException) -> str:
+    """Why a job's replica was lost, for its ``requeued`` event and its error: the exception's class, never its text
+    (a remote traceback, actor names)."""
+    return type(root_cause(error)).__name__
+
+
+class ReplicaLost(RuntimeError):
+    """A job's replica was lost under it on every one of its attempts (failed with code ``replica_lost``)."""
+
+
+def not_cancellable(video: dict) -> APIError:
+    return APIError(
+        409,
+        f"video {video['id']} is {video['status']}: only a queued or in_progress job can be cancelled",
+        "video_id",
+    )
 
 
 def rounded(seconds: float | None) -> float | None:
@@ -145,25 +176,26 @@ class VideoJobs:
         if video is None:
             return None
         if video["status"] in FINISHED:
-            raise APIError(
-                409,
-                f"video {video_id} is {video['status']}: only a queued or in_progress job can be cancelled",
-                "video_id",
-            )
+            raise not_cancellable(video)
         task, runner = self.tasks.get(video_id), self.runners.get(video_id)
         if task is not None and runner is not None:
             runner.stopping = "cancelled"
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return runner.record["video"]
-        await self._io(self.store.request_cancel, video_id)
-        give_up = time.monotonic() + self.store.policy.lease_s
-        while time.monotonic() < give_up:
-            video = await self.get(video_id)
-            if video is None or video["status"] in FINISHED:
-                return video
-            await asyncio.sleep(0.25)
-        return await self.get(video_id)
+            video = runner.record["video"]
+        else:
+            await self._io(self.store.request_cancel, video_id)
+            give_up = time.monotonic() + self.store.policy.lease_s
+            while time.monotonic() < give_up:
+                video = await self.get(video_id)
+                if video is None or video["status"] in FINISHED:
+                    break
+                await asyncio.sleep(0.25)
+            else:
+                video = await self.get(video_id)
+        if video is not None and video["status"] in FINISHED and video["status"] != "cancelled":
+            raise not_cancellable(video)  # it completed (or failed) before the cancel reached it: the record's truth
+        return video
 
     # -- the sweeper -------------------------------------------------------------------------------
     def start_sweeper(self) -> None:
@@ -208,17 +240,24 @@ class VideoJobs:
                     await self._follow(runner, stream)
                     break
                 except Exception as e:
-                    if not caused_by(e, EngineDraining):
+                    if caused_by(e, EngineDraining):
+                        logger.info(
+                            "video job %s (request %s): its replica drains and handed it back unstarted; "
+                            "submitting it again",
+                            runner.job_id,
+                            request_id,
+                        )
+                        stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
+                    elif caused_by(e, LOST):
+                        stream = None
+                        await self._requeue(runner, request_id, e)
+                        stream = await self._resubmit(
+                            runner, request, request_id, deadline, priority, adapter, again=False
+                        )
+                    else:
                         raise
-                    logger.info(
-                        "video job %s (request %s): its replica drains and handed it back unstarted; "
-                        "submitting it again",
-                        runner.job_id,
-                        request_id,
-                    )
-                    stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
             code = 200
-            self.events.finish(runner.job_id, "completed", runner.record["video"])
+            self._finished(runner)
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
         except JobCancelled:  # asked on another ingress replica
             code = 499
@@ -243,6 +282,9 @@ class VideoJobs:
             else:
                 self._stopped(runner, runner.stopping)
             raise
+        except ReplicaLost as e:
+            code = 503
+            await self._fail(runner, REPLICA_LOST, str(e))
         except Exception as e:
             error = http_error(e, f"video job {runner.job_id} (request {request_id})")
             code = error.status
@@ -319,12 +361,45 @@ class VideoJobs:
         self.events.publish(runner.job_id, *event_data(first))  # its place in the new replica's queue
         return stream
 
+    async def _requeue(self, runner: JobRunner, request_id: str, error: Exception) -> None:
+        """Count the lost attempt in the record and say ``requeued`` on the job's stream; ReplicaLost after the last."""
+        cause = lost_cause(error)
+        if not await self._io(runner.requeue):
+            attempts = runner.record.get("attempts", 1)
+            logger.warning(
+                "video job %s (request %s): its replica was lost (%s) on its last attempt of %d: failed",
+                runner.job_id,
+                request_id,
+                cause,
+                attempts,
+            )
+            raise ReplicaLost(
+                f"the model replica running this job was lost on each of its {attempts} attempts (the last: {cause}); "
+                "resubmit the request"
+            ) from error
+        attempt, limit = runner.record["attempts"], runner.record["max_attempts"]
+        logger.warning(
+            "video job %s (request %s): its replica was lost (%s: %s); queued again, attempt %d of %d",
+            runner.job_id,
+            request_id,
+            cause,
+            root_cause(error),
+            attempt,
+            limit,
+        )
+        self.events.publish(runner.job_id, "requeued", {"reason": cause, "attempt": attempt, "max_attempts": limit})
+
     async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
         """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""
         while True:
             await asyncio.sleep(runner.record["lease_s"] / 4)
             try:
                 await self._io(runner.update)
+            except JobCancelled:  # asked on another ingress replica: stop the job, which records it cancelled
+                logger.info("video job %s: cancel asked on another ingress", runner.job_id)
+                runner.stopping = "cancelled"
+                job.cancel()
+                return
             except (JobGone, LeaseLost) as e:
                 logger.info("video job %s stopped: %r", runner.job_id, e)
                 runner.stopping = "deleted" if isinstance(e, JobGone) else "lease lost"
@@ -337,19 +412,48 @@ class VideoJobs:
         """A progress write; a store hiccup is logged and left to the next write (the lease allows for it)."""
         try:
             await self._io(lambda: runner.update(**fields))
-        except (JobGone, LeaseLost):
+        except (JobGone, LeaseLost, JobCancelled):
             raise
         except Exception:
             logger.exception("writing video job %s failed", runner.job_id)
 
+    async def _final_write(self, fn: Callable, *args) -> None:
+        """A final record write that runs to its end even when the job's task is cancelled meanwhile (a cancel racing
+        it), so that the event stream then ends with what the record says; the cancellation is raised after."""
+        write = asyncio.ensure_future(self._io(fn, *args))
+        interrupted = False
+        while not write.done():
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                interrupted = True
+            except Exception:
+                break
+        try:
+            write.result()
+        finally:
+            if interrupted:
+                raise asyncio.CancelledError
+
+    def _finished(self, runner: JobRunner) -> None:
+        """The job's final event: its record's final status (the first one written wins a race with a cancel)."""
+        video = runner.record["video"]
+        if video["status"] in FINISHED:
+            self.events.finish(runner.job_id, video["status"], video)
+
     async def _fail(self, runner: JobRunner, code: str, message: str) -> None:
         try:
-            await self._io(runner.fail, code, message)
+            await self._final_write(runner.fail, code, message)
         except (JobGone, LeaseLost):
             pass
         except Exception:  # the lease will fail it for readers
             logger.exception("recording the failure of video job %s failed", runner.job_id)
-        self.events.finish(runner.job_id, "failed", runner.record["video"])
+        finally:
+            video = runner.record["video"]
+            if video["status"] in FINISHED:
+                self._finished(runner)
+            else:  # not written: as readers will see it once the lease runs out
+                self.events.finish(runner.job_id, "failed", {**video, "status": "failed"})
 
     def _stopped(self, runner: JobRunner, why: str | None) -> None:
         """The final event of a job stopped without a record write: deleted reads cancelled; a lost lease reads
@@ -368,12 +472,17 @@ class VideoJobs:
         """Record the job cancelled (its request has left the engine) and say so on its event stream."""
         logger.info("video job %s cancelled", runner.job_id)
         try:
-            await self._io(runner.cancel)
+            await self._final_write(runner.cancel)
         except (JobGone, LeaseLost):
             pass
         except Exception:
             logger.exception("recording the cancel of video job %s failed", runner.job_id)
-        self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
+        finally:
+            video = runner.record["video"]
+            if video["status"] in FINISHED:  # cancelled, or completed/failed when that was written first
+                self._finished(runner)
+            else:
+                self.events.finish(runner.job_id, "cancelled", {**video, "status": "cancelled"})
 
     async def close(self) -> None:
         """Serve stops this replica: fail its running jobs now rather than after their lease."""
