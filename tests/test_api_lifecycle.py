@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
@@ -301,6 +302,35 @@ def test_a_cancel_racing_completion_gives_one_answer(server):
             outcomes[record["status"]] = outcomes.get(record["status"], 0) + 1
     print(f"cancel racing completion, 16 tries: {outcomes}")
     assert sum(outcomes.values()) == 16
+
+
+def test_a_post_retried_with_its_idempotency_key_is_the_same_job(server):
+    """A client that retries POST /v1/videos (a proxy timed out) with the same Idempotency-Key gets the same job, as
+    it reads now, and no second job; the same key with another body is a 422 naming the header. Images alike."""
+    process = server.start()
+    key = {"Idempotency-Key": f"retry-{uuid.uuid4().hex}"}
+    body = {**SHORT, "prompt": f"the retried one {key['Idempotency-Key']}"}
+    with client(process.url) as http:
+        first = http.post("/v1/videos", json=body, headers=key)
+        again = http.post("/v1/videos", data={k: str(v) for k, v in body.items()}, headers=key)  # as a form this time
+        assert first.status_code == again.status_code == 200, (first.text, again.text)
+        assert again.json()["id"] == first.json()["id"]
+        assert (
+            error_of(http.post("/v1/videos", json={**body, "seed": 7}, headers=key), 422)["param"] == "Idempotency-Key"
+        )
+        assert wait_video(http, first.json()["id"], timeout=120)["status"] == "completed"
+        late = http.post("/v1/videos", json=body, headers=key).json()
+        assert late["id"] == first.json()["id"] and late["status"] == "completed"  # the job as it reads now
+        listed = http.get("/v1/videos", params={"limit": 100}).json()["data"]
+        assert [v["id"] for v in listed if v["prompt"] == body["prompt"]] == [first.json()["id"]]
+        assert error_of(http.post("/v1/videos", json=body, headers={"Idempotency-Key": "a b"}), 400)["param"] == (
+            "Idempotency-Key"
+        )
+        image = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 2}
+        shots = [http.post("/v1/images/generations", json=image, headers=key) for _ in range(2)]
+        assert [s.status_code for s in shots] == [200, 200] and shots[0].json() == shots[1].json()
+        other = http.post("/v1/images/generations", json={**image, "seed": 1}, headers=key)
+        assert error_of(other, 422)["param"] == "Idempotency-Key"
 
 
 def test_a_finished_video_outlives_the_server_and_the_cluster(server):

@@ -146,6 +146,12 @@ class JobStoreArgs(BaseModel):
         "group broke, Serve replaced it) queues it again until it has had this many; then it fails with code "
         "replica_lost",
     )
+    idempotency_window_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="a POST with an Idempotency-Key answers its retries (same key, same body) with the first "
+        "request's answer (a video: the same job) for this long",
+    )
 
 
 class StageDeploymentArgs(BaseModel):

@@ -208,6 +208,7 @@ class H3Ingress:
             lease_s=args.jobs.lease_s,
             max_jobs=self.limits.max_video_jobs,
             max_attempts=args.jobs.max_attempts,
+            idempotency_window_s=args.jobs.idempotency_window_s,
         )
         self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
         self.generation_slots, self.generations = args.generation_slots, 0
@@ -341,6 +342,13 @@ class H3Ingress:
     @route("/v1/images/generations")
     async def images(self, request: Request):
         body = await self._parse(request, ImagesBody)
+        async with self.videos.idempotent(request.headers, "images", body) as once:
+            if once.replay is not None:
+                return once.replay
+            once.response = await self._images(request, body)
+        return once.response
+
+    async def _images(self, request: Request, body: ImagesBody) -> dict:
         adapter = self._adapter(request, body)
         base = self._fields(body, adapter)
         self._deadline_s(request, body.timeout_s)  # 504 before anything runs when it already passed
@@ -399,6 +407,13 @@ class H3Ingress:
     @route("/v1/videos")
     async def create_video(self, request: Request):
         body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
+        async with self.videos.idempotent(request.headers, "videos", body) as once:
+            if once.replay is not None:  # a retry: the same job, as it reads now
+                return await self.videos.get(once.replay["id"]) or once.replay
+            once.response = await self._create_video(request, body)
+        return once.response
+
+    async def _create_video(self, request: Request, body: VideosBody) -> dict:
         cold = await self._scaled_to_zero()  # then the job is accepted now, and runs once a replica serves
         if cold and self._rules is None:
             assert self.cold is not None

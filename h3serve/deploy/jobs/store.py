@@ -38,6 +38,7 @@ class JobPolicy:
     lease_s: float  # an unfinished job whose record is older than this has lost its runner
     max_jobs: int  # records kept; at the limit the oldest finished go, else creating one is refused
     max_attempts: int = 3  # runs of a job on a replica, counting those lost under it (a poison job stops here)
+    idempotency_window_s: float = 86400.0  # an Idempotency-Key answers its retries this long (idempotency.py)
 
 
 def is_record(record) -> bool:

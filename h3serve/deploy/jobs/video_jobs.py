@@ -19,6 +19,7 @@ from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
 from h3serve.deploy.jobs.events import TERMINAL, JobEvents, event_data
+from h3serve.deploy.jobs.idempotency import Idempotency
 from h3serve.deploy.jobs.store import (
     FINISHED,
     REPLICA_LOST,
@@ -80,12 +81,17 @@ class VideoJobs:
         self.tasks: dict[str, asyncio.Task] = {}  # video id -> its job, for the jobs this replica runs
         self.runners: dict[str, JobRunner] = {}
         self.events = JobEvents()  # the event logs of the jobs this replica runs
+        self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
 
     async def _io(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
     # -- what the routes ask ---------------------------------------------------------------------
+    def idempotent(self, headers, route: str, body):
+        """Around a POST: its Idempotency-Key's replay, or its answer kept for the retries (``idempotency``)."""
+        return self.keys.use(self._io, headers, route, body)
+
     async def submit(
         self,
         video: dict,
@@ -211,6 +217,7 @@ class VideoJobs:
     async def sweep_once(self) -> None:
         try:
             await self._io(self.store.sweep)
+            await self._io(self.keys.sweep)
         except Exception:
             logger.exception("sweeping the video job store failed; the next sweep retries")
 

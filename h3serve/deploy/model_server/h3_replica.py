@@ -193,6 +193,17 @@ class DrainWatch:
         return states.get(self.replica_id) == "STOPPING"  # a str enum: equal to its value
 
 
+def unique_id(request_id: str | None, serving: dict) -> str | None:
+    """The id a request is served under: the ingress's, or (when a request with that id is still here, e.g. two
+    clients sent one X-Request-Id) that id with a suffix, so neither replaces the other's ticket."""
+    if request_id is None or request_id not in serving:
+        return request_id
+    n = 2
+    while f"{request_id}~{n}" in serving:
+        n += 1
+    return f"{request_id}~{n}"
+
+
 class H3Replica:
     """One SP worker group and its engine (the builder makes it a Serve deployment with ``deployment_options``)."""
 
@@ -411,7 +422,7 @@ class H3Replica:
         output: str | None = None,
     ) -> Ticket:
         # the engine logs it with its id; a priority out of range is its RequestError("priority") (HTTP 400)
-        ticket = self.engine.submit(request, request_id, deadline_s, priority, adapter, output)
+        ticket = self.engine.submit(request, unique_id(request_id, self.tickets), deadline_s, priority, adapter, output)
         self.tickets[ticket.id] = ticket
         return ticket
 
