@@ -387,9 +387,10 @@ class H3Ingress:
         """Image i's PNG; one a draining replica hands back unstarted (a scale-down) is sent again, to another."""
 
         async def generate() -> bytes:
-            deadline_s = self._deadline_s(request, body.timeout_s)
+            deadline_s = self._deadline_s(request, body.timeout_s)  # wall-clock to the replica: its wait counts
+            deadline_at = None if deadline_s is None else time.time() + deadline_s
             call = self.replica.generate_image.remote(
-                generation, f"{request.state.request_id}-{i}", deadline_s, body.priority, adapter
+                generation, f"{request.state.request_id}-{i}", None, body.priority, adapter, deadline_at=deadline_at
             )
             try:
                 return await call
@@ -601,8 +602,10 @@ class H3Ingress:
     @route("/v1/stats")
     async def stats(self, request: Request):
         """The server's own figures for the playground's live panel: one H3 replica's engine (queue, duty cycle,
-        row-step rate, cancels), this ingress's open jobs and event streams, and admission failures so far."""
-        info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+        row-step rate, cancels), this ingress's open jobs and event streams, and admission failures so far. While the
+        deployment is at zero, ``replica`` is null: asking one would start it (the playground polls this)."""
+        zero = await self._scaled_to_zero()
+        info = None if zero else await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
         try:
             log = await asyncio.wait_for(admission_recorder().decisions_log.remote(), timeout=RECORD_TIMEOUT_S)
             admission_failures: int | None = sum(1 for d in log if d.get("outcome") == "rejected")
@@ -612,7 +615,9 @@ class H3Ingress:
         return {
             "object": "stats",
             "model": self.model_name,
-            "replica": {
+            "replica": None
+            if info is None
+            else {
                 key: info[key]
                 for key in (
                     "waiting",

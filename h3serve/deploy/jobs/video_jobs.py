@@ -111,9 +111,9 @@ class VideoJobs:
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
         queued job that fails later."""
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        deadline = None if deadline_s is None else time.time() + deadline_s  # wall-clock: the replica counts it too
         if queue_now:
-            stream, first = await self._start(request, request_id, deadline_s, priority, adapter)
+            stream, first = await self._start(request, request_id, deadline, priority, adapter)
             video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
         else:  # no replica runs: queued here; its place in a replica's queue comes once one serves (_resubmit)
             stream, first = None, {"queued": True, "event": "queued"}
@@ -135,14 +135,19 @@ class VideoJobs:
         return True
 
     async def _start(
-        self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int, adapter: str | None
+        self, request: GenerationRequest, request_id: str, deadline: float | None, priority: int, adapter: str | None
     ) -> tuple[DeploymentResponseGenerator, dict]:
-        """The replica's event stream and its first event ({"queued": True, ...}), once that has arrived."""
+        """The replica's event stream and its first event ({"queued": True, ...}), once that has arrived. ``deadline``
+        (wall-clock) bounds the wait too: for a replica to start, in the router's queue."""
         stream = self.replica.options(stream=True).generate_video.remote(
-            request, request_id, deadline_s, priority, adapter
+            request, request_id, None, priority, adapter, deadline_at=deadline
         )
         try:
-            first = await stream.__anext__()
+            left = None if deadline is None else max(deadline - time.time(), 0.0)
+            first = await asyncio.wait_for(stream.__anext__(), left)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise DeadlineExceeded(f"request {request_id} passed its deadline waiting for a replica") from None
         except StopAsyncIteration:
             raise RuntimeError(f"request {request_id}: the replica's stream ended before it queued") from None
         except BaseException:
@@ -350,10 +355,9 @@ class VideoJobs:
         wait for a replica to load is the stream's first event, not a retry."""
 
         async def start():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:  # not retryable: raised as it is
+            if deadline is not None and deadline <= time.time():  # not retryable: raised as it is
                 raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
-            return await self._start(request, request_id, remaining, priority, adapter)
+            return await self._start(request, request_id, deadline, priority, adapter)
 
         def again_later(error: Exception, attempt: int, wait_s: float) -> None:
             logger.info("video job %s (request %s): no replica took it yet (%r)", runner.job_id, request_id, error)
