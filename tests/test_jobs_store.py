@@ -348,3 +348,66 @@ def test_the_first_final_status_wins_a_cancel_racing_completion(url):
     b.request_cancel(failed.job_id)
     failed.fail("500", "internal error")
     assert b.get(failed.job_id)["status"] == "failed"
+
+
+def test_a_lapsed_job_with_its_request_is_taken_over_once_and_its_old_runner_is_fenced(url):
+    """Ingress A dies mid-job: its record lapses but does not read failed while the request is stored; B and C sweep
+    at once and exactly one takes it over (epoch 2, one more attempt, queued again, the stored request handed back);
+    A's late write is refused (LeaseLost), never overwriting B's record."""
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=3)
+    clock, (a, b, c) = replicas(url, policy, n=3)
+    old = a.create(video(), "req-taken", job=b'{"request": "as stored"}')
+    old.update(status="in_progress", progress=40)
+    clock.now += policy.lease_s + 1
+    assert b.get(old.job_id)["status"] == "in_progress"  # waiting for a taker, not failed
+    assert b.takeable() == [old.job_id] == c.takeable()
+    taken = [s.take_over(old.job_id) for s in (b, c)]
+    assert taken[1] is None  # C came second
+    runner, job = taken[0]
+    assert job == b'{"request": "as stored"}'
+    record = json.loads(MediaStore(url).get(f"{old.job_id}.json"))
+    assert (record["epoch"], record["attempts"], record["video"]["status"]) == (2, 2, "queued")
+    old.last_write = time.monotonic()  # A comes back within what it thinks is its lease
+    with pytest.raises(LeaseLost):
+        old.update(progress=50)
+    runner.complete(b"mp4")
+    assert c.get(old.job_id)["status"] == "completed" and not MediaStore(url).exists(f"{old.job_id}.request")
+    assert b.takeable() == []
+
+
+def test_a_clean_stop_hands_its_job_over_and_the_attempts_bound_take_overs(url):
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=2)
+    clock, (a, b) = replicas(url, policy)
+    runner = a.create(video(), "req-handed", job=b"{}")
+    runner.hand_over()  # Serve stops ingress A: dated back past its lease
+    assert b.takeable() == [runner.job_id]  # at once, not after the lease
+    with pytest.raises(LeaseLost):
+        runner.update(progress=1)  # A writes nothing more
+    second, _ = b.take_over(runner.job_id)
+    clock.now += policy.lease_s + 1  # B dies too: its second attempt was the last
+    assert b.takeable() == [] and b.get(runner.job_id)["status"] == "failed"
+    assert b.get(runner.job_id)["error"]["code"] == RUNNER_LOST
+    unstored = a.create(video(), "req-no-request")  # without a stored request it cannot be handed over
+    with pytest.raises(LeaseLost):
+        unstored.hand_over()
+
+
+def test_a_stored_request_round_trips_with_its_uploads():
+    from h3serve.deploy.jobs.video_jobs import dump_job, load_job
+    from h3serve.pipelines.h3 import GenerationRequest, Reference
+
+    request = GenerationRequest(
+        prompt="p", first_frame=b"\x89PNG\x00\xff", references=(Reference(kind="audio", data=b"RIFF\x00"),)
+    )
+    job = load_job(dump_job(request, request_id="r", deadline=None, priority=3, adapter=None, model="m"))
+    assert job["request"] == request and (job["request_id"], job["priority"], job["model"]) == ("r", 3, "m")
+    assert b"\x89PNG" not in dump_job(request)  # JSON with base64, never pickle, in a shared store
+
+
+def test_a_cancel_asked_while_a_job_had_no_runner_ends_it_at_the_take_over(url):
+    clock, (a, b) = replicas(url)
+    runner = a.create(video(), "req-orphan", job=b"{}")
+    clock.now += POLICY.lease_s + 1  # its ingress died
+    b.request_cancel(runner.job_id)
+    assert b.take_over(runner.job_id) is None  # not run again: recorded cancelled
+    assert b.get(runner.job_id)["status"] == "cancelled" and b.takeable() == []

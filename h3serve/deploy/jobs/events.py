@@ -125,9 +125,15 @@ class JobEvents:
     def __init__(self):
         self.logs: dict[str, EventLog] = {}
 
-    def start(self, job_id: str) -> EventLog:
+    def start(self, job_id: str, after: int = 0) -> EventLog:
+        """The job's log, its ids following ``after`` (a job taken over from another ingress continues past the ids
+        that one sent, so a reader resuming with Last-Event-ID reads on)."""
         self._prune()
-        return self.logs.setdefault(job_id, EventLog())
+        log = self.logs.get(job_id)
+        if log is None or log.finished_at is not None:
+            log = self.logs[job_id] = EventLog()
+            log.last_id = after
+        return log
 
     def get(self, job_id: str) -> EventLog | None:
         return self.logs.get(job_id)

@@ -7,6 +7,8 @@ asyncio side of it. Store calls block, so they run on a thread pool.
 """
 
 import asyncio
+import base64
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
-from h3serve.deploy.jobs.events import TERMINAL, JobEvents, event_data
+from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data
 from h3serve.deploy.jobs.idempotency import Idempotency
 from h3serve.deploy.jobs.store import (
     FINISHED,
@@ -40,6 +42,9 @@ JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 # replaced), backing off as RESUBMIT says, for at most its for_s; then it fails (503).
 RETRYABLE = QUEUE_FULL + UNAVAILABLE
 RESUBMIT = Backoff(first_s=0.5, max_s=5.0, for_s=600.0)
+# A job taken over from a lost ingress numbers its events from the last id its record held plus this: more than the
+# events one record write can be behind (writes every PROGRESS_EVERY_S or heartbeat; at most a few steps and previews).
+EVENT_ID_GAP = 100
 # A replica lost under a job it had accepted (its process died or was killed, its worker group broke, it stopped or
 # Serve replaced it as unhealthy, a stage's replicas kept dying): the job is queued again, up to its record's
 # max_attempts (a job that kills every replica it runs on stops there).
@@ -54,6 +59,17 @@ def lost_cause(error: BaseException) -> str:
 
 class ReplicaLost(RuntimeError):
     """A job's replica was lost under it on every one of its attempts (failed with code ``replica_lost``)."""
+
+
+def dump_job(request: GenerationRequest, **fields) -> bytes:
+    """What another ingress needs to run a job again, as JSON (uploads in base64): no pickle in a shared store."""
+    as_json = {"request": request.model_dump(), **fields}
+    return json.dumps(as_json, default=lambda b: {"__b64__": base64.b64encode(b).decode()}).encode()
+
+
+def load_job(raw: bytes) -> dict:
+    job = json.loads(raw, object_hook=lambda d: base64.b64decode(d["__b64__"]) if d.keys() == {"__b64__"} else d)
+    return {**job, "request": GenerationRequest.model_validate(job["request"])}
 
 
 def not_cancellable(video: dict) -> APIError:
@@ -83,6 +99,7 @@ class VideoJobs:
         self.events = JobEvents()  # the event logs of the jobs this replica runs
         self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
+        self.closing = False  # Serve stops this replica: it takes nothing over any more
 
     async def _io(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
@@ -117,8 +134,11 @@ class VideoJobs:
             video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
         else:  # no replica runs: queued here; its place in a replica's queue comes once one serves (_resubmit)
             stream, first = None, {"queued": True, "event": "queued"}
+        job = dump_job(
+            request, request_id=request_id, deadline=deadline, priority=priority, adapter=adapter, model=video["model"]
+        )
         try:
-            runner = await self._io(self.store.create, video, request_id, priority)
+            runner = await self._io(self.store.create, video, request_id, priority, job)
         except BaseException:
             if stream is not None:
                 stream.cancel()
@@ -128,11 +148,55 @@ class VideoJobs:
                 stream.cancel()
             return False
         logger.info("video job %s (request %s) queued", runner.job_id, request_id)
-        self.runners[runner.job_id] = runner
-        self.events.start(runner.job_id).publish(*event_data(first))
-        job = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
-        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
+        self._follow_here(runner).publish(*event_data(first))
+        run = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
+        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(run)
         return True
+
+    def _follow_here(self, runner: JobRunner, after: int = 0) -> EventLog:
+        """Run the job's record and event log here (its record keeps the log's last id for a later take-over)."""
+        self.runners[runner.job_id] = runner
+        log = self.events.start(runner.job_id, after)
+        runner.last_event = lambda: log.last_id
+        return log
+
+    async def take_over(self) -> None:
+        """Run here the jobs whose ingress stopped writing their records (it died, or handed them over as it stopped):
+        each is queued again on a replica, with a ``requeued`` event (reason ``ingress_lost``), its log's ids going on
+        past the ones the lost ingress sent (EVENT_ID_GAP: those it sent after its last record write are unknown)."""
+        for job_id in await self._io(self.store.takeable):
+            if job_id in self.tasks or self.closing:
+                continue
+            try:
+                taken = await self._io(self.store.take_over, job_id)
+            except (JobGone, LeaseLost, JobCancelled) as e:  # deleted or cancelled meanwhile: its next reader sees it
+                logger.info("video job %s not taken over: %r", job_id, e)
+                continue
+            if taken is None:
+                continue  # another ingress took it first
+            runner, raw = taken
+            try:
+                job = load_job(raw)
+            except Exception:
+                logger.exception("video job %s: its stored request cannot be read; failed", job_id)
+                await self._io(
+                    runner.fail, RUNNER_LOST, "the server running this job stopped and it could not be resumed"
+                )
+                continue
+            log = self._follow_here(runner, runner.record.get("event_id", 0) + EVENT_ID_GAP)
+            attempt, limit = runner.record["attempts"], runner.record["max_attempts"]
+            log.publish("requeued", {"reason": "ingress_lost", "attempt": attempt, "max_attempts": limit})
+            run = self._run(
+                runner,
+                job["request"],
+                job["request_id"],
+                job["deadline"],
+                job["priority"],
+                None,
+                job["adapter"],
+                job["model"],
+            )
+            self.tasks[job_id] = asyncio.get_running_loop().create_task(run)
 
     async def _start(
         self, request: GenerationRequest, request_id: str, deadline: float | None, priority: int, adapter: str | None
@@ -211,7 +275,7 @@ class VideoJobs:
     # -- the sweeper -------------------------------------------------------------------------------
     def start_sweeper(self) -> None:
         """TTL, byte cap and lost runners without waiting for a reader; every replica sweeps, harmlessly."""
-        if self._sweeper is None:
+        if self._sweeper is None and not self.closing:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def _sweep_forever(self) -> None:
@@ -223,6 +287,7 @@ class VideoJobs:
         try:
             await self._io(self.store.sweep)
             await self._io(self.keys.sweep)
+            await self.take_over()
         except Exception:
             logger.exception("sweeping the video job store failed; the next sweep retries")
 
@@ -290,7 +355,7 @@ class VideoJobs:
                 await self._cancelled(runner)
                 return  # this replica cancelled it on purpose: the task ends normally
             if runner.stopping == "shutdown":
-                await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
+                await self._hand_over(runner)
             else:
                 self._stopped(runner, runner.stopping)
             raise
@@ -495,14 +560,27 @@ class VideoJobs:
             else:
                 self.events.finish(runner.job_id, "cancelled", {**video, "status": "cancelled"})
 
+    async def _hand_over(self, runner: JobRunner) -> None:
+        """This ingress stops: its job's record is dated back past its lease, so another ingress (or this one's
+        successor) takes it over at its next sweep; a job that cannot run again (no stored request) fails now."""
+        try:
+            await self._final_write(runner.hand_over)
+            logger.info("video job %s handed over: another ingress takes it over", runner.job_id)
+        except LeaseLost:
+            await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
+        except Exception:
+            logger.exception("handing over video job %s failed; its lease will", runner.job_id)
+
     async def close(self) -> None:
-        """Serve stops this replica: fail its running jobs now rather than after their lease."""
+        """Serve stops this replica: hand its running jobs over to the other (or the next) ingress now rather than
+        after their lease. The sweeper stops first: it must not take back what this replica hands over."""
+        self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for video_id, task in list(self.tasks.items()):
             runner = self.runners.get(video_id)
             if runner is not None:
                 runner.stopping = "shutdown"
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         self.io.shutdown(wait=False)
