@@ -306,3 +306,108 @@ def test_a_cancel_asked_on_another_replica_reaches_the_runner_at_its_next_write(
     runner.update(progress=99)  # a late heartbeat changes nothing: the record is final
     assert b.get(job_id)["progress"] == 10
     assert b.delete(job_id) and b.get(job_id) is None  # a finished job: removed at once
+
+
+def test_a_job_whose_replica_is_lost_is_queued_again_until_its_attempts_run_out(url):
+    """Each lost replica counts an attempt in the record (read by every replica) and queues the job again; at
+    max_attempts requeue says no and the runner fails it (video_jobs: code replica_lost)."""
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=3)
+    _, (a, b) = replicas(url, policy)
+    runner = a.create(video(), "req-lost")
+    job_id = runner.job_id
+    record = json.loads(MediaStore(url).get(f"{job_id}.json"))
+    assert (record["attempts"], record["max_attempts"], record["submissions"]) == (1, 3, 1)
+    for attempt in (2, 3):
+        runner.update(status="in_progress", progress=40)
+        assert runner.requeue()
+        seen = b.get(job_id)
+        assert (seen["status"], seen["progress"]) == ("queued", 0)  # the truth: it waits for a replica again
+        record = json.loads(MediaStore(url).get(f"{job_id}.json"))
+        assert (record["attempts"], record["submissions"]) == (attempt, attempt)
+    assert not runner.requeue()  # the third replica lost under it: no fourth run
+    assert json.loads(MediaStore(url).get(f"{job_id}.json"))["attempts"] == 3
+    runner.fail("replica_lost", "lost on each of its 3 attempts")
+    assert b.get(job_id)["status"] == "failed" and b.get(job_id)["error"]["code"] == "replica_lost"
+
+
+def test_the_first_final_status_wins_a_cancel_racing_completion(url):
+    """A cancel asked elsewhere does not stop a completion already on its way (the record takes the first final
+    status); a cancel after it finds the job completed and changes nothing, and one that won keeps the MP4 out."""
+    _, (a, b) = replicas(url)
+    done = a.create(video(), "req-done")
+    done.update(status="in_progress", progress=90)
+    b.request_cancel(done.job_id)
+    done.complete(b"mp4")  # final: written although a cancel is pending
+    done.cancel()  # the runner answering the cancel afterwards: the record is final
+    assert b.get(done.job_id)["status"] == "completed" and b.content(done.job_id) == b"mp4"
+    cancelled = a.create(video(), "req-cancelled")
+    cancelled.cancel()
+    cancelled.complete(b"late")  # the MP4 of a cancelled job is never stored, its record never changes
+    assert b.get(cancelled.job_id)["status"] == "cancelled" and b.content(cancelled.job_id) is None
+    failed = a.create(video(), "req-failed")
+    b.request_cancel(failed.job_id)
+    failed.fail("500", "internal error")
+    assert b.get(failed.job_id)["status"] == "failed"
+
+
+def test_a_lapsed_job_with_its_request_is_taken_over_once_and_its_old_runner_is_fenced(url):
+    """Ingress A dies mid-job: its record lapses but does not read failed while the request is stored; B and C sweep
+    at once and exactly one takes it over (epoch 2, one more attempt, queued again, the stored request handed back);
+    A's late write is refused (LeaseLost), never overwriting B's record."""
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=3)
+    clock, (a, b, c) = replicas(url, policy, n=3)
+    old = a.create(video(), "req-taken", job=b'{"request": "as stored"}')
+    old.update(status="in_progress", progress=40)
+    clock.now += policy.lease_s + 1
+    assert b.get(old.job_id)["status"] == "in_progress"  # waiting for a taker, not failed
+    assert b.takeable() == [old.job_id] == c.takeable()
+    taken = [s.take_over(old.job_id) for s in (b, c)]
+    assert taken[1] is None  # C came second
+    runner, job = taken[0]
+    assert job == b'{"request": "as stored"}'
+    record = json.loads(MediaStore(url).get(f"{old.job_id}.json"))
+    assert (record["epoch"], record["attempts"], record["video"]["status"]) == (2, 2, "queued")
+    old.last_write = time.monotonic()  # A comes back within what it thinks is its lease
+    with pytest.raises(LeaseLost):
+        old.update(progress=50)
+    runner.complete(b"mp4")
+    assert c.get(old.job_id)["status"] == "completed" and not MediaStore(url).exists(f"{old.job_id}.request")
+    assert b.takeable() == []
+
+
+def test_a_clean_stop_hands_its_job_over_and_the_attempts_bound_take_overs(url):
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=2)
+    clock, (a, b) = replicas(url, policy)
+    runner = a.create(video(), "req-handed", job=b"{}")
+    runner.hand_over()  # Serve stops ingress A: dated back past its lease
+    assert b.takeable() == [runner.job_id]  # at once, not after the lease
+    with pytest.raises(LeaseLost):
+        runner.update(progress=1)  # A writes nothing more
+    second, _ = b.take_over(runner.job_id)
+    clock.now += policy.lease_s + 1  # B dies too: its second attempt was the last
+    assert b.takeable() == [] and b.get(runner.job_id)["status"] == "failed"
+    assert b.get(runner.job_id)["error"]["code"] == RUNNER_LOST
+    unstored = a.create(video(), "req-no-request")  # without a stored request it cannot be handed over
+    with pytest.raises(LeaseLost):
+        unstored.hand_over()
+
+
+def test_a_stored_request_round_trips_with_its_uploads():
+    from h3serve.deploy.jobs.video_jobs import dump_job, load_job
+    from h3serve.pipelines.h3 import GenerationRequest, Reference
+
+    request = GenerationRequest(
+        prompt="p", first_frame=b"\x89PNG\x00\xff", references=(Reference(kind="audio", data=b"RIFF\x00"),)
+    )
+    job = load_job(dump_job(request, request_id="r", deadline=None, priority=3, adapter=None, model="m"))
+    assert job["request"] == request and (job["request_id"], job["priority"], job["model"]) == ("r", 3, "m")
+    assert b"\x89PNG" not in dump_job(request)  # JSON with base64, never pickle, in a shared store
+
+
+def test_a_cancel_asked_while_a_job_had_no_runner_ends_it_at_the_take_over(url):
+    clock, (a, b) = replicas(url)
+    runner = a.create(video(), "req-orphan", job=b"{}")
+    clock.now += POLICY.lease_s + 1  # its ingress died
+    b.request_cancel(runner.job_id)
+    assert b.take_over(runner.job_id) is None  # not run again: recorded cancelled
+    assert b.get(runner.job_id)["status"] == "cancelled" and b.takeable() == []

@@ -9,6 +9,7 @@ themselves, the test never stops or reconfigures the server."""
 import base64
 import io
 import json
+import time
 
 import pytest
 from PIL import Image
@@ -36,12 +37,27 @@ def test_a_video_job_is_queued_while_the_first_replica_loads_and_an_image_gets_5
     with client(server.url) as http:
         health = http.get("/health")  # a liveness probe neither fails nor wakes a replica
         assert health.status_code == 200 and health.json()["replicas"] == 0, health.text
+        # nor do the reads an open playground tab polls (stats every 2 s): answered from the ingress's own state
+        for _ in range(8):
+            stats = http.get("/v1/stats")
+            assert stats.status_code == 200 and stats.json()["replica"] is None, stats.text
+            assert http.get("/v1/videos").status_code == 200 and http.get("/v1/models").status_code == 200
+            time.sleep(0.5)
+        assert not replicas(server.name), replicas(server.name)  # none started, none starting
 
         refused = http.post("/v1/images/generations", json=IMAGE)
         assert refused.status_code == 503, refused.text
         # nothing measured yet: the configured expected load time, counted down from the wake this request sent
         assert 1 <= int(refused.headers["retry-after"]) <= COLD_AUTOSCALING["expected_load_s"]
         assert "scaled to zero" in refused.json()["error"]["message"]
+
+        # timeout_s counts from arrival, the wait for the first replica included: a job that cannot start in time
+        # fails then (code timeout), not timeout_s after the replica has loaded
+        hurried = http.post("/v1/videos", json={"prompt": "in a hurry", "num_inference_steps": 3, "timeout_s": 2})
+        assert hurried.status_code == 200, hurried.text
+        late = wait_video(http, hurried.json()["id"], timeout=30)
+        assert late["status"] == "failed" and late["error"]["code"] == "timeout", late
+        assert late["completed_at"] - late["created_at"] <= 4, late  # 2 s, and whole seconds on each side
 
         accepted = http.post("/v1/videos", json={"prompt": "a red circle moving left", "num_inference_steps": 3})
         assert accepted.status_code == 200, accepted.text

@@ -139,6 +139,19 @@ class JobStoreArgs(BaseModel):
         "lease_s/4; a job not rewritten for lease_s lost its ingress (crash, restart) and reads "
         "as failed. Keep it well above clock skew between nodes and a slow store write",
     )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="runs of a video job on a model replica: a replica lost under it (its process died, its worker "
+        "group broke, Serve replaced it) queues it again until it has had this many; then it fails with code "
+        "replica_lost",
+    )
+    idempotency_window_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="a POST with an Idempotency-Key answers its retries (same key, same body) with the first "
+        "request's answer (a video: the same job) for this long",
+    )
 
 
 class StageDeploymentArgs(BaseModel):

@@ -207,6 +207,8 @@ class H3Ingress:
             max_bytes=args.jobs.max_bytes,
             lease_s=args.jobs.lease_s,
             max_jobs=self.limits.max_video_jobs,
+            max_attempts=args.jobs.max_attempts,
+            idempotency_window_s=args.jobs.idempotency_window_s,
         )
         self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
         self.generation_slots, self.generations = args.generation_slots, 0
@@ -340,6 +342,13 @@ class H3Ingress:
     @route("/v1/images/generations")
     async def images(self, request: Request):
         body = await self._parse(request, ImagesBody)
+        async with self.videos.idempotent(request.headers, "images", body) as once:
+            if once.replay is not None:
+                return once.replay
+            once.response = await self._images(request, body)
+        return once.response
+
+    async def _images(self, request: Request, body: ImagesBody) -> dict:
         adapter = self._adapter(request, body)
         base = self._fields(body, adapter)
         self._deadline_s(request, body.timeout_s)  # 504 before anything runs when it already passed
@@ -378,9 +387,10 @@ class H3Ingress:
         """Image i's PNG; one a draining replica hands back unstarted (a scale-down) is sent again, to another."""
 
         async def generate() -> bytes:
-            deadline_s = self._deadline_s(request, body.timeout_s)
+            deadline_s = self._deadline_s(request, body.timeout_s)  # wall-clock to the replica: its wait counts
+            deadline_at = None if deadline_s is None else time.time() + deadline_s
             call = self.replica.generate_image.remote(
-                generation, f"{request.state.request_id}-{i}", deadline_s, body.priority, adapter
+                generation, f"{request.state.request_id}-{i}", None, body.priority, adapter, deadline_at=deadline_at
             )
             try:
                 return await call
@@ -398,6 +408,13 @@ class H3Ingress:
     @route("/v1/videos")
     async def create_video(self, request: Request):
         body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
+        async with self.videos.idempotent(request.headers, "videos", body) as once:
+            if once.replay is not None:  # a retry: the same job, as it reads now
+                return await self.videos.get(once.replay["id"]) or once.replay
+            once.response = await self._create_video(request, body)
+        return once.response
+
+    async def _create_video(self, request: Request, body: VideosBody) -> dict:
         cold = await self._scaled_to_zero()  # then the job is accepted now, and runs once a replica serves
         if cold and self._rules is None:
             assert self.cold is not None
@@ -585,8 +602,10 @@ class H3Ingress:
     @route("/v1/stats")
     async def stats(self, request: Request):
         """The server's own figures for the playground's live panel: one H3 replica's engine (queue, duty cycle,
-        row-step rate, cancels), this ingress's open jobs and event streams, and admission failures so far."""
-        info = await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
+        row-step rate, cancels), this ingress's open jobs and event streams, and admission failures so far. While the
+        deployment is at zero, ``replica`` is null: asking one would start it (the playground polls this)."""
+        zero = await self._scaled_to_zero()
+        info = None if zero else await asyncio.wait_for(self.replica.diagnostics.remote(), timeout=10)
         try:
             log = await asyncio.wait_for(admission_recorder().decisions_log.remote(), timeout=RECORD_TIMEOUT_S)
             admission_failures: int | None = sum(1 for d in log if d.get("outcome") == "rejected")
@@ -596,7 +615,9 @@ class H3Ingress:
         return {
             "object": "stats",
             "model": self.model_name,
-            "replica": {
+            "replica": None
+            if info is None
+            else {
                 key: info[key]
                 for key in (
                     "waiting",

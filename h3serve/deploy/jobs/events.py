@@ -3,7 +3,9 @@
 The ingress that runs a job (its runner, ``video_jobs``) receives the engine's events for it through the replica's
 stream (``H3Replica.generate_video``; they come from the engine's observer) and publishes each here with the next
 id of the job's log: ``queued`` (position in its replica's queue, ``eta_s``), ``started``, ``step`` (``step`` of
-``steps``, ``eta_s``), ``preview`` (a PNG strip as a data: URL), ``decoding``, then one of ``completed``, ``failed``,
+``steps``, ``eta_s``), ``preview`` (a PNG strip as a data: URL), ``decoding``, ``requeued`` (its replica was lost
+under it: ``reason``, ``attempt`` of ``max_attempts``; ``queued``, ``started``... follow from the next replica), then
+one of ``completed``, ``failed``,
 ``cancelled`` carrying the job's video object, after which the stream ends. A reader replays what the log still
 holds after its ``Last-Event-ID`` (every event but superseded previews: the newest preview stays), then follows
 live. An idle reader waits on an ``asyncio.Event``: nothing polls, and the engine never waits for a reader.
@@ -28,7 +30,7 @@ from typing import Any
 from h3serve.deploy.common.errors import APIError
 
 TERMINAL = ("completed", "failed", "cancelled")
-KINDS = ("queued", "started", "step", "preview", "decoding", "progress", *TERMINAL)
+KINDS = ("queued", "requeued", "started", "step", "preview", "decoding", "progress", *TERMINAL)
 KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
 RETAIN_S = 300.0  # a finished job's log stays this long for late and resuming readers
 MAX_EVENTS = 512  # per job; more than a 50-step job's events, so a reader can resume from any of them
@@ -113,7 +115,7 @@ class EventLog:
                     return
             try:
                 await asyncio.wait_for(changed.wait(), keepalive_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
                 yield b": keep-alive\n\n"
 
 
@@ -123,9 +125,15 @@ class JobEvents:
     def __init__(self):
         self.logs: dict[str, EventLog] = {}
 
-    def start(self, job_id: str) -> EventLog:
+    def start(self, job_id: str, after: int = 0) -> EventLog:
+        """The job's log, its ids following ``after`` (a job taken over from another ingress continues past the ids
+        that one sent, so a reader resuming with Last-Event-ID reads on)."""
         self._prune()
-        return self.logs.setdefault(job_id, EventLog())
+        log = self.logs.get(job_id)
+        if log is None or log.finished_at is not None:
+            log = self.logs[job_id] = EventLog()
+            log.last_id = after
+        return log
 
     def get(self, job_id: str) -> EventLog | None:
         return self.logs.get(job_id)

@@ -56,6 +56,26 @@ class MediaStore:
             temp.unlink(missing_ok=True)
             raise
 
+    def put_new(self, name: str, data: bytes) -> bool:
+        """Write ``name`` only if it does not exist: True when this call created it. Exclusive on a local directory
+        (a hard link fails on an existing name); on an fsspec store a check then a write (not atomic)."""
+        path = self._path(name)
+        if self.fs is not None:
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+        temp = self.root / f".{name}.{uuid.uuid4().hex}.tmp"
+        with open(temp, "xb") as f:
+            f.write(data)
+        try:
+            os.link(temp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            temp.unlink(missing_ok=True)
+
     def get(self, name: str) -> bytes | None:
         path = self._path(name)
         try:

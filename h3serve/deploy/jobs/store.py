@@ -10,6 +10,13 @@ writes ``<id>.cancel``, which the runner sees at its next write (a progress writ
 and answers by stopping the job and recording it ``cancelled``. A sweeper on every replica applies the TTL, the
 byte cap (oldest finished first) and the job count, and clears what crashed writers left behind.
 Timestamps are wall-clock seconds: replicas' clocks must agree to well within ``lease_s``.
+
+Take-over: a job's request is stored beside its record (``<id>.request``, JSON) before it is acknowledged. A lapsed
+record with its request and attempts left does not read failed: any ingress's sweeper takes it over (``take_over``)
+by creating ``<id>.lease<epoch + 1>`` (exclusive: one ingress wins), writes the record with that epoch and runs the
+job again. Every runner write first reads the stored epoch and refuses (LeaseLost) when it is past its own, so a
+runner that lost its lease never overwrites its successor. An ingress that stops cleanly dates its jobs' records
+back past their lease (``hand_over``) so that the next sweep anywhere takes them over.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 
 from h3serve.deploy.jobs.media_store import MediaStore
 
@@ -28,6 +36,7 @@ logger = logging.getLogger(__name__)
 FINISHED = ("completed", "failed", "cancelled")
 JOB_ID = re.compile(r"video_[0-9a-f]{32}")
 RUNNER_LOST = "runner_lost"
+REPLICA_LOST = "replica_lost"  # the job's replica was lost under it on every one of its attempts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +45,8 @@ class JobPolicy:
     max_bytes: int  # MP4 bytes kept; beyond it the oldest finished jobs go first
     lease_s: float  # an unfinished job whose record is older than this has lost its runner
     max_jobs: int  # records kept; at the limit the oldest finished go, else creating one is refused
+    max_attempts: int = 3  # runs of a job on a replica, counting those lost under it (a poison job stops here)
+    idempotency_window_s: float = 86400.0  # an Idempotency-Key answers its retries this long (idempotency.py)
 
 
 def is_record(record) -> bool:
@@ -114,10 +125,22 @@ class JobStore:
     def _write(self, record: dict) -> None:
         self.store.put(f"{record['video']['id']}.json", json.dumps(record).encode())
 
+    def _lapsed(self, record: dict) -> bool:
+        return record["video"]["status"] not in FINISHED and self.clock() - record["updated_at"] > record["lease_s"]
+
+    def _takeable(self, record: dict) -> bool:
+        """A lapsed job another ingress can run again: its request is stored and it has attempts left."""
+        return (
+            self._lapsed(record)
+            and record.get("attempts", 1) < record.get("max_attempts", 1)
+            and self.store.exists(f"{record['video']['id']}.request")
+        )
+
     def _expire(self, record: dict) -> dict:
-        """An unfinished record past its lease is failed, and saved so (a finished record never changes)."""
+        """An unfinished record past its lease is failed, and saved so (a finished record never changes); one an
+        ingress can take over (``take_over``) stays as it is until one does."""
         video, now = record["video"], self.clock()
-        if video["status"] in FINISHED or now - record["updated_at"] <= record["lease_s"]:
+        if not self._lapsed(record) or self._takeable(record):
             return record
         silent = now - record["updated_at"]
         record = {
@@ -141,15 +164,20 @@ class JobStore:
         self._finished[video["id"]] = record
         return record
 
-    def create(self, video: dict, request_id: str | None = None, priority: int = 0) -> JobRunner | None:
+    def create(
+        self, video: dict, request_id: str | None = None, priority: int = 0, job: bytes | None = None
+    ) -> JobRunner | None:
         """Store a new job and return its runner; None when max_jobs unfinished jobs exist (answer 503).
 
         ``request_id`` (the HTTP request's X-Request-Id, in every log line about the job) is kept in the
         record beside the video object, with ``submissions``: how often it was sent to a replica (a draining
         replica hands back a job it never started, and the runner submits it again), and the ``priority``
-        every submission carries."""
+        every submission carries. ``job``: what another ingress needs to run it again (``video_jobs``), stored as
+        ``<id>.request`` before the record, so a job acknowledged can always be taken over."""
         if not self._make_room():
             return None
+        if job is not None:
+            self.store.put(f"{video['id']}.request", job)
         record = {
             "video": dict(video),
             "updated_at": self.clock(),
@@ -157,7 +185,11 @@ class JobStore:
             "bytes": 0,
             "request_id": request_id,
             "submissions": 1,
+            "attempts": 1,
+            "max_attempts": self.policy.max_attempts,
             "priority": priority,
+            "epoch": 1,  # the lease's fencing token: a take-over writes epoch + 1; an older runner's writes are refused
+            "event_id": 0,  # the last event id its runner had published at its last write
         }
         runner = JobRunner(self, record)
         self._write(record)
@@ -194,6 +226,47 @@ class JobStore:
         self._finished.pop(job_id, None)
         # the record first: 404 at once
         self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted", f"{job_id}.cancel")
+        self.store.delete(f"{job_id}.request", *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)))
+
+    # -- take-over -----------------------------------------------------------------------------
+    def takeable(self) -> builtins.list[str]:
+        """The jobs whose runner stopped writing (its ingress died, or handed them over on a clean stop) and that
+        can run again here."""
+        names = self.store.names()
+        present = set(names)
+        return [
+            job_id
+            for job_id, record in self._live_records(names).items()
+            if f"{job_id}.request" in present and self._takeable(record)
+        ]
+
+    def take_over(self, job_id: str) -> tuple[JobRunner, bytes] | None:
+        """Become the runner of a lapsed job: the record's epoch + 1, taken by creating ``<id>.lease<epoch>`` (one
+        ingress wins), one more attempt counted, the record queued again. None when it is not takeable (any more),
+        or another ingress took it first. Returns the runner and the stored request."""
+        record = self._read(job_id)
+        if record is None or not self._takeable(record):
+            return None
+        epoch = record.get("epoch", 1) + 1
+        if not self.store.put_new(f"{job_id}.lease{epoch}", b""):
+            return None
+        job = self.store.get(f"{job_id}.request")
+        if job is None:
+            return None
+        runner = JobRunner(self, {**record, "epoch": epoch})
+        with runner._lock:
+            runner.record = {
+                **runner.record,
+                "attempts": record.get("attempts", 1) + 1,
+                "submissions": record.get("submissions", 1) + 1,
+            }
+            try:
+                runner.update(status="queued", progress=0, queue_position=None, eta_seconds=None)
+            except JobCancelled:  # cancelled while it had no runner: that is its end
+                runner.cancel()
+                return None
+        logger.warning("video job %s: its runner stopped writing; taken over here (epoch %d)", job_id, epoch)
+        return runner, job
 
     def list(self) -> list[dict]:
         """Every live job's video object, newest first."""
@@ -274,10 +347,11 @@ class JobStore:
             self._remove(job_id)
         # an MP4 without a record: a runner died between the two writes, or a delete half-done. Its
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
-        mp4s = {mp4_id for n in names if (mp4_id := job_id_of(n, ".mp4")) is not None}
+        # a stored request without a record alike (create died between the two writes)
+        mp4s = {found for n in names for s in (".mp4", ".request") if (found := job_id_of(n, s)) is not None}
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:
-            self.store.delete(f"{job_id}.mp4")
+            self.store.delete(f"{job_id}.mp4", f"{job_id}.request")
         self._orphans = orphans - self._orphans
         self.store.remove_stale_temporaries(self.policy.lease_s)
 
@@ -297,27 +371,59 @@ class JobRunner:
         self.jobs, self.record = jobs, record
         self.job_id = record["video"]["id"]
         self.last_write = time.monotonic()
+        self.last_event: Callable[[], int] | None = None  # the id of the last event its log published
+        self.handed_over = False
         self.gone = False
         self.stopping: str | None = None  # why the ingress cancels it: "deleted", "shutdown", "lease lost"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # complete and requeue hold it across their write
 
-    def update(self, **fields) -> None:
-        """Write the record with ``fields``; JobGone if it was deleted, LeaseLost if readers may have failed it."""
+    def update(self, final: bool = False, **fields) -> None:
+        """Write the record with ``fields``; JobGone if it was deleted, LeaseLost if readers may have failed it,
+        JobCancelled if a cancel was asked. ``final``: the job's outcome (completed, failed), written even when a
+        cancel is pending: the first final status the record takes is the truth, a later cancel finds it finished."""
         with self._lock:
             if self.record["video"]["status"] in FINISHED:
                 return  # a heartbeat that raced the result: the record is final (and may be deleted by now)
             started = time.monotonic()
+            if self.handed_over:
+                raise LeaseLost(f"video job {self.job_id} was handed over to another ingress")
             if started - self.last_write > self.record["lease_s"] / 2:
                 raise LeaseLost(f"video job {self.job_id}: no heartbeat for {started - self.last_write:.0f} s")
             if self.gone or self.jobs.store.exists(f"{self.job_id}.deleted"):
                 self.gone = True  # the tombstone stays until the sweeper sees no runner can write
                 self.jobs.store.delete(f"{self.job_id}.json", f"{self.job_id}.mp4")
                 raise JobGone(self.job_id)
-            if self.stopping != "cancelled" and self.jobs.store.exists(f"{self.job_id}.cancel"):
+            if not final and self.stopping != "cancelled" and self.jobs.store.exists(f"{self.job_id}.cancel"):
                 raise JobCancelled(self.job_id)
-            self.record = {**self.record, "updated_at": self.jobs.clock(), "video": {**self.record["video"], **fields}}
+            self._fence()
+            event_id = self.last_event() if self.last_event is not None else self.record.get("event_id", 0)
+            self.record = {
+                **self.record,
+                "updated_at": self.jobs.clock(),
+                "event_id": event_id,
+                "video": {**self.record["video"], **fields},
+            }
             self.jobs._write(self.record)
             self.last_write = started
+
+    def _fence(self) -> None:
+        """LeaseLost when another ingress took the job over (the stored epoch is past this runner's): its write would
+        overwrite the new runner's record."""
+        raw = self.jobs.store.get(f"{self.job_id}.json")
+        stored = json.loads(raw).get("epoch", 1) if raw is not None else 1
+        if stored > self.record.get("epoch", 1):
+            raise LeaseLost(f"video job {self.job_id}: taken over by another ingress (epoch {stored})")
+
+    def hand_over(self) -> None:
+        """This ingress stops cleanly: date the record back past its lease so that another ingress takes the job over
+        at its next sweep, instead of failing it (only when its request is stored: else it could not run again)."""
+        with self._lock:
+            if self.record["video"]["status"] in FINISHED or not self.jobs.store.exists(f"{self.job_id}.request"):
+                raise LeaseLost(f"video job {self.job_id} cannot be handed over")
+            self._fence()
+            self.record = {**self.record, "updated_at": self.jobs.clock() - self.record["lease_s"] - 1}
+            self.jobs._write(self.record)
+            self.handed_over = True  # nothing more from this runner
 
     def resubmitted(self) -> None:
         """A replica handed the job back unstarted (it drains): count the next submission in the record."""
@@ -325,19 +431,40 @@ class JobRunner:
             self.record = {**self.record, "submissions": self.record.get("submissions", 1) + 1}
         self.update()
 
+    def requeue(self) -> bool:
+        """The job's replica was lost under it (died, its worker group broke, it stopped): True and the record reads
+        queued again with one more attempt counted, or False when it has had ``max_attempts`` (the caller fails it)."""
+        with self._lock:
+            attempts = self.record.get("attempts", 1)
+            if attempts >= self.record.get("max_attempts", 1):
+                return False
+            self.record = {
+                **self.record,
+                "attempts": attempts + 1,
+                "submissions": self.record.get("submissions", 1) + 1,
+            }
+            self.update(status="queued", progress=0, queue_position=None, eta_seconds=None)
+            return True
+
     def complete(self, mp4: bytes) -> None:
-        """The MP4 first, then the record that says it is there."""
-        self.jobs.store.put(f"{self.job_id}.mp4", mp4)
-        self.record = {**self.record, "bytes": len(mp4)}
-        now = int(self.jobs.clock())
-        self.update(
-            status="completed",
-            progress=100,
-            completed_at=now,
-            expires_at=int(now + self.jobs.policy.ttl_s),
-            queue_position=None,
-            eta_seconds=None,
-        )
+        """The MP4 first, then the record that says it is there; nothing when the record is final already (a cancel
+        won the race). Under the lock throughout, so a cancel on another thread comes wholly before or after."""
+        with self._lock:
+            if self.record["video"]["status"] in FINISHED:
+                return
+            self.jobs.store.put(f"{self.job_id}.mp4", mp4)
+            self.record = {**self.record, "bytes": len(mp4)}
+            now = int(self.jobs.clock())
+            self.update(
+                final=True,
+                status="completed",
+                progress=100,
+                completed_at=now,
+                expires_at=int(now + self.jobs.policy.ttl_s),
+                queue_position=None,
+                eta_seconds=None,
+            )
+            self.jobs.store.delete(f"{self.job_id}.request")  # final: it never runs again
 
     def cancel(self) -> None:
         """Record the job cancelled (its request left the engine), then drop the cancel request if one was written."""
@@ -350,11 +477,12 @@ class JobRunner:
             queue_position=None,
             eta_seconds=None,
         )
-        self.jobs.store.delete(f"{self.job_id}.cancel")
+        self.jobs.store.delete(f"{self.job_id}.cancel", f"{self.job_id}.request")
 
     def fail(self, code: str, message: str) -> None:
         now = int(self.jobs.clock())
         self.update(
+            final=True,
             status="failed",
             completed_at=now,
             expires_at=int(now + self.jobs.policy.ttl_s),
@@ -362,3 +490,4 @@ class JobRunner:
             queue_position=None,
             eta_seconds=None,
         )
+        self.jobs.store.delete(f"{self.job_id}.request")

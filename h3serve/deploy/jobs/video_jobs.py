@@ -7,6 +7,8 @@ asyncio side of it. Store calls block, so they run on a thread pool.
 """
 
 import asyncio
+import base64
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,8 +20,18 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
-from h3serve.deploy.jobs.events import TERMINAL, JobEvents, event_data
-from h3serve.deploy.jobs.store import FINISHED, RUNNER_LOST, JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
+from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data
+from h3serve.deploy.jobs.idempotency import Idempotency
+from h3serve.deploy.jobs.store import (
+    FINISHED,
+    REPLICA_LOST,
+    RUNNER_LOST,
+    JobCancelled,
+    JobGone,
+    JobRunner,
+    JobStore,
+    LeaseLost,
+)
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import DeadlineExceeded, EngineDraining
 
@@ -30,6 +42,42 @@ JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 # replaced), backing off as RESUBMIT says, for at most its for_s; then it fails (503).
 RETRYABLE = QUEUE_FULL + UNAVAILABLE
 RESUBMIT = Backoff(first_s=0.5, max_s=5.0, for_s=600.0)
+# A job taken over from a lost ingress numbers its events from the last id its record held plus this: more than the
+# events one record write can be behind (writes every PROGRESS_EVERY_S or heartbeat; at most a few steps and previews).
+EVENT_ID_GAP = 100
+# A replica lost under a job it had accepted (its process died or was killed, its worker group broke, it stopped or
+# Serve replaced it as unhealthy, a stage's replicas kept dying): the job is queued again, up to its record's
+# max_attempts (a job that kills every replica it runs on stops there).
+LOST = UNAVAILABLE
+
+
+def lost_cause(error: BaseException) -> str:
+    """Why a job's replica was lost, for its ``requeued`` event and its error: the exception's class, never its text
+    (a remote traceback, actor names)."""
+    return type(root_cause(error)).__name__
+
+
+class ReplicaLost(RuntimeError):
+    """A job's replica was lost under it on every one of its attempts (failed with code ``replica_lost``)."""
+
+
+def dump_job(request: GenerationRequest, **fields) -> bytes:
+    """What another ingress needs to run a job again, as JSON (uploads in base64): no pickle in a shared store."""
+    as_json = {"request": request.model_dump(), **fields}
+    return json.dumps(as_json, default=lambda b: {"__b64__": base64.b64encode(b).decode()}).encode()
+
+
+def load_job(raw: bytes) -> dict:
+    job = json.loads(raw, object_hook=lambda d: base64.b64decode(d["__b64__"]) if d.keys() == {"__b64__"} else d)
+    return {**job, "request": GenerationRequest.model_validate(job["request"])}
+
+
+def not_cancellable(video: dict) -> APIError:
+    return APIError(
+        409,
+        f"video {video['id']} is {video['status']}: only a queued or in_progress job can be cancelled",
+        "video_id",
+    )
 
 
 def rounded(seconds: float | None) -> float | None:
@@ -49,12 +97,18 @@ class VideoJobs:
         self.tasks: dict[str, asyncio.Task] = {}  # video id -> its job, for the jobs this replica runs
         self.runners: dict[str, JobRunner] = {}
         self.events = JobEvents()  # the event logs of the jobs this replica runs
+        self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
+        self.closing = False  # Serve stops this replica: it takes nothing over any more
 
     async def _io(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
     # -- what the routes ask ---------------------------------------------------------------------
+    def idempotent(self, headers, route: str, body):
+        """Around a POST: its Idempotency-Key's replay, or its answer kept for the retries (``idempotency``)."""
+        return self.keys.use(self._io, headers, route, body)
+
     async def submit(
         self,
         video: dict,
@@ -74,14 +128,17 @@ class VideoJobs:
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
         queued job that fails later."""
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        deadline = None if deadline_s is None else time.time() + deadline_s  # wall-clock: the replica counts it too
         if queue_now:
-            stream, first = await self._start(request, request_id, deadline_s, priority, adapter)
+            stream, first = await self._start(request, request_id, deadline, priority, adapter)
             video.update(queue_position=first.get("position"), eta_seconds=rounded(first.get("eta_s")))
         else:  # no replica runs: queued here; its place in a replica's queue comes once one serves (_resubmit)
             stream, first = None, {"queued": True, "event": "queued"}
+        job = dump_job(
+            request, request_id=request_id, deadline=deadline, priority=priority, adapter=adapter, model=video["model"]
+        )
         try:
-            runner = await self._io(self.store.create, video, request_id, priority)
+            runner = await self._io(self.store.create, video, request_id, priority, job)
         except BaseException:
             if stream is not None:
                 stream.cancel()
@@ -91,21 +148,70 @@ class VideoJobs:
                 stream.cancel()
             return False
         logger.info("video job %s (request %s) queued", runner.job_id, request_id)
-        self.runners[runner.job_id] = runner
-        self.events.start(runner.job_id).publish(*event_data(first))
-        job = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
-        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(job)
+        self._follow_here(runner).publish(*event_data(first))
+        run = self._run(runner, request, request_id, deadline, priority, stream, adapter, video["model"])
+        self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(run)
         return True
 
+    def _follow_here(self, runner: JobRunner, after: int = 0) -> EventLog:
+        """Run the job's record and event log here (its record keeps the log's last id for a later take-over)."""
+        self.runners[runner.job_id] = runner
+        log = self.events.start(runner.job_id, after)
+        runner.last_event = lambda: log.last_id
+        return log
+
+    async def take_over(self) -> None:
+        """Run here the jobs whose ingress stopped writing their records (it died, or handed them over as it stopped):
+        each is queued again on a replica, with a ``requeued`` event (reason ``ingress_lost``), its log's ids going on
+        past the ones the lost ingress sent (EVENT_ID_GAP: those it sent after its last record write are unknown)."""
+        for job_id in await self._io(self.store.takeable):
+            if job_id in self.tasks or self.closing:
+                continue
+            try:
+                taken = await self._io(self.store.take_over, job_id)
+            except (JobGone, LeaseLost, JobCancelled) as e:  # deleted or cancelled meanwhile: its next reader sees it
+                logger.info("video job %s not taken over: %r", job_id, e)
+                continue
+            if taken is None:
+                continue  # another ingress took it first
+            runner, raw = taken
+            try:
+                job = load_job(raw)
+            except Exception:
+                logger.exception("video job %s: its stored request cannot be read; failed", job_id)
+                await self._io(
+                    runner.fail, RUNNER_LOST, "the server running this job stopped and it could not be resumed"
+                )
+                continue
+            log = self._follow_here(runner, runner.record.get("event_id", 0) + EVENT_ID_GAP)
+            attempt, limit = runner.record["attempts"], runner.record["max_attempts"]
+            log.publish("requeued", {"reason": "ingress_lost", "attempt": attempt, "max_attempts": limit})
+            run = self._run(
+                runner,
+                job["request"],
+                job["request_id"],
+                job["deadline"],
+                job["priority"],
+                None,
+                job["adapter"],
+                job["model"],
+            )
+            self.tasks[job_id] = asyncio.get_running_loop().create_task(run)
+
     async def _start(
-        self, request: GenerationRequest, request_id: str, deadline_s: float | None, priority: int, adapter: str | None
+        self, request: GenerationRequest, request_id: str, deadline: float | None, priority: int, adapter: str | None
     ) -> tuple[DeploymentResponseGenerator, dict]:
-        """The replica's event stream and its first event ({"queued": True, ...}), once that has arrived."""
+        """The replica's event stream and its first event ({"queued": True, ...}), once that has arrived. ``deadline``
+        (wall-clock) bounds the wait too: for a replica to start, in the router's queue."""
         stream = self.replica.options(stream=True).generate_video.remote(
-            request, request_id, deadline_s, priority, adapter
+            request, request_id, None, priority, adapter, deadline_at=deadline
         )
         try:
-            first = await stream.__anext__()
+            left = None if deadline is None else max(deadline - time.time(), 0.0)
+            first = await asyncio.wait_for(stream.__anext__(), left)
+        except asyncio.TimeoutError:
+            stream.cancel()
+            raise DeadlineExceeded(f"request {request_id} passed its deadline waiting for a replica") from None
         except StopAsyncIteration:
             raise RuntimeError(f"request {request_id}: the replica's stream ended before it queued") from None
         except BaseException:
@@ -145,30 +251,31 @@ class VideoJobs:
         if video is None:
             return None
         if video["status"] in FINISHED:
-            raise APIError(
-                409,
-                f"video {video_id} is {video['status']}: only a queued or in_progress job can be cancelled",
-                "video_id",
-            )
+            raise not_cancellable(video)
         task, runner = self.tasks.get(video_id), self.runners.get(video_id)
         if task is not None and runner is not None:
             runner.stopping = "cancelled"
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return runner.record["video"]
-        await self._io(self.store.request_cancel, video_id)
-        give_up = time.monotonic() + self.store.policy.lease_s
-        while time.monotonic() < give_up:
-            video = await self.get(video_id)
-            if video is None or video["status"] in FINISHED:
-                return video
-            await asyncio.sleep(0.25)
-        return await self.get(video_id)
+            video = runner.record["video"]
+        else:
+            await self._io(self.store.request_cancel, video_id)
+            give_up = time.monotonic() + self.store.policy.lease_s
+            while time.monotonic() < give_up:
+                video = await self.get(video_id)
+                if video is None or video["status"] in FINISHED:
+                    break
+                await asyncio.sleep(0.25)
+            else:
+                video = await self.get(video_id)
+        if video is not None and video["status"] in FINISHED and video["status"] != "cancelled":
+            raise not_cancellable(video)  # it completed (or failed) before the cancel reached it: the record's truth
+        return video
 
     # -- the sweeper -------------------------------------------------------------------------------
     def start_sweeper(self) -> None:
         """TTL, byte cap and lost runners without waiting for a reader; every replica sweeps, harmlessly."""
-        if self._sweeper is None:
+        if self._sweeper is None and not self.closing:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def _sweep_forever(self) -> None:
@@ -179,6 +286,8 @@ class VideoJobs:
     async def sweep_once(self) -> None:
         try:
             await self._io(self.store.sweep)
+            await self._io(self.keys.sweep)
+            await self.take_over()
         except Exception:
             logger.exception("sweeping the video job store failed; the next sweep retries")
 
@@ -208,17 +317,24 @@ class VideoJobs:
                     await self._follow(runner, stream)
                     break
                 except Exception as e:
-                    if not caused_by(e, EngineDraining):
+                    if caused_by(e, EngineDraining):
+                        logger.info(
+                            "video job %s (request %s): its replica drains and handed it back unstarted; "
+                            "submitting it again",
+                            runner.job_id,
+                            request_id,
+                        )
+                        stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
+                    elif caused_by(e, LOST):
+                        stream = None
+                        await self._requeue(runner, request_id, e)
+                        stream = await self._resubmit(
+                            runner, request, request_id, deadline, priority, adapter, again=False
+                        )
+                    else:
                         raise
-                    logger.info(
-                        "video job %s (request %s): its replica drains and handed it back unstarted; "
-                        "submitting it again",
-                        runner.job_id,
-                        request_id,
-                    )
-                    stream = await self._resubmit(runner, request, request_id, deadline, priority, adapter)
             code = 200
-            self.events.finish(runner.job_id, "completed", runner.record["video"])
+            self._finished(runner)
             asyncio.get_running_loop().create_task(self.sweep_once())  # the byte cap, now
         except JobCancelled:  # asked on another ingress replica
             code = 499
@@ -239,10 +355,13 @@ class VideoJobs:
                 await self._cancelled(runner)
                 return  # this replica cancelled it on purpose: the task ends normally
             if runner.stopping == "shutdown":
-                await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
+                await self._hand_over(runner)
             else:
                 self._stopped(runner, runner.stopping)
             raise
+        except ReplicaLost as e:
+            code = 503
+            await self._fail(runner, REPLICA_LOST, str(e))
         except Exception as e:
             error = http_error(e, f"video job {runner.job_id} (request {request_id})")
             code = error.status
@@ -301,10 +420,9 @@ class VideoJobs:
         wait for a replica to load is the stream's first event, not a retry."""
 
         async def start():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:  # not retryable: raised as it is
+            if deadline is not None and deadline <= time.time():  # not retryable: raised as it is
                 raise DeadlineExceeded(f"request {request_id} passed its deadline while it was handed back")
-            return await self._start(request, request_id, remaining, priority, adapter)
+            return await self._start(request, request_id, deadline, priority, adapter)
 
         def again_later(error: Exception, attempt: int, wait_s: float) -> None:
             logger.info("video job %s (request %s): no replica took it yet (%r)", runner.job_id, request_id, error)
@@ -319,12 +437,45 @@ class VideoJobs:
         self.events.publish(runner.job_id, *event_data(first))  # its place in the new replica's queue
         return stream
 
+    async def _requeue(self, runner: JobRunner, request_id: str, error: Exception) -> None:
+        """Count the lost attempt in the record and say ``requeued`` on the job's stream; ReplicaLost after the last."""
+        cause = lost_cause(error)
+        if not await self._io(runner.requeue):
+            attempts = runner.record.get("attempts", 1)
+            logger.warning(
+                "video job %s (request %s): its replica was lost (%s) on its last attempt of %d: failed",
+                runner.job_id,
+                request_id,
+                cause,
+                attempts,
+            )
+            raise ReplicaLost(
+                f"the model replica running this job was lost on each of its {attempts} attempts (the last: {cause}); "
+                "resubmit the request"
+            ) from error
+        attempt, limit = runner.record["attempts"], runner.record["max_attempts"]
+        logger.warning(
+            "video job %s (request %s): its replica was lost (%s: %s); queued again, attempt %d of %d",
+            runner.job_id,
+            request_id,
+            cause,
+            root_cause(error),
+            attempt,
+            limit,
+        )
+        self.events.publish(runner.job_id, "requeued", {"reason": cause, "attempt": attempt, "max_attempts": limit})
+
     async def _heartbeat(self, runner: JobRunner, job: asyncio.Task) -> None:
         """Rewrite the record every lease_s/4, also while the job waits in the engine's queue."""
         while True:
             await asyncio.sleep(runner.record["lease_s"] / 4)
             try:
                 await self._io(runner.update)
+            except JobCancelled:  # asked on another ingress replica: stop the job, which records it cancelled
+                logger.info("video job %s: cancel asked on another ingress", runner.job_id)
+                runner.stopping = "cancelled"
+                job.cancel()
+                return
             except (JobGone, LeaseLost) as e:
                 logger.info("video job %s stopped: %r", runner.job_id, e)
                 runner.stopping = "deleted" if isinstance(e, JobGone) else "lease lost"
@@ -337,19 +488,48 @@ class VideoJobs:
         """A progress write; a store hiccup is logged and left to the next write (the lease allows for it)."""
         try:
             await self._io(lambda: runner.update(**fields))
-        except (JobGone, LeaseLost):
+        except (JobGone, LeaseLost, JobCancelled):
             raise
         except Exception:
             logger.exception("writing video job %s failed", runner.job_id)
 
+    async def _final_write(self, fn: Callable, *args) -> None:
+        """A final record write that runs to its end even when the job's task is cancelled meanwhile (a cancel racing
+        it), so that the event stream then ends with what the record says; the cancellation is raised after."""
+        write = asyncio.ensure_future(self._io(fn, *args))
+        interrupted = False
+        while not write.done():
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                interrupted = True
+            except Exception:
+                break
+        try:
+            write.result()
+        finally:
+            if interrupted:
+                raise asyncio.CancelledError
+
+    def _finished(self, runner: JobRunner) -> None:
+        """The job's final event: its record's final status (the first one written wins a race with a cancel)."""
+        video = runner.record["video"]
+        if video["status"] in FINISHED:
+            self.events.finish(runner.job_id, video["status"], video)
+
     async def _fail(self, runner: JobRunner, code: str, message: str) -> None:
         try:
-            await self._io(runner.fail, code, message)
+            await self._final_write(runner.fail, code, message)
         except (JobGone, LeaseLost):
             pass
         except Exception:  # the lease will fail it for readers
             logger.exception("recording the failure of video job %s failed", runner.job_id)
-        self.events.finish(runner.job_id, "failed", runner.record["video"])
+        finally:
+            video = runner.record["video"]
+            if video["status"] in FINISHED:
+                self._finished(runner)
+            else:  # not written: as readers will see it once the lease runs out
+                self.events.finish(runner.job_id, "failed", {**video, "status": "failed"})
 
     def _stopped(self, runner: JobRunner, why: str | None) -> None:
         """The final event of a job stopped without a record write: deleted reads cancelled; a lost lease reads
@@ -368,21 +548,39 @@ class VideoJobs:
         """Record the job cancelled (its request has left the engine) and say so on its event stream."""
         logger.info("video job %s cancelled", runner.job_id)
         try:
-            await self._io(runner.cancel)
+            await self._final_write(runner.cancel)
         except (JobGone, LeaseLost):
             pass
         except Exception:
             logger.exception("recording the cancel of video job %s failed", runner.job_id)
-        self.events.finish(runner.job_id, "cancelled", {**runner.record["video"], "status": "cancelled"})
+        finally:
+            video = runner.record["video"]
+            if video["status"] in FINISHED:  # cancelled, or completed/failed when that was written first
+                self._finished(runner)
+            else:
+                self.events.finish(runner.job_id, "cancelled", {**video, "status": "cancelled"})
+
+    async def _hand_over(self, runner: JobRunner) -> None:
+        """This ingress stops: its job's record is dated back past its lease, so another ingress (or this one's
+        successor) takes it over at its next sweep; a job that cannot run again (no stored request) fails now."""
+        try:
+            await self._final_write(runner.hand_over)
+            logger.info("video job %s handed over: another ingress takes it over", runner.job_id)
+        except LeaseLost:
+            await self._fail(runner, "server_stopped", "the server stopped while this job ran; resubmit it")
+        except Exception:
+            logger.exception("handing over video job %s failed; its lease will", runner.job_id)
 
     async def close(self) -> None:
-        """Serve stops this replica: fail its running jobs now rather than after their lease."""
+        """Serve stops this replica: hand its running jobs over to the other (or the next) ingress now rather than
+        after their lease. The sweeper stops first: it must not take back what this replica hands over."""
+        self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for video_id, task in list(self.tasks.items()):
             runner = self.runners.get(video_id)
             if runner is not None:
                 runner.stopping = "shutdown"
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         self.io.shutdown(wait=False)

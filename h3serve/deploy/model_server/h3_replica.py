@@ -62,7 +62,7 @@ from h3serve.pipelines.h3 import (
     ModelRules,
     PreparedState,
 )
-from h3serve.replicas import Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
+from h3serve.replicas import DeadlineExceeded, Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 from h3serve.replicas.stage_worker import lower_thread_priority
 
 logger = logging.getLogger(__name__)
@@ -191,6 +191,17 @@ class DrainWatch:
             return False
         self._failing = False
         return states.get(self.replica_id) == "STOPPING"  # a str enum: equal to its value
+
+
+def unique_id(request_id: str | None, serving: dict) -> str | None:
+    """The id a request is served under: the ingress's, or (when a request with that id is still here, e.g. two
+    clients sent one X-Request-Id) that id with a suffix, so neither replaces the other's ticket."""
+    if request_id is None or request_id not in serving:
+        return request_id
+    n = 2
+    while f"{request_id}~{n}" in serving:
+        n += 1
+    return f"{request_id}~{n}"
 
 
 class H3Replica:
@@ -338,10 +349,13 @@ class H3Replica:
         deadline_s: float | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        deadline_at: float | None = None,
     ) -> bytes:
         """One still as PNG bytes (the ingress sends request i of n as f"{id}-{i}"; no id: the engine makes one).
-        ``adapter``: the deployment's LoRA adapter it runs on (None: the base model)."""
+        ``adapter``: the deployment's LoRA adapter it runs on (None: the base model). ``deadline_at``: the request's
+        deadline as wall-clock time (``time.time()``), which the ingress sends: the wait for this replica counts."""
         self._watch_for_stop()
+        deadline_s = self._deadline_s(request_id, deadline_s, deadline_at)
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "png")
         try:
             # shielded: a caller that goes away (Serve cancels this call when its HTTP client disconnects) must not
@@ -361,6 +375,7 @@ class H3Replica:
         deadline_s: float | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        deadline_at: float | None = None,
     ):
         """Stream {"queued": True, "event": "queued", "position", "eta_s", "progress": [0, total]} once the engine
         accepted the request (QueueFull, EngineDraining, RequestError... raise before it), then the engine's events
@@ -368,6 +383,7 @@ class H3Replica:
         changes, started, each step, previews as PNG bytes, decoding), then {"mp4": bytes}.
         """
         self._watch_for_stop()
+        deadline_s = self._deadline_s(request_id, deadline_s, deadline_at)
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "mp4")
         ticket.preview = True  # followed: previews under engine.preview
         events = self.metrics.follow(ticket)
@@ -401,6 +417,17 @@ class H3Replica:
             self.metrics.unfollow(ticket)
             self._release(ticket)
 
+    @staticmethod
+    def _deadline_s(request_id: str | None, deadline_s: float | None, deadline_at: float | None) -> float | None:
+        """What is left of a request's deadline on arrival here; DeadlineExceeded when it passed on the way (in the
+        router's queue, waiting for this replica to start). Wall-clock: the nodes' clocks must agree (NTP)."""
+        if deadline_at is None:
+            return deadline_s
+        left = deadline_at - time.time()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {request_id} reached this replica {-left:.1f} s after its deadline")
+        return left if deadline_s is None else min(left, deadline_s)
+
     def _submit(
         self,
         request: GenerationRequest,
@@ -411,7 +438,7 @@ class H3Replica:
         output: str | None = None,
     ) -> Ticket:
         # the engine logs it with its id; a priority out of range is its RequestError("priority") (HTTP 400)
-        ticket = self.engine.submit(request, request_id, deadline_s, priority, adapter, output)
+        ticket = self.engine.submit(request, unique_id(request_id, self.tickets), deadline_s, priority, adapter, output)
         self.tickets[ticket.id] = ticket
         return ticket
 

@@ -237,11 +237,11 @@
   async function refreshStats() {
     try {
       const s = await (await api("/v1/stats")).json();
-      const r = s.replica;
-      $("stat-queue").textContent = `${r.waiting} waiting, ${r.active} active`;
-      $("stat-duty").textContent = (100 * r.duty_cycle).toFixed(0) + "%";
-      $("stat-rate").textContent = r.row_step_rate ? Math.round(r.row_step_rate).toLocaleString() : "-";
-      $("stat-cancelled").textContent = Object.values(r.cancelled).reduce((a, b) => a + b, 0);
+      const r = s.replica; // null: no replica runs (scaled to zero), and this poll does not start one
+      $("stat-queue").textContent = r ? `${r.waiting} waiting, ${r.active} active` : "no replica running";
+      $("stat-duty").textContent = r ? (100 * r.duty_cycle).toFixed(0) + "%" : "-";
+      $("stat-rate").textContent = r && r.row_step_rate ? Math.round(r.row_step_rate).toLocaleString() : "-";
+      $("stat-cancelled").textContent = r ? Object.values(r.cancelled).reduce((a, b) => a + b, 0) : "-";
       $("stat-admission").textContent = s.admission_failures === null ? "unknown" : s.admission_failures;
       $("stat-streams").textContent = s.event_streams_open;
       $("stat-error").textContent = "";
