@@ -174,10 +174,10 @@ def test_a_job_whose_ingress_crashed_is_taken_over_and_completes(server):
 
         events = wait_for(resumed, timeout=LEASE_S + 180, interval=1, what="the resumed stream's final event")
         assert events[-1]["event"] == "completed", events[-3:]
-        ids = [int(e["id"]) for e in events if e["id"] is not None]
+        ids = [int(e["id"]) for e in events]
         assert all(i > int(seen[-1]) for i in ids) and ids == sorted(ids), (seen[-1], ids)  # read on, in order
-        if ids:  # the new runner's own log (a reader that came before the take-over followed the record instead)
-            assert any(e["event"] == "requeued" and e["data"]["reason"] == "ingress_lost" for e in events), events
+        # the new runner's log (read from the store by a reader that came before the take-over), ids past the old one's
+        assert any(e["event"] == "requeued" and e["data"]["reason"] == "ingress_lost" for e in events), events
         video = http.get(f"/v1/videos/{job['id']}").json()
         print(f"kill -9 of the ingress to its job completed: {time.monotonic() - killed:.1f} s")
         assert video["status"] == "completed" and http.get(f"/v1/videos/{job['id']}/content").status_code == 200
@@ -245,9 +245,10 @@ def test_a_cancel_asked_on_the_other_ingress_stops_the_job_and_every_answer_agre
     cancelled; the other replica answers cancelled, the record and the runner's event stream say the same."""
     process = server.start()
     other = other_ingress(server)
-    with client(process.url) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with client(process.url) as http, concurrent.futures.ThreadPoolExecutor(2) as pool:
         job = http.post("/v1/videos", json=LONG).json()
         stream = pool.submit(read_events, process.url, job["id"])
+        there = pool.submit(other_events, other_ingress(server), job["id"])  # its stream on the other replica
         wait_for(
             lambda: http.get(f"/v1/videos/{job['id']}").json()["progress"] >= 5,
             timeout=120,
@@ -263,10 +264,53 @@ def test_a_cancel_asked_on_the_other_ingress_stops_the_job_and_every_answer_agre
         status, events = stream.result(timeout=60)
         assert status == 200 and events[-1]["event"] == "cancelled", events[-3:]
         assert events[-1]["data"]["video"]["status"] == "cancelled"
+        elsewhere = there.result(timeout=60)
+        assert [(e["id"], e["event"]) for e in elsewhere][-1] == (events[-1]["id"], "cancelled"), elsewhere[-3:]
         assert error_of(http.post(f"/v1/videos/{job['id']}/cancel"), 409)["param"] == "video_id"
 
 
 SHORT = {"prompt": "a short one", "num_inference_steps": 4}
+
+
+def other_events(other: VideoJobs, video_id: str, after: int = 0) -> list[dict]:
+    """The job's event stream as the other ingress replica serves it (its route's own call), read to its end."""
+
+    async def read() -> str:
+        video = await other.get(video_id)
+        assert video is not None
+        chunks = [chunk async for chunk in await other.event_stream(video_id, video, after)]
+        return b"".join(chunks).decode()
+
+    return event_stream(asyncio.run(read()))
+
+
+def test_the_other_ingress_streams_the_same_events_with_the_same_ids_and_resumes(server):
+    """A job runs on the served ingress; its stream read over HTTP there and from the other replica (which reads the
+    log the runner keeps in the store) has the same events with the same ids (previews: the newest stored when read),
+    both end with the record's final status, and the other one resumes after a Last-Event-ID."""
+    process = server.start()
+    other = other_ingress(server)
+    body = {"prompt": "streamed twice", "num_inference_steps": 12}
+    with client(process.url) as http, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        job = http.post("/v1/videos", json=body).json()
+        here = pool.submit(read_events, process.url, job["id"])
+        there = pool.submit(other_events, other, job["id"])
+        status, events = here.result(timeout=180)
+        elsewhere = there.result(timeout=60)
+        record = http.get(f"/v1/videos/{job['id']}").json()
+    assert status == 200 and record["status"] == "completed", record
+    kinds = [e["event"] for e in events]
+    assert {"queued", "started", "step", "decoding"} <= set(kinds) and kinds[-1] == "completed", kinds
+
+    def not_previews(stream):
+        return [(e["id"], e["event"], e["data"]) for e in stream if e["event"] != "preview"]
+
+    assert not_previews(elsewhere) == not_previews(events), (elsewhere, events)
+    assert {e["id"] for e in elsewhere if e["event"] == "preview"} <= {e["id"] for e in events}
+    assert elsewhere[-1]["data"]["video"] == events[-1]["data"]["video"] and record["status"] == kinds[-1]
+    middle = next(int(e["id"]) for e in events if e["event"] == "step")
+    resumed = other_events(other, job["id"], middle)
+    assert not_previews(resumed) == [x for x in not_previews(events) if int(x[0]) > middle]
 
 
 def test_a_cancel_racing_completion_gives_one_answer(server):

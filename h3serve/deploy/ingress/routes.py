@@ -58,7 +58,7 @@ from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody,
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page
 from h3serve.deploy.ingress.playground import playground_page
-from h3serve.deploy.jobs.events import follow_record, last_event_id
+from h3serve.deploy.jobs.events import last_event_id
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
 from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
@@ -539,17 +539,7 @@ class H3Ingress:
                 f"this server holds {self.event_streams} open event streams; poll GET /v1/videos/{{id}} or retry later",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
-        log = self.videos.events.get(video_id)
-        if log is not None and after > log.last_id:
-            raise APIError(
-                400,
-                f"Last-Event-ID {after} is past this job's last event ({log.last_id}); resume from an id it sent",
-                "Last-Event-ID",
-            )
-        if log is not None:
-            events = log.follow(after)
-        else:  # another ingress replica runs it (or ran it): its record, once a second
-            events = follow_record(lambda: self.videos.get(video_id), video)
+        events = await self.videos.event_stream(video_id, video, after)  # the same stream on every ingress replica
         return StreamingResponse(self._counted(events), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _counted(self, events):

@@ -10,9 +10,11 @@ one of ``completed``, ``failed``,
 holds after its ``Last-Event-ID`` (every event but superseded previews: the newest preview stays), then follows
 live. An idle reader waits on an ``asyncio.Event``: nothing polls, and the engine never waits for a reader.
 
-On an ingress replica that does not run the job (several ingress replicas, or one that restarted) the stream
-follows the job's record in the store instead, once a second: ``queued`` and ``progress`` events from what the
-runner writes there, then the final event. Those carry no id (the runner's ids are not known there).
+The log is kept in the job store too (``<id>.events``: the whole log, rewritten by the runner at most every
+``FLUSH_S`` and once more at its end; bounded like the log itself), so an ingress replica that does not run the job
+(several ingress replicas, or one that restarted) serves the same stream: the same kinds, the same ids, resumable
+with the same ``Last-Event-ID``, ending with the record's final status (``follow_store``). A job taken over by
+another ingress keeps the stored events and numbers its new ones past them.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from typing import Any
 from h3serve.deploy.common.errors import APIError
 
 TERMINAL = ("completed", "failed", "cancelled")
-KINDS = ("queued", "requeued", "started", "step", "preview", "decoding", "progress", *TERMINAL)
+KINDS = ("queued", "requeued", "started", "step", "preview", "decoding", *TERMINAL)
 KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
 RETAIN_S = 300.0  # a finished job's log stays this long for late and resuming readers
 MAX_EVENTS = 512  # per job; more than a 50-step job's events, so a reader can resume from any of them
-RECORD_POLL_S = 1.0  # the fallback's pace: the record of a job another ingress runs
+STORE_POLL_S = 0.5  # the pace at which a replica that does not run the job reads its stored log and record
+FLUSH_S = 0.5  # the runner writes the log to the store at most this often (and at its end)
+# a stored log that lacks the final event its record already has: its runner writes it within a FLUSH_S or so; a
+# reader waits this long before it ends the stream with the record's status itself (the runner died in between)
+FINAL_GRACE_S = 3.0
 RETRY_MS = 2000  # the reconnection delay an EventSource is told
 EVENT_ID = re.compile(r"[0-9]{1,9}")
 
@@ -76,6 +82,22 @@ class Event:
     def encode(self) -> bytes:
         return encode(self.kind, self.data, self.id)
 
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "data": self.data}
+
+
+def dump_log(events: list[Event], last_id: int) -> bytes:
+    """A log as the store keeps it (``<id>.events``): its events and the last id it gave."""
+    return json.dumps({"last_id": last_id, "events": [e.as_json() for e in events]}, separators=(",", ":")).encode()
+
+
+def load_log(raw: bytes | None) -> tuple[list[Event], int]:
+    """A stored log's events and last id; ([], 0) for none (a job stored before logs were, or not started)."""
+    if raw is None:
+        return [], 0
+    stored = json.loads(raw)
+    return [Event(e["id"], e["kind"], e["data"]) for e in stored["events"]], int(stored["last_id"])
+
 
 class EventLog:
     """One job's events, numbered from 1, bounded, waking its readers on each new one."""
@@ -103,6 +125,14 @@ class EventLog:
     def since(self, after: int) -> list[Event]:
         return [e for e in self.events if e.id > after]
 
+    def dump(self) -> bytes:
+        return dump_log(list(self.events), self.last_id)
+
+    async def changed(self, after: int) -> None:
+        """Return once the log holds an event past ``after``."""
+        while self.last_id <= after:
+            await self._changed.wait()
+
     async def follow(self, after: int, keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
         """Events after ``after``, then live ones, until the final event; a comment every ``keepalive_s`` idle."""
         yield f"retry: {RETRY_MS}\n\n".encode()
@@ -125,14 +155,16 @@ class JobEvents:
     def __init__(self):
         self.logs: dict[str, EventLog] = {}
 
-    def start(self, job_id: str, after: int = 0) -> EventLog:
+    def start(self, job_id: str, after: int = 0, stored: tuple[Event, ...] = ()) -> EventLog:
         """The job's log, its ids following ``after`` (a job taken over from another ingress continues past the ids
-        that one sent, so a reader resuming with Last-Event-ID reads on)."""
+        that one sent, so a reader resuming with Last-Event-ID reads on), holding the ``stored`` events that one
+        left (a reader from the start replays them)."""
         self._prune()
         log = self.logs.get(job_id)
         if log is None or log.finished_at is not None:
             log = self.logs[job_id] = EventLog()
-            log.last_id = after
+            log.events.extend(e for e in stored if e.kind not in TERMINAL)
+            log.last_id = max([after, *(e.id for e in stored)])
         return log
 
     def get(self, job_id: str) -> EventLog | None:
@@ -155,32 +187,37 @@ class JobEvents:
                 del self.logs[job_id]
 
 
-async def follow_record(
-    read: Callable[[], Awaitable[dict | None]], first: dict, poll_s: float = RECORD_POLL_S
+async def follow_store(
+    read: Callable[[], Awaitable[tuple[dict | None, bytes | None]]],
+    after: int,
+    poll_s: float = STORE_POLL_S,
+    grace_s: float = FINAL_GRACE_S,
 ) -> AsyncIterator[bytes]:
-    """The fallback for a job this replica does not run: its record every ``poll_s``, as events without ids."""
+    """The stream of a job another ingress replica runs (or ran): its stored log every ``poll_s``, the same events
+    with the same ids as the runner's stream, to the final event. ``read`` gives (the job's video object or None when
+    it was deleted, its stored log). A log that lacks the final event its record has (the runner died before its last
+    write) ends, after ``grace_s``, with the record's status itself: as the runner ends a deleted job, cancelled."""
     yield f"retry: {RETRY_MS}\n\n".encode()
-    video: dict | None = first
-    last: tuple | None = None
-    quiet = 0.0
-    while video is not None:
-        status = video["status"]
-        if status in TERMINAL:
-            yield encode(status, {"video": video})
-            return
-        if status == "queued":
-            now: tuple = ("queued", video.get("queue_position"), video.get("eta_seconds"))
-            data = {"position": video.get("queue_position"), "eta_s": video.get("eta_seconds")}
-        else:
-            now = ("progress", video.get("progress"), video.get("eta_seconds"))
-            data = {"progress": video.get("progress"), "eta_s": video.get("eta_seconds")}
-        if now != last:
-            last, quiet = now, 0.0
-            yield encode(now[0], data)
+    quiet, final_since, seen = 0.0, None, None
+    while True:
+        video, raw = await read()
+        seen = video or seen
+        events, last_id = load_log(raw)
+        for event in events:
+            if event.id > after:
+                quiet, after = 0.0, event.id
+                yield event.encode()
+                if event.kind in TERMINAL:
+                    return
+        if video is None or video["status"] in TERMINAL:
+            final_since = time.monotonic() if final_since is None else final_since
+            if time.monotonic() - final_since >= grace_s:
+                final = {**seen, "status": "cancelled"} if video is None and seen is not None else video
+                kind = "cancelled" if final is None else final["status"]
+                yield encode(kind, {"video": final}, max(after, last_id) + 1)
+                return
         elif quiet >= KEEPALIVE_S:
             quiet = 0.0
             yield b": keep-alive\n\n"
         await asyncio.sleep(poll_s)
         quiet += poll_s
-        video = await read()
-    yield encode("failed", {"video": None, "error": "the job was deleted"})

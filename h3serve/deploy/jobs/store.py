@@ -207,6 +207,14 @@ class JobStore:
     def content(self, job_id: str) -> bytes | None:
         return self.store.get(f"{job_id}.mp4") if JOB_ID.fullmatch(job_id) else None
 
+    def events(self, job_id: str) -> bytes | None:
+        """The job's stored event log (``events.dump_log``), as its runner last wrote it; None before the first."""
+        return self.store.get(f"{job_id}.events") if JOB_ID.fullmatch(job_id) else None
+
+    def video_and_events(self, job_id: str) -> tuple[dict | None, bytes | None]:
+        """What a replica that does not run the job streams from: its video object (None: deleted) and its log."""
+        return self.get(job_id), self.events(job_id)
+
     def delete(self, job_id: str) -> bool:
         """False when there is no such job. A running job is tombstoned; its runner stops at its next write."""
         video = self.get(job_id)
@@ -226,7 +234,11 @@ class JobStore:
         self._finished.pop(job_id, None)
         # the record first: 404 at once
         self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted", f"{job_id}.cancel")
-        self.store.delete(f"{job_id}.request", *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)))
+        self.store.delete(
+            f"{job_id}.request",
+            f"{job_id}.events",
+            *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)),
+        )
 
     # -- take-over -----------------------------------------------------------------------------
     def takeable(self) -> builtins.list[str]:
@@ -347,11 +359,13 @@ class JobStore:
             self._remove(job_id)
         # an MP4 without a record: a runner died between the two writes, or a delete half-done. Its
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
-        # a stored request without a record alike (create died between the two writes)
-        mp4s = {found for n in names for s in (".mp4", ".request") if (found := job_id_of(n, s)) is not None}
+        # a stored request without a record alike (create died between the two writes), and an event log (a deleted
+        # job's runner writes its last one after removing the record)
+        suffixes = (".mp4", ".request", ".events")
+        mp4s = {found for n in names for s in suffixes if (found := job_id_of(n, s)) is not None}
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:
-            self.store.delete(f"{job_id}.mp4", f"{job_id}.request")
+            self.store.delete(*(f"{job_id}{s}" for s in suffixes))
         self._orphans = orphans - self._orphans
         self.store.remove_stale_temporaries(self.policy.lease_s)
 
@@ -413,6 +427,15 @@ class JobRunner:
         stored = json.loads(raw).get("epoch", 1) if raw is not None else 1
         if stored > self.record.get("epoch", 1):
             raise LeaseLost(f"video job {self.job_id}: taken over by another ingress (epoch {stored})")
+
+    def save_events(self, log: bytes) -> None:
+        """Write the job's event log (``<id>.events``) for the other ingress replicas' readers; LeaseLost when another
+        ingress took the job over (its log is the successor's to write) or this one handed it over."""
+        with self._lock:
+            if self.handed_over:
+                raise LeaseLost(f"video job {self.job_id} was handed over to another ingress")
+            self._fence()
+            self.jobs.store.put(f"{self.job_id}.events", log)
 
     def hand_over(self) -> None:
         """This ingress stops cleanly: date the record back past its lease so that another ingress takes the job over

@@ -11,7 +11,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
-from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data
+from h3serve.deploy.jobs.events import FLUSH_S, TERMINAL, EventLog, JobEvents, event_data, follow_store, load_log
 from h3serve.deploy.jobs.idempotency import Idempotency
 from h3serve.deploy.jobs.store import (
     FINISHED,
@@ -42,8 +42,9 @@ JOB_ROUTE = "/v1/videos:job"  # the route tag a job's outcome is counted under
 # replaced), backing off as RESUBMIT says, for at most its for_s; then it fails (503).
 RETRYABLE = QUEUE_FULL + UNAVAILABLE
 RESUBMIT = Backoff(first_s=0.5, max_s=5.0, for_s=600.0)
-# A job taken over from a lost ingress numbers its events from the last id its record held plus this: more than the
-# events one record write can be behind (writes every PROGRESS_EVERY_S or heartbeat; at most a few steps and previews).
+# A job taken over from a lost ingress numbers its events from the last id its stored log (or record) held plus this:
+# more than the events one log write can be behind (every FLUSH_S: at most a few steps and previews), so a reader
+# that resumes with the last id the lost ingress sent it misses none of the new runner's.
 EVENT_ID_GAP = 100
 # A replica lost under a job it had accepted (its process died or was killed, its worker group broke, it stopped or
 # Serve replaced it as unhealthy, a stage's replicas kept dying): the job is queued again, up to its record's
@@ -72,6 +73,14 @@ def load_job(raw: bytes) -> dict:
     return {**job, "request": GenerationRequest.model_validate(job["request"])}
 
 
+def past_last_event(after: int, last_id: int) -> APIError:
+    return APIError(
+        400,
+        f"Last-Event-ID {after} is past this job's last event ({last_id}); resume from an id it sent",
+        "Last-Event-ID",
+    )
+
+
 def not_cancellable(video: dict) -> APIError:
     return APIError(
         409,
@@ -96,6 +105,7 @@ class VideoJobs:
         self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")
         self.tasks: dict[str, asyncio.Task] = {}  # video id -> its job, for the jobs this replica runs
         self.runners: dict[str, JobRunner] = {}
+        self.flushers: dict[str, asyncio.Task] = {}  # video id -> the task writing its event log to the store
         self.events = JobEvents()  # the event logs of the jobs this replica runs
         self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
@@ -153,12 +163,64 @@ class VideoJobs:
         self.tasks[runner.job_id] = asyncio.get_running_loop().create_task(run)
         return True
 
-    def _follow_here(self, runner: JobRunner, after: int = 0) -> EventLog:
-        """Run the job's record and event log here (its record keeps the log's last id for a later take-over)."""
+    def _follow_here(self, runner: JobRunner, after: int = 0, stored: tuple = ()) -> EventLog:
+        """Run the job's record and event log here (its record keeps the log's last id for a later take-over), the
+        log written to the store as it grows, for the other ingress replicas' readers."""
         self.runners[runner.job_id] = runner
-        log = self.events.start(runner.job_id, after)
+        log = self.events.start(runner.job_id, after, stored)
         runner.last_event = lambda: log.last_id
+        flusher = self.flushers.pop(runner.job_id, None)
+        if flusher is not None:
+            flusher.cancel()
+        self.flushers[runner.job_id] = asyncio.get_running_loop().create_task(self._flush(runner, log))
         return log
+
+    async def _flush(self, runner: JobRunner, log: EventLog) -> None:
+        """Write the job's log to the store when it has grown, at most every FLUSH_S, until the job ends here (then
+        ``_save_log`` writes it a last time). A failed write is logged and left to the next one."""
+        written = 0
+        while True:
+            await log.changed(written)
+            upto = log.last_id
+            try:
+                await self._io(runner.save_events, log.dump())
+                written = upto
+            except LeaseLost:
+                return  # another ingress runs it now, or this one handed it over: the log is theirs to write
+            except Exception:
+                logger.exception("writing the event log of video job %s failed; the next write retries", runner.job_id)
+            await asyncio.sleep(FLUSH_S)
+
+    async def _save_log(self, runner: JobRunner) -> None:
+        """The job leaves this ingress (finished, handed over, stopped): its log's last write, awaited, so that
+        another replica's readers end with the same final event."""
+        flusher = self.flushers.pop(runner.job_id, None)
+        if flusher is not None:
+            flusher.cancel()
+        log = self.events.get(runner.job_id)
+        if log is None:
+            return
+        try:
+            await asyncio.shield(self._io(runner.save_events, log.dump()))
+        except LeaseLost:
+            pass
+        except Exception:
+            logger.exception("writing the last event log of video job %s failed", runner.job_id)
+
+    async def event_stream(self, video_id: str, video: dict, after: int) -> AsyncIterator[bytes]:
+        """The job's Server-Sent Events after ``after``: live from its log where it runs (or ran) here, else from its
+        stored log (``follow_store``), the same events with the same ids either way. A 400 naming Last-Event-ID when
+        ``after`` is past the last event of a log that has ended (or of the live log here)."""
+        log = self.events.get(video_id)
+        if log is not None:
+            if after > log.last_id:
+                raise past_last_event(after, log.last_id)
+            return log.follow(after)
+        if video["status"] in FINISHED:
+            events, last_id = load_log(await self._io(self.store.events, video_id))
+            if after > last_id and any(e.kind in TERMINAL for e in events):
+                raise past_last_event(after, last_id)
+        return follow_store(lambda: self._io(self.store.video_and_events, video_id), after)
 
     async def take_over(self) -> None:
         """Run here the jobs whose ingress stopped writing their records (it died, or handed them over as it stopped):
@@ -183,7 +245,9 @@ class VideoJobs:
                     runner.fail, RUNNER_LOST, "the server running this job stopped and it could not be resumed"
                 )
                 continue
-            log = self._follow_here(runner, runner.record.get("event_id", 0) + EVENT_ID_GAP)
+            stored, stored_last = load_log(await self._io(self.store.events, job_id))
+            after = max(stored_last, runner.record.get("event_id", 0)) + EVENT_ID_GAP
+            log = self._follow_here(runner, after, tuple(stored))
             attempt, limit = runner.record["attempts"], runner.record["max_attempts"]
             log.publish("requeued", {"reason": "ingress_lost", "attempt": attempt, "max_attempts": limit})
             run = self._run(
@@ -369,6 +433,7 @@ class VideoJobs:
             await self._fail(runner, "timeout" if timed_out else str(code), error.message)
         finally:
             heartbeat.cancel()
+            await self._save_log(runner)
             self.tasks.pop(runner.job_id, None)
             self.runners.pop(runner.job_id, None)
             self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
@@ -563,6 +628,7 @@ class VideoJobs:
     async def _hand_over(self, runner: JobRunner) -> None:
         """This ingress stops: its job's record is dated back past its lease, so another ingress (or this one's
         successor) takes it over at its next sweep; a job that cannot run again (no stored request) fails now."""
+        await self._save_log(runner)  # before the record says it is handed over: the successor reads on from it
         try:
             await self._final_write(runner.hand_over)
             logger.info("video job %s handed over: another ingress takes it over", runner.job_id)
