@@ -132,7 +132,7 @@ def test_keyframes_and_image_references_are_checked_on_their_header_and_named_by
     ok = base64.b64decode(  # a 1x1 PNG: within every bound, decodable
         "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
     )
-    references = [{"kind": "image", "data": ok}, {"kind": "audio", "data": b"not checked here"}]
+    references = [{"kind": "image", "data": ok}, {"kind": "audio", "data": wav(1.0)}]
     assert validate(VideosBody, {"prompt": "x", "input_reference": ok, "references": references}).input_reference == ok
     references.append({"kind": "image", "data": truncated})
     param, message = refusal(VideosBody, {"prompt": "x", "references": references})
@@ -144,3 +144,82 @@ def test_keyframes_and_image_references_are_checked_on_their_header_and_named_by
     assert invalid(info.value).message == "input_reference: is 64x64 pixels; images may have at most 4032 pixels"
     with pytest.raises(ValidationError, match="less than or equal to 16777216"):
         RequestLimits(max_image_pixels=4097 * 4096)
+
+
+def mp4(seconds: float, fps: int = 8, size: tuple[int, int] = (32, 32), codec: str = "libx264") -> bytes:
+    """A real video file, written by PyAV: ``seconds`` at ``fps`` of ``size`` frames."""
+    import io
+
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        for i in range(round(seconds * fps)):
+            frame = np.full((size[1], size[0], 3), i % 256, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
+    return out.getvalue()
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A real stereo WAV, written by PyAV."""
+    import io
+
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=rate, layout="stereo")
+        samples = np.zeros((1, round(seconds * rate) * 2), dtype=np.int16)  # packed s16: channels interleaved
+        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="stereo")
+        frame.sample_rate = rate
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return out.getvalue()
+
+
+REFERENCE_LIMITS = LIMITS.model_copy(
+    update=dict(
+        max_references=3,
+        max_reference_seconds=2.0,
+        max_reference_frames=20,
+        max_reference_pixels=64 * 64,
+        max_reference_sample_rate=24000,
+    )
+)
+
+
+def reference_refusal(references: list[dict]) -> tuple[str | None, str]:
+    with pytest.raises(ValidationError) as info:
+        VideosBody.model_validate({"prompt": "x", "references": references}, context={"limits": REFERENCE_LIMITS})
+    error = invalid(info.value)
+    assert error.status == 400
+    return error.param, error.message
+
+
+def test_video_and_audio_references_are_bounded_on_their_container_metadata_and_counted():
+    """Real files written by PyAV, probed without decoding: within the bounds they pass; too long, too many frames,
+    too large, a high sample rate, a codec not allowed, a file that is no media, too many references: a 400 naming
+    the field."""
+    fine = [{"kind": "video", "data": mp4(1.0)}, {"kind": "audio", "data": wav(1.5)}]
+    body = VideosBody.model_validate({"prompt": "x", "references": fine}, context={"limits": REFERENCE_LIMITS})
+    assert [r.kind for r in body.references] == ["video", "audio"]
+    cases = [
+        ({"kind": "video", "data": mp4(3.0)}, "is 3.0 s long; references may be at most 2 s"),
+        ({"kind": "video", "data": mp4(1.0, fps=24)}, "has 24 frames; video references may have at most 20"),
+        ({"kind": "video", "data": mp4(0.5, size=(128, 64))}, "is 128x64 pixels"),
+        ({"kind": "video", "data": mp4(0.2, fps=25, codec="mpeg1video")}, "is mpeg1video; video references may be"),
+        ({"kind": "audio", "data": wav(2.5)}, "is 2.5 s long"),
+        ({"kind": "audio", "data": wav(0.5, rate=48000)}, "is sampled at 48000 Hz"),
+        ({"kind": "audio", "data": mp4(0.5)}, "holds no audio stream"),
+        ({"kind": "video", "data": b"not a video at all" * 100}, "is not a video file PyAV can open"),
+    ]
+    for bad, words in cases:
+        param, message = reference_refusal([fine[0], bad])
+        assert param == "references[1]" and words in message, (param, message)
+    param, message = reference_refusal(fine * 2)
+    assert param == "references" and "holds 4; a request may send at most 3" in message

@@ -42,6 +42,7 @@ LONG = {"prompt": "a long one", "seconds": 14, "num_inference_steps": 100}  # ~2
 # kill -9 of the H3Replica to both jobs completed: Serve's replacement loading the tiny model, then the two runs
 # (max_active 1) one after the other, on a 2-core machine shared with other suites
 RECOVERED_S = 240
+MAX_UNFINISHED = 3  # more than any other test here holds at once
 
 
 class Server:
@@ -52,7 +53,7 @@ class Server:
         self.address = start_cluster()
         config = default_config()
         args = config["applications"][0]["args"]
-        args["jobs"] = {"store": str(tmp / "videos"), "lease_s": LEASE_S}
+        args["jobs"] = {"store": str(tmp / "videos"), "lease_s": LEASE_S, "max_unfinished": MAX_UNFINISHED}
         args["limits"]["max_steps"] = LONG["num_inference_steps"]
         self.port = free_port()
         self.config = write_config(tmp, config, self.port)
@@ -235,7 +236,7 @@ def test_a_lost_replica_requeues_the_job_it_ran_and_the_one_waiting_and_both_com
 def other_ingress(server) -> VideoJobs:
     """A second ingress replica of the application, in this process: the code an H3Ingress replica runs for its
     jobs (``VideoJobs``) over the same store, not running the jobs the served ingress runs."""
-    policy = JobPolicy(ttl_s=3600, max_bytes=2**30, lease_s=LEASE_S, max_jobs=256)
+    policy = JobPolicy(ttl_s=3600, max_bytes=2**30, lease_s=LEASE_S, max_unfinished=256)
     return VideoJobs(JobStore(MediaStore(str(server.store)), policy), None, None)  # type: ignore[arg-type]
 
 
@@ -346,6 +347,25 @@ def test_a_cancel_racing_completion_gives_one_answer(server):
             outcomes[record["status"]] = outcomes.get(record["status"], 0) + 1
     print(f"cancel racing completion, 16 tries: {outcomes}")
     assert sum(outcomes.values()) == 16
+
+
+def test_unfinished_jobs_over_their_cap_get_429_and_finished_ones_are_not_counted(server):
+    """jobs.max_unfinished jobs queued or running: one more is a 429 with Retry-After in the API's error shape, and
+    leaves no job; once they end (cancelled here) new jobs are accepted again, however many finished jobs there are."""
+    process = server.start()
+    with client(process.url) as http:
+        before = len(http.get("/v1/videos", params={"limit": 100}).json()["data"])
+        held = [http.post("/v1/videos", json=LONG).json()["id"] for _ in range(MAX_UNFINISHED)]
+        refused = http.post("/v1/videos", json=LONG)
+        error = error_of(refused, 429)
+        assert "unfinished" in error["message"], error
+        assert refused.headers["retry-after"] == "2"
+        assert len(http.get("/v1/videos", params={"limit": 100}).json()["data"]) == before + MAX_UNFINISHED
+        for video_id in held:
+            assert http.post(f"/v1/videos/{video_id}/cancel").json()["status"] == "cancelled"
+        again = http.post("/v1/videos", json=SHORT)
+        assert again.status_code == 200, again.text
+        assert wait_video(http, again.json()["id"], timeout=120)["status"] == "completed"
 
 
 def test_a_post_retried_with_its_idempotency_key_is_the_same_job(server):

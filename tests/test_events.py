@@ -118,7 +118,7 @@ def test_another_ingress_serves_the_same_stream_from_the_store_and_resumes_it(ur
     does not run it, streams the same events with the same ids from the stored log (previews: the newest the log held
     when read), resumes after a Last-Event-ID, and ends with the record's final status. A's log in the store stays
     bounded: one preview."""
-    policy = JobPolicy(ttl_s=600, max_bytes=10**6, lease_s=60, max_jobs=9)
+    policy = JobPolicy(ttl_s=600, max_bytes=10**6, lease_s=60, max_unfinished=9)
     a, b = (VideoJobs(JobStore(MediaStore(url), policy), None, None) for _ in range(2))  # type: ignore[arg-type]
     video = video_object()
     job_id = video["id"]
@@ -168,7 +168,7 @@ def test_a_stored_log_without_its_final_event_ends_with_the_records_status(url):
     another replica ends the stream with that status, numbered after the last stored event. A deleted job's stream
     ends cancelled, as its runner's does."""
     clock = Clock()
-    policy = JobPolicy(ttl_s=600, max_bytes=10**6, lease_s=60, max_jobs=9)
+    policy = JobPolicy(ttl_s=600, max_bytes=10**6, lease_s=60, max_unfinished=9)
     a, b = (JobStore(MediaStore(url), policy, clock=clock) for _ in range(2))
     runner = a.create(video_object())
     log = EventLog()

@@ -10,7 +10,7 @@ import pytest
 from h3serve.deploy.jobs.media_store import MediaStore, StoreError
 from h3serve.deploy.jobs.store import RUNNER_LOST, JobGone, JobPolicy, JobStore, LeaseLost
 
-POLICY = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100)
+POLICY = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=100)
 
 
 class Clock:
@@ -111,7 +111,7 @@ def test_the_sweeper_fails_lost_jobs_without_a_reader(url):
 
 
 def test_a_runner_that_could_not_write_for_half_its_lease_stops():
-    policy = JobPolicy(ttl_s=60, max_bytes=10**6, lease_s=1.0, max_jobs=10)
+    policy = JobPolicy(ttl_s=60, max_bytes=10**6, lease_s=1.0, max_unfinished=10)
     _, (jobs,) = replicas(f"memory://h3serve-test-{uuid.uuid4().hex}", policy, n=1)
     runner = jobs.create(video())
     runner.update(progress=1)
@@ -165,7 +165,7 @@ def test_ttl_removes_finished_jobs_and_their_mp4s(url):
 
 
 def test_the_byte_cap_evicts_the_oldest_finished_jobs_first(url):
-    policy = JobPolicy(ttl_s=3600, max_bytes=250, lease_s=60, max_jobs=100)
+    policy = JobPolicy(ttl_s=3600, max_bytes=250, lease_s=60, max_unfinished=100)
     clock, (a, b) = replicas(url, policy)
     jobs = [video() for _ in range(4)]
     for job in jobs:
@@ -178,18 +178,30 @@ def test_the_byte_cap_evicts_the_oldest_finished_jobs_first(url):
     assert b.content(jobs[0]["id"]) is None and b.content(jobs[3]["id"]) == b"x" * 100
 
 
-def test_the_job_count_drops_finished_jobs_then_refuses(url):
-    policy = JobPolicy(ttl_s=3600, max_bytes=10**6, lease_s=60, max_jobs=2)
+def test_unfinished_jobs_have_their_own_cap_and_finished_ones_go_by_ttl_and_bytes_only(url):
+    """At max_unfinished queued or running jobs a new one is refused (HTTP 429); finished jobs do not count and no
+    count removes them: each stays until its expires_at (or the byte cap needs its room)."""
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**6, lease_s=60, max_unfinished=2)
     clock, (a, b) = replicas(url, policy)
-    first, second = video(), video()
-    a.create(first).complete(b"1")
-    clock.now += 1
-    running = b.create(second)
-    assert b.create(third := video()) is not None  # the finished one made room
-    assert a.get(first["id"]) is None
-    assert a.create(video()) is None  # two unfinished: refused (HTTP 503)
-    running.complete(b"2")
-    assert a.create(video()) is not None and b.get(third["id"]) is not None
+    finished = []
+    for _ in range(5):  # more finished jobs than the cap: all kept
+        job = video()
+        a.create(job).complete(b"x")
+        finished.append(job["id"])
+        clock.now += 1
+    running = b.create(video())
+    queued = a.create(second := video())
+    assert running is not None and queued is not None
+    assert a.create(video()) is None and b.create(video()) is None  # two unfinished: refused, on every replica
+    a.sweep()
+    assert all(b.get(job_id) is not None for job_id in finished)
+    running.complete(b"2")  # one fewer unfinished: room again
+    assert b.create(video()) is not None
+    b.delete(second["id"])  # a deleted (tombstoned) running job no longer counts
+    assert a.create(video()) is not None
+    clock.now += 3601 - 5  # the first finished ones pass their expires_at, the later ones not yet
+    a.sweep()
+    assert b.get(finished[0]) is None and b.get(finished[-1]) is not None
 
 
 def test_an_orphan_mp4_goes_after_two_sweeps_and_temporaries_after_the_lease(tmp_path):
@@ -235,7 +247,7 @@ def test_concurrent_writers_in_other_processes_never_show_a_partial_record(tmp_p
 
 def test_stray_files_in_the_store_are_skipped_and_logged_once(url, caplog):
     """Not every file in a shared directory or bucket is ours: listing, creating and sweeping skip them."""
-    policy = JobPolicy(ttl_s=3600, max_bytes=10**6, lease_s=60, max_jobs=2)
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**6, lease_s=60, max_unfinished=2)
     clock, (jobs,) = replicas(url, policy, n=1)
     store = MediaStore(url)
     job = video()
@@ -311,7 +323,7 @@ def test_a_cancel_asked_on_another_replica_reaches_the_runner_at_its_next_write(
 def test_a_job_whose_replica_is_lost_is_queued_again_until_its_attempts_run_out(url):
     """Each lost replica counts an attempt in the record (read by every replica) and queues the job again; at
     max_attempts requeue says no and the runner fails it (video_jobs: code replica_lost)."""
-    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=3)
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=100, max_attempts=3)
     _, (a, b) = replicas(url, policy)
     runner = a.create(video(), "req-lost")
     job_id = runner.job_id
@@ -354,7 +366,7 @@ def test_a_lapsed_job_with_its_request_is_taken_over_once_and_its_old_runner_is_
     """Ingress A dies mid-job: its record lapses but does not read failed while the request is stored; B and C sweep
     at once and exactly one takes it over (epoch 2, one more attempt, queued again, the stored request handed back);
     A's late write is refused (LeaseLost), never overwriting B's record."""
-    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=3)
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=100, max_attempts=3)
     clock, (a, b, c) = replicas(url, policy, n=3)
     old = a.create(video(), "req-taken", job=b'{"request": "as stored"}')
     old.update(status="in_progress", progress=40)
@@ -376,7 +388,7 @@ def test_a_lapsed_job_with_its_request_is_taken_over_once_and_its_old_runner_is_
 
 
 def test_a_clean_stop_hands_its_job_over_and_the_attempts_bound_take_overs(url):
-    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_jobs=100, max_attempts=2)
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=100, max_attempts=2)
     clock, (a, b) = replicas(url, policy)
     runner = a.create(video(), "req-handed", job=b"{}")
     runner.hand_over()  # Serve stops ingress A: dated back past its lease

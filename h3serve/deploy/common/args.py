@@ -54,11 +54,34 @@ class RequestLimits(BaseModel):
         "not: a prompt's few KB plus base64 keyframes and references (a 1344x768 PNG is up to "
         "~4 MB in base64); larger bodies get HTTP 413",
     )
-    max_video_jobs: int = Field(
-        default=256,
-        ge=1,
-        description="video job records kept; at the limit the oldest "
-        "finished ones are dropped first, and with none finished a new job gets HTTP 503",
+    max_references: int = Field(
+        default=8, ge=0, description="references (images, videos, audio) a Ref2VA request may send; more is HTTP 400"
+    )
+    max_reference_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest video or audio reference, as its container declares it (read at submit without decoding: "
+        "a file that declares no duration is refused); longer is HTTP 400 naming references[i]",
+    )
+    max_reference_frames: int = Field(
+        default=24 * 30, ge=1, description="most frames a video reference may declare (its container's count)"
+    )
+    max_reference_pixels: int = Field(
+        default=1920 * 1080, ge=1, description="largest width x height of a video reference's frames"
+    )
+    max_reference_sample_rate: int = Field(
+        default=48000, ge=1, description="highest sample rate of an audio reference, in Hz"
+    )
+    reference_video_codecs: list[str] = Field(
+        default=["h264", "hevc", "vp8", "vp9", "av1", "mpeg4"],
+        min_length=1,
+        description="the codecs (FFmpeg's names) a video reference may be in; others are HTTP 400 before any decoder "
+        "runs",
+    )
+    reference_audio_codecs: list[str] = Field(
+        default=["aac", "mp3", "opus", "vorbis", "flac", "pcm_s16le", "pcm_s24le", "pcm_f32le"],
+        min_length=1,
+        description="the codecs (FFmpeg's names) an audio reference may be in",
     )
     max_timeout_s: float = Field(
         default=3600.0,
@@ -66,6 +89,16 @@ class RequestLimits(BaseModel):
         description="largest timeout_s a request may give (its deadline, in seconds from arrival); "
         "a request without one gets engine.default_deadline_s",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_video_jobs" in data:
+            raise ValueError(
+                "limits.max_video_jobs is gone: finished video jobs are kept by jobs.ttl_s and jobs.max_bytes only, "
+                "and unfinished ones are capped by jobs.max_unfinished; move the value there"
+            )
+        return data
 
     @model_validator(mode="after")
     def _steps(self) -> RequestLimits:
@@ -130,7 +163,14 @@ class JobStoreArgs(BaseModel):
     max_bytes: int = Field(
         default=20 * 2**30,
         ge=1,
-        description="MP4 bytes kept in the store; beyond it the oldest finished jobs are removed first",
+        description="MP4 bytes kept in the store; beyond it the oldest finished jobs are removed first (the only way a "
+        "finished job goes before its expires_at: no count of jobs removes one)",
+    )
+    max_unfinished: int = Field(
+        default=256,
+        ge=1,
+        description="video jobs queued or in progress at once, across the application's ingress replicas; one more is "
+        "refused with HTTP 429 and Retry-After (finished jobs are not counted: they go by ttl_s and max_bytes)",
     )
     lease_s: float = Field(
         default=60.0,

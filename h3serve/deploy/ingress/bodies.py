@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from h3serve.deploy.common.args import RequestLimits
 from h3serve.deploy.common.errors import APIError, FieldError, invalid
+from h3serve.deploy.ingress.references import media_problem
 from h3serve.pipelines.h3 import Reference
 from h3serve.pipelines.h3.uploads import image_problem
 from h3serve.replicas import MAX_PRIORITY, MIN_PRIORITY
@@ -200,12 +201,19 @@ class VideosBody(Body):
         return data
 
     @model_validator(mode="after")
-    def _image_references(self, info: ValidationInfo) -> "VideosBody":
-        """Image references as keyframes (video and audio ones are decoded on the replica)."""
-        for i, reference in enumerate(self.references):
-            problem = (
-                image_problem(reference.data, limits_of(info).max_image_pixels) if reference.kind == "image" else None
+    def _references(self, info: ValidationInfo) -> "VideosBody":
+        """At most ``max_references``; image ones checked as keyframes, video and audio ones on their container's
+        metadata (``references``: duration, frames, size, sample rate, codec), none decoded here."""
+        limits = limits_of(info)
+        if len(self.references) > limits.max_references:
+            raise FieldError(
+                "references", f"holds {len(self.references)}; a request may send at most {limits.max_references}"
             )
+        for i, reference in enumerate(self.references):
+            if reference.kind == "image":
+                problem = image_problem(reference.data, limits.max_image_pixels)
+            else:
+                problem = media_problem(reference.data, reference.kind, limits)
             if problem is not None:
                 raise FieldError(f"references[{i}]", problem)
         return self

@@ -206,7 +206,7 @@ class H3Ingress:
             ttl_s=args.jobs.ttl_s,
             max_bytes=args.jobs.max_bytes,
             lease_s=args.jobs.lease_s,
-            max_jobs=self.limits.max_video_jobs,
+            max_unfinished=args.jobs.max_unfinished,
             max_attempts=args.jobs.max_attempts,
             idempotency_window_s=args.jobs.idempotency_window_s,
         )
@@ -460,8 +460,8 @@ class H3Ingress:
             )
         if not accepted:
             raise APIError(
-                503,
-                f"{self.limits.max_video_jobs} video jobs are unfinished; retry later",
+                429,
+                f"{self.videos.store.policy.max_unfinished} video jobs are unfinished; retry later",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
         return video

@@ -9,6 +9,10 @@ finished jobs have no writer and are removed at once. A cancel asked on an ingre
 writes ``<id>.cancel``, which the runner sees at its next write (a progress write, at most ``lease_s / 4`` away)
 and answers by stopping the job and recording it ``cancelled``. A sweeper on every replica applies the TTL, the
 byte cap (oldest finished first) and the job count, and clears what crashed writers left behind.
+Retention: a finished job stays until its ``expires_at`` (``ttl_s``) unless the byte cap needs its MP4's room (oldest
+first); nothing is removed to make room for a new job. Unfinished jobs have their own cap (``max_unfinished``): a
+new one over it is refused (the route answers 429). The cap is read from a listing, not a lock: ingress replicas
+creating jobs at the same instant may pass it by one each.
 Timestamps are wall-clock seconds: replicas' clocks must agree to well within ``lease_s``.
 
 Take-over: a job's request is stored beside its record (``<id>.request``, JSON) before it is acknowledged. A lapsed
@@ -44,7 +48,7 @@ class JobPolicy:
     ttl_s: float  # finished jobs (and their MP4s) are removed this long after they finished
     max_bytes: int  # MP4 bytes kept; beyond it the oldest finished jobs go first
     lease_s: float  # an unfinished job whose record is older than this has lost its runner
-    max_jobs: int  # records kept; at the limit the oldest finished go, else creating one is refused
+    max_unfinished: int  # queued or in_progress jobs at once; one more is refused (finished ones are not counted)
     max_attempts: int = 3  # runs of a job on a replica, counting those lost under it (a poison job stops here)
     idempotency_window_s: float = 86400.0  # an Idempotency-Key answers its retries this long (idempotency.py)
 
@@ -167,14 +171,14 @@ class JobStore:
     def create(
         self, video: dict, request_id: str | None = None, priority: int = 0, job: bytes | None = None
     ) -> JobRunner | None:
-        """Store a new job and return its runner; None when max_jobs unfinished jobs exist (answer 503).
+        """Store a new job and return its runner; None when ``max_unfinished`` unfinished jobs exist (answer 429).
 
         ``request_id`` (the HTTP request's X-Request-Id, in every log line about the job) is kept in the
         record beside the video object, with ``submissions``: how often it was sent to a replica (a draining
         replica hands back a job it never started, and the runner submits it again), and the ``priority``
         every submission carries. ``job``: what another ingress needs to run it again (``video_jobs``), stored as
         ``<id>.request`` before the record, so a job acknowledged can always be taken over."""
-        if not self._make_room():
+        if self.unfinished() >= self.policy.max_unfinished:
             return None
         if job is not None:
             self.store.put(f"{video['id']}.request", job)
@@ -314,16 +318,10 @@ class JobStore:
             if r["video"]["status"] in FINISHED
         )
 
-    def _make_room(self) -> bool:
-        names = self.store.names()
-        if sum(job_id_of(n, ".json") is not None for n in names) < self.policy.max_jobs:
-            return True
-        records = self._records(names)
-        finished = self._oldest_finished(records)
-        excess = len(records) - self.policy.max_jobs + 1
-        for _, job_id in finished[:excess]:
-            self._remove(job_id)
-        return len(records) - min(excess, len(finished)) < self.policy.max_jobs
+    def unfinished(self) -> int:
+        """How many jobs are queued or in progress (deleted ones not counted)."""
+        records = self._live_records(self.store.names())
+        return sum(r["video"]["status"] not in FINISHED for r in records.values())
 
     def sweep(self) -> None:
         """TTL, byte cap, expired leases, tombstones and leftovers; safe on every replica at once."""
