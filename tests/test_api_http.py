@@ -495,6 +495,11 @@ def test_the_docs_pages_carry_the_document_so_they_work_with_auth_on(server):
     # every operation takes an X-Request-Id; the POSTs take timeout_s up to max_timeout_s
     without = [key for key, op in operations.items() if "X-Request-Id" not in {p["name"] for p in op["parameters"]}]
     assert not without
+    # the generating POSTs take an Idempotency-Key header (Stripe's), nothing else does
+    keyed = {key for key, op in operations.items() if "Idempotency-Key" in {p["name"] for p in op["parameters"]}}
+    assert keyed == {("post", "/v1/videos"), ("post", "/v1/images/generations")}, keyed
+    key = next(p for p in operations["post", "/v1/videos"]["parameters"] if p["name"] == "Idempotency-Key")
+    assert key["in"] == "header" and not key["required"] and key["schema"]["type"] == "string"
     body = locked["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["properties"]["timeout_s"]["maximum"] == 3600
 

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from h3serve.deploy.common.args import RequestLimits
+from h3serve.deploy.jobs.idempotency import KEY
 from h3serve.deploy.jobs.store import JOB_ID
 from h3serve.pipelines.h3 import ModelRules
 from h3serve.replicas import MAX_PRIORITY, MIN_PRIORITY
@@ -33,6 +34,16 @@ REQUEST_ID_HEADER = {
     "description": "names this request in the server's logs and in a video job's record; echoed in the "
     "answer's X-Request-Id header (one is made when none is sent)",
 }
+IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "pattern": f"^{KEY.pattern}$"},
+    "description": "makes a retried POST the same request (Stripe's header): the same key with the same body within "
+    "jobs.idempotency_window_s answers with the first request's answer (a video: the same job, as it reads now), "
+    "never a second generation; the same key with another body is a 422 naming this header",
+}
+IDEMPOTENT_POSTS = ("/v1/videos", "/v1/images/generations")
 BEARER = {"type": "http", "scheme": "bearer"}
 LAST_EVENT_ID = {
     "name": "Last-Event-ID",
@@ -222,6 +233,10 @@ def document(
                 if "input_reference" in model.model_fields:  # the openai client posts videos as multipart
                     content["multipart/form-data"] = {"schema": properties(model, form_docs)}
                 operation["requestBody"] = {"required": True, "content": content}
+    for path in IDEMPOTENT_POSTS:
+        post = doc["paths"].get(path, {}).get("post")
+        if post is not None:
+            post["parameters"].insert(0, IDEMPOTENCY_KEY)
     for path, method in (("/v1/videos", "post"), ("/v1/videos/{video_id}", "get")):
         if method in doc["paths"].get(path, {}):
             doc["paths"][path][method]["responses"]["200"]["content"] = {
