@@ -24,6 +24,7 @@ import base64
 import collections
 import dataclasses
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,7 @@ from typing import Any
 
 from h3serve.deploy.common.errors import APIError
 
+logger = logging.getLogger(__name__)
 TERMINAL = ("completed", "failed", "cancelled")
 KINDS = ("queued", "requeued", "started", "step", "preview", "decoding", *TERMINAL)
 KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
@@ -56,6 +58,14 @@ def last_event_id(value: str | None) -> int:
             "Last-Event-ID",
         )
     return int(value)
+
+
+def past_last_event(after: int, last_id: int) -> APIError:
+    return APIError(
+        400,
+        f"Last-Event-ID {after} is past this job's last event ({last_id}); resume from an id it sent",
+        "Last-Event-ID",
+    )
 
 
 def encode(kind: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
@@ -221,3 +231,44 @@ async def follow_store(
             yield b": keep-alive\n\n"
         await asyncio.sleep(poll_s)
         quiet += poll_s
+
+
+async def keep_stored(
+    log: EventLog, save: Callable[[bytes], Awaitable[None]], fenced: type[Exception], every_s: float = FLUSH_S
+) -> None:
+    """The runner's side: ``save`` the log to the store whenever it has grown, at most every ``every_s``, until
+    cancelled (the job leaves this ingress, which saves it a last time) or ``fenced`` (another ingress runs it now:
+    its log is that one's to write). A failed write is logged and left to the next one."""
+    written = 0
+    while True:
+        await log.changed(written)
+        upto = log.last_id
+        try:
+            await save(log.dump())
+            written = upto
+        except fenced:
+            return
+        except Exception:
+            logger.exception("writing a video job's event log failed; the next write retries")
+        await asyncio.sleep(every_s)
+
+
+async def job_stream(
+    log: EventLog | None,
+    finished: bool,
+    after: int,
+    read_log: Callable[[], Awaitable[bytes | None]],
+    read_both: Callable[[], Awaitable[tuple[dict | None, bytes | None]]],
+) -> AsyncIterator[bytes]:
+    """A job's stream after ``after``: live from ``log`` where this ingress runs (or ran) it, else from the store
+    (``follow_store``); the same events with the same ids either way. A 400 naming Last-Event-ID when ``after`` is
+    past the last event of the live log, or of a stored log that has ended."""
+    if log is not None:
+        if after > log.last_id:
+            raise past_last_event(after, log.last_id)
+        return log.follow(after)
+    if finished:
+        events, last_id = load_log(await read_log())
+        if after > last_id and any(e.kind in TERMINAL for e in events):
+            raise past_last_event(after, last_id)
+    return follow_store(read_both, after)

@@ -4,10 +4,15 @@ the sweeper, and stopping jobs on cancel, DELETE or shutdown.
 
 What a record holds and how replicas share the store without a lock is ``jobs``'s; this module is the
 asyncio side of it. Store calls block, so they run on a thread pool.
+
+A little over 600 lines on purpose: one job's life (submit, follow, re-queue, resubmit, take over, cancel, hand over,
+fail) is one state machine over one runner; its pure parts live beside it (``store``: the record and its fencing;
+``events``: the log, storing it, streaming it; ``idempotency``).
 """
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import time
@@ -20,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
-from h3serve.deploy.jobs.events import FLUSH_S, TERMINAL, EventLog, JobEvents, event_data, follow_store, load_log
+from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data, job_stream, keep_stored, load_log
 from h3serve.deploy.jobs.idempotency import Idempotency
 from h3serve.deploy.jobs.store import (
     FINISHED,
@@ -71,14 +76,6 @@ def dump_job(request: GenerationRequest, **fields) -> bytes:
 def load_job(raw: bytes) -> dict:
     job = json.loads(raw, object_hook=lambda d: base64.b64decode(d["__b64__"]) if d.keys() == {"__b64__"} else d)
     return {**job, "request": GenerationRequest.model_validate(job["request"])}
-
-
-def past_last_event(after: int, last_id: int) -> APIError:
-    return APIError(
-        400,
-        f"Last-Event-ID {after} is past this job's last event ({last_id}); resume from an id it sent",
-        "Last-Event-ID",
-    )
 
 
 def not_cancellable(video: dict) -> APIError:
@@ -172,24 +169,9 @@ class VideoJobs:
         flusher = self.flushers.pop(runner.job_id, None)
         if flusher is not None:
             flusher.cancel()
-        self.flushers[runner.job_id] = asyncio.get_running_loop().create_task(self._flush(runner, log))
+        save = functools.partial(self._io, runner.save_events)
+        self.flushers[runner.job_id] = asyncio.get_running_loop().create_task(keep_stored(log, save, LeaseLost))
         return log
-
-    async def _flush(self, runner: JobRunner, log: EventLog) -> None:
-        """Write the job's log to the store when it has grown, at most every FLUSH_S, until the job ends here (then
-        ``_save_log`` writes it a last time). A failed write is logged and left to the next one."""
-        written = 0
-        while True:
-            await log.changed(written)
-            upto = log.last_id
-            try:
-                await self._io(runner.save_events, log.dump())
-                written = upto
-            except LeaseLost:
-                return  # another ingress runs it now, or this one handed it over: the log is theirs to write
-            except Exception:
-                logger.exception("writing the event log of video job %s failed; the next write retries", runner.job_id)
-            await asyncio.sleep(FLUSH_S)
 
     async def _save_log(self, runner: JobRunner) -> None:
         """The job leaves this ingress (finished, handed over, stopped): its log's last write, awaited, so that
@@ -208,19 +190,15 @@ class VideoJobs:
             logger.exception("writing the last event log of video job %s failed", runner.job_id)
 
     async def event_stream(self, video_id: str, video: dict, after: int) -> AsyncIterator[bytes]:
-        """The job's Server-Sent Events after ``after``: live from its log where it runs (or ran) here, else from its
-        stored log (``follow_store``), the same events with the same ids either way. A 400 naming Last-Event-ID when
-        ``after`` is past the last event of a log that has ended (or of the live log here)."""
-        log = self.events.get(video_id)
-        if log is not None:
-            if after > log.last_id:
-                raise past_last_event(after, log.last_id)
-            return log.follow(after)
-        if video["status"] in FINISHED:
-            events, last_id = load_log(await self._io(self.store.events, video_id))
-            if after > last_id and any(e.kind in TERMINAL for e in events):
-                raise past_last_event(after, last_id)
-        return follow_store(lambda: self._io(self.store.video_and_events, video_id), after)
+        """The job's Server-Sent Events after ``after`` (``events.job_stream``): from its log where it runs (or ran)
+        here, else from the store."""
+        return await job_stream(
+            self.events.get(video_id),
+            video["status"] in FINISHED,
+            after,
+            lambda: self._io(self.store.events, video_id),
+            lambda: self._io(self.store.video_and_events, video_id),
+        )
 
     async def take_over(self) -> None:
         """Run here the jobs whose ingress stopped writing their records (it died, or handed them over as it stopped):
