@@ -148,14 +148,13 @@ def update(http: httpx.Client, served: ServedConfig) -> dict:
 
     limits = served.config["applications"][0]["args"]["limits"]
     limits["max_prompt_chars"] = limits.get("max_prompt_chars", 4000) + 1  # read by the ingress alone
-    with ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(read_stream, str(http.base_url), video_id)
-        context._check_cached_client_alive()
-        context._get_global_client().deploy_apps(ServeDeploySchema.model_validate(served.config), _blocking=False)
-        updated = time.monotonic()
-        video = poll(http, video_id)
-        recover_s = time.monotonic() - updated
-        ended = ended_with(stream.result(), video)
+    # no stream open meanwhile: one would hold the old ingress for its graceful shutdown (the job then ends there)
+    context._check_cached_client_alive()
+    context._get_global_client().deploy_apps(ServeDeploySchema.model_validate(served.config), _blocking=False)
+    updated = time.monotonic()
+    video = poll(http, video_id)
+    recover_s = time.monotonic() - updated
+    ended = ended_with(read_stream(str(http.base_url), video_id), video)
     settled()  # the next scenarios kill "the" replica
     return {"videos": [video], "created": 1, "recover_s": recover_s, "streams": (int(ended), 1)}
 
