@@ -411,10 +411,12 @@ class VideoJobs:
             await self._fail(runner, "timeout" if timed_out else str(code), error.message)
         finally:
             heartbeat.cancel()
-            await self._save_log(runner)
-            self.tasks.pop(runner.job_id, None)
-            self.runners.pop(runner.job_id, None)
-            self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
+            try:
+                await self._save_log(runner)  # its last events, for the other replicas' readers
+            finally:  # even when a cancel interrupts that write
+                self.tasks.pop(runner.job_id, None)
+                self.runners.pop(runner.job_id, None)
+                self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
 
     async def _follow(self, runner: JobRunner, stream: DeploymentResponseGenerator) -> None:
         """The replica's events into the job's event log and (at most every PROGRESS_EVERY_S, and at once when it
