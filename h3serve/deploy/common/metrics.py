@@ -193,6 +193,27 @@ DEADLINE_SLACK = MetricDef(
     "Seconds left to the closest deadline among the requests a replica holds; no series while none has one.",
 )
 
+# "tenant": a name from the ingress's key file (auth.keys_file) or "admin" (api_key_env's key): a bounded set; "" for
+# a request no key was accepted for. Without tenants (open mode) these stay empty.
+TENANT_REQUESTS = MetricDef(
+    "h3serve_tenant_requests",
+    "counter",
+    "HTTP requests by tenant, route and status code.",
+    ("tenant", "route", "status"),
+)
+TENANT_REJECTIONS = MetricDef(
+    "h3serve_tenant_rejections",
+    "counter",
+    "Requests a tenant's limits refused, by the limit (max_priority, requests_per_minute, max_jobs, max_row_steps).",
+    ("tenant", "reason"),
+)
+TENANT_ROW_STEPS = MetricDef(
+    "h3serve_tenant_row_steps",
+    "counter",
+    "Row-steps (rows x num_inference_steps) of the generations admitted, by tenant: its share of the engines' work.",
+    ("tenant",),
+)
+
 ALL_METRICS = (
     ADMISSION_DECISIONS,
     ADMISSION_FAILURES,
@@ -217,6 +238,9 @@ ALL_METRICS = (
     ROW_STEP_RATE,
     OLDEST_WAIT,
     DEADLINE_SLACK,
+    TENANT_REQUESTS,
+    TENANT_REJECTIONS,
+    TENANT_ROW_STEPS,
 )
 
 
@@ -384,3 +408,21 @@ class RequestMetrics:
         self.requests.inc(1, tags={"route": route, "status": str(status), "model": model})
         if seconds is not None:
             self.latency.observe(seconds, tags={"route": route, "model": model})
+
+
+class TenantMetrics:
+    """Requests, refusals by limit and admitted row-steps by tenant (the ingress's)."""
+
+    def __init__(self):
+        self.requests, self.rejections = make(TENANT_REQUESTS), make(TENANT_REJECTIONS)
+        self.row_steps = make(TENANT_ROW_STEPS)
+
+    def observe(self, tenant: str, route: str, status: int) -> None:
+        self.requests.inc(1, tags={"tenant": tenant, "route": route, "status": str(status)})
+
+    def rejected(self, tenant: str, reason: str) -> None:
+        self.rejections.inc(1, tags={"tenant": tenant, "reason": reason})
+
+    def admitted(self, tenant: str, row_steps: int) -> None:
+        if row_steps > 0:  # Ray's counters refuse an increment of 0
+            self.row_steps.inc(row_steps, tags={"tenant": tenant})
