@@ -55,7 +55,7 @@ from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
-from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page
+from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
 from h3serve.deploy.ingress.playground import playground_page
 from h3serve.deploy.ingress.quotas import Quotas
 from h3serve.deploy.ingress.tenants import Tenant, Tenants
@@ -252,6 +252,9 @@ class H3Ingress:
         except Exception as e:
             error = e if isinstance(e, APIError) else http_error(e, f"request {request_id} ({route})")
             status = error.status
+            if route == "/docs" and status == 401 and "text/html" in request.headers.get("accept", ""):
+                # a browser opening /docs cannot send the header: a page that asks for the key (and holds no data)
+                return HTMLResponse(swagger_sign_in_page("h3serve API"), status_code=401, headers=error.headers)
             return error.response()
         finally:  # a generation's model id once it was resolved (a bounded set: the config's), else ""
             self.metrics.observe(route, status, time.perf_counter() - started, getattr(request.state, "model", ""))
