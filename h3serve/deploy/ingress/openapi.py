@@ -312,7 +312,7 @@ def swagger_sign_in_page(title: str) -> str:
 document.getElementById("key-form").addEventListener("submit", async (e) => {{
   e.preventDefault();
   const key = document.getElementById("key").value.trim();
-  const url = location.pathname.replace(/\/docs\/?$/, "") + "/openapi.json";
+  const url = location.pathname.replace(/[/]docs[/]?$/, "") + "/openapi.json";
   const response = await fetch(url, {{headers: {{Authorization: "Bearer " + key}}}});
   if (!response.ok) {{
     document.getElementById("key-error").textContent = "the key was refused (" + response.status + ")";

@@ -20,7 +20,6 @@ from h3serve.replicas import MIN_PRIORITY
 
 # a job's end is not known at admission (it takes minutes, its ETA is its own record's): ask again after this
 QUOTA_RETRY_AFTER_S = 10
-RATE_LIMITED = "rate_limit_error"  # OpenAI's error type for a 429
 
 
 def too_many(tenant: Tenant, limit: str, message: str, retry_after_s: float) -> APIError:
@@ -29,7 +28,6 @@ def too_many(tenant: Tenant, limit: str, message: str, retry_after_s: float) -> 
         f"tenant {tenant.name}: {message} ({limit})",
         limit,
         headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
-        kind=RATE_LIMITED,
     )
 
 
