@@ -213,6 +213,17 @@ TENANT_ROW_STEPS = MetricDef(
     "Row-steps (rows x num_inference_steps) of the generations admitted, by tenant: its share of the engines' work.",
     ("tenant",),
 )
+TENANT_GPU_SECONDS = MetricDef(
+    "h3serve_tenant_gpu_seconds",
+    "counter",
+    "Seconds of GPU (of the replica's SP ranks: CPU ranks on a CPU deployment) in packed forwards, by tenant: each "
+    "request's rows' share of each forward's wall time, times the replica's ranks. Requests without a tenant are "
+    "not counted.",
+    ("tenant",),
+)
+# a replica exports at most this many tenants (the ingress names them from its key file): a bug that sends more
+# is an error logged by the engine's observer, never an unbounded set of series
+MAX_TENANT_SERIES = 1000
 
 ALL_METRICS = (
     ADMISSION_DECISIONS,
@@ -241,6 +252,7 @@ ALL_METRICS = (
     TENANT_REQUESTS,
     TENANT_REJECTIONS,
     TENANT_ROW_STEPS,
+    TENANT_GPU_SECONDS,
 )
 
 
@@ -312,7 +324,9 @@ def checked(value: str, allowed: tuple[str, ...], tag: str) -> str:
 class EngineMetrics:
     """replicas.EngineObserver, recording to Prometheus through Ray (the replica reports stage "encode" too)."""
 
-    def __init__(self):
+    def __init__(self, ranks: int = 1):
+        """``ranks``: the replica's SP ranks (GPUs on cuda), what a forward's wall time is multiplied by."""
+        self.ranks = ranks
         self.queue, self.step = make(QUEUE_DEPTH), make(STEP_SECONDS)
         self.rows, self.padding = make(ROWS_PER_STEP), make(PADDING_FRACTION)
         self.stage, self.failed_steps, self.failed_requests = (
@@ -327,6 +341,7 @@ class EngineMetrics:
         self.adapters, self.adapter_documents = make(LORA_ADAPTERS), make(ADAPTER_DOCUMENT_STEPS)
         self.backlog, self.rate = make(BACKLOG_ROW_STEPS), make(ROW_STEP_RATE)
         self.oldest_wait, self.slack = make(OLDEST_WAIT), make(DEADLINE_SLACK)
+        self.tenant_gpu_s, self.tenants_seen = make(TENANT_GPU_SECONDS), set[str]()
         self.served_adapters: tuple[str, ...] = ()  # the adapter label's values, the base model's "" besides
         self._adapters_refresher: threading.Thread | None = None
 
@@ -398,6 +413,15 @@ class EngineMetrics:
             label = "" if adapter is None else checked(adapter, self.served_adapters, "adapter")
             if count > 0:  # Ray's counters refuse an increment of 0
                 self.adapter_documents.inc(count, tags={"adapter": label})
+
+    def on_tenant_forward_s(self, seconds: Mapping[str, float]) -> None:
+        for tenant, share in seconds.items():
+            if tenant not in self.tenants_seen:
+                if len(self.tenants_seen) >= MAX_TENANT_SERIES:
+                    raise ValueError(f"tenant {tenant!r} is past {MAX_TENANT_SERIES} tenants: not exported")
+                self.tenants_seen.add(tenant)
+            if share > 0:  # Ray's counters refuse an increment of 0
+                self.tenant_gpu_s.inc(share * self.ranks, tags={"tenant": tenant})
 
 
 class RequestMetrics:
