@@ -123,15 +123,17 @@ def test_one_tenant_or_none_is_the_policy_alone_and_a_fair_batch_keeps_every_bud
         assert set(plan.preempted) == {v for v in left_out if v.running}
 
 
-def test_a_tenant_coming_back_from_idle_banks_no_credit_and_gone_tenants_are_forgotten():
+def test_a_tenant_coming_back_from_idle_starts_at_the_virtual_time_and_gone_tenants_are_forgotten():
     fair = FairShare()
     assert fair.served(["a"]) == {"a": 0}
-    fair.charge("a", 500)
-    fair.charge("b", 900)  # b is not held: forgotten at the next look
-    assert fair.served(["a", "c"]) == {"a": 500, "c": 500}  # c starts level with the least charged tenant held
+    assert fair.charge("a", 500) == 0 and fair.charge("a", 500) == 500  # start tags: the charge before
+    assert fair.charge("b", 900) == 500  # new: it starts at the virtual time; not held, it is forgotten next look
+    # c starts at the virtual time (the latest start tag, 500): below a's 1000, so it takes the next turn, and
+    # banked nothing for the time it had no work
+    assert fair.served(["a", "c"]) == {"a": 1000, "c": 500}
     fair.charge("c", 100)
     assert fair.served(["c"]) == {"c": 600}
-    assert fair.served([]) == {}
+    assert fair.served([]) == {} and fair.served(["d"]) == {"d": 500}
 
 
 def simulate(fair_share: bool, steps_each: int = 4) -> dict[str, int]:

@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from tests.harness import client, error_of, wait_for, wait_video
+from tests.harness import client, error_of, scrape, wait_for, wait_video
 from tests.served_apps import TENANT_KEYS, tenant_entries
 from tests.test_api_http import schemathesis
 
@@ -115,6 +115,33 @@ def test_another_tenants_job_is_a_404_on_every_route_and_the_admin_sees_all(serv
         assert first == again != other
         for video_id, tenant in ((first, "alpha"), (other, "beta")):
             wait_video(http, video_id, headers=auth(tenant), prefix=P)
+
+
+def tenant_counter(server, name: str) -> dict[str, float]:
+    """A tenant counter (``ray_h3serve_tenant_*_total``) by tenant, summed over this application's replicas."""
+    counted: dict[str, float] = {}
+    for sample in scrape(server.metrics_port).get(f"ray_h3serve_tenant_{name}_total", []):
+        if sample.labels.get("application") == server.name:
+            counted[sample.labels["tenant"]] = counted.get(sample.labels["tenant"], 0.0) + sample.value
+    return counted
+
+
+def test_seconds_of_gpu_and_row_steps_are_counted_by_tenant(server):
+    """The replica splits each forward's seconds among the tenants of its requests (rows' share) and exports them by
+    tenant, the ingress the row-steps it admitted: both grow with a tenant's job, labelled by key-file names only."""
+    before = tenant_counter(server, "gpu_seconds")
+    with client(server.root) as http:
+        jobs = {tenant: created(http, tenant, steps=3) for tenant in ("alpha", "beta")}
+        for tenant, job in jobs.items():
+            assert wait_video(http, job, headers=auth(tenant), prefix=P)["status"] == "completed"
+
+    def grown():
+        gpu_s, row_steps = tenant_counter(server, "gpu_seconds"), tenant_counter(server, "row_steps")
+        ran = all(gpu_s.get(t, 0.0) > before.get(t, 0.0) for t in jobs) and all(row_steps.get(t) for t in jobs)
+        return ran and (gpu_s, row_steps)
+
+    gpu_s, row_steps = wait_for(grown, timeout=60, what="the tenants' counters exported")
+    assert set(gpu_s) | set(row_steps) <= set(TENANT_KEYS)  # bounded: names from the key file, never a key
 
 
 def test_the_list_is_ones_own_newest_first_with_cursor_pagination(server):

@@ -152,26 +152,28 @@ def turns(
 
 class FairShare:
     """The row-steps charged to each tenant with work held: a request's whole work (rows x steps left) when it first
-    enters a pack. A tenant that had nothing held starts at the least charge among those that have (it banks no
-    credit while idle, so coming back it takes turns with the others, never a burst of its own)."""
+    enters a pack. A tenant that had nothing held starts at the virtual time, the start tag of the latest request to
+    start (start-time fair queuing): level with the tenants being served, so it banks no credit while idle and takes
+    the next turn, never a burst of its own."""
 
     def __init__(self) -> None:
         self._charged: dict[str | None, int] = {}
+        self.virtual = 0
 
     def served(self, tenants: Iterable[str | None]) -> dict[str | None, int]:
         """The charges of ``tenants`` (those with work held now); the others are forgotten."""
         held = set(tenants)
         for gone in self._charged.keys() - held:
             del self._charged[gone]
-        floor = min(self._charged.values(), default=0)
         for new in held - self._charged.keys():
-            self._charged[new] = floor
+            self._charged[new] = self.virtual
         return dict(self._charged)
 
     def charge(self, tenant: str | None, row_steps: int) -> int:
         """Charge ``tenant`` for a request entering a pack; returns the charge before it (the request's start tag)."""
-        before = self._charged.get(tenant, 0)
+        before = self._charged.get(tenant, self.virtual)
         self._charged[tenant] = before + row_steps
+        self.virtual = max(self.virtual, before)
         return before
 
 
