@@ -25,12 +25,14 @@ submit: ``admit`` names the request the stage worker prepares next, and, when th
 bound, the prepared request that never stepped and gives its room to it (it waits again; only its prepare is lost).
 ``decide`` and ``admit`` take the engine's requests themselves (anything ``Schedulable``) and return them.
 
-Fair sharing between tenants (issue 55; ``served``, kept by a ``FairShare``): each tenant's requests are ordered by the
-policy, and the tenants take turns, one request a turn, the turn going to the tenant charged the fewest row-steps;
-a request charges its tenant its whole work (rows x steps left) when it first enters a pack. Tenants share only
-within a priority class (the request's ``priority`` under "priority", one class otherwise), and the turns never
-displace a running request the policy ranks first (no tenant's backlog holds another's newcomer for more than the
-requests already running). With one tenant (or none: no key file) the order is the policy's, unchanged.
+Fair sharing between tenants (issue 55; ``served``, kept by a ``FairShare``): start-time fair queuing by row-steps.
+Each tenant's requests keep the policy's order and the tenants take turns, one request a turn, the turn going to the
+least tag: a started request's is its tenant's charge when it started (``start_tag``), a new one's its tenant's
+charge now; a request charges its tenant its whole work (rows x steps left) when it first enters a pack. Tenants
+share only within a priority class (the request's ``priority`` under "priority", one class otherwise), and a turn
+never displaces a running request the policy ranks first (no tenant's backlog holds another's newcomer for more than
+the requests already running). With one tenant (or none: no key file) the order is the policy's, unchanged.
+docs/DESIGN.md says why this rule.
 """
 
 from __future__ import annotations
