@@ -250,3 +250,17 @@ def test_the_store_keeps_each_jobs_tenant_and_shows_it_to_it_alone(tmp_path):
     assert store.usage("beta") == (1, 200) and store.usage("nobody") == (0, 0)
     beta_job = next(i for i, t in jobs.items() if t == "beta")
     assert store.delete(beta_job, "beta") and store.usage("beta") == (0, 0)
+
+
+def test_the_replicas_gpu_seconds_by_tenant_keep_a_bounded_set_of_series():
+    """``EngineMetrics.on_tenant_forward_s`` exports each tenant's share times the replica's ranks; a tenant past
+    MAX_TENANT_SERIES (the ingress names them from its key file, so only a bug gets there) is refused, never a new
+    series (the engine's observer logs the error; the request goes on)."""
+    from h3serve.deploy.common.metrics import MAX_TENANT_SERIES, EngineMetrics
+
+    metrics = EngineMetrics(ranks=4)
+    metrics.on_tenant_forward_s({f"t{i}": 0.25 for i in range(MAX_TENANT_SERIES)})
+    metrics.on_tenant_forward_s({"t0": 0.5})  # a tenant seen before: counted again, no new series
+    with pytest.raises(ValueError, match="past 1000 tenants"):
+        metrics.on_tenant_forward_s({"one-too-many": 0.5})
+    assert len(metrics.tenants_seen) == MAX_TENANT_SERIES and "one-too-many" not in metrics.tenants_seen
