@@ -128,6 +128,46 @@ def _cold_apps(inputs: Inputs) -> list[dict]:
     return apps
 
 
+# test_tenants_http's: three tenants (alpha and beta users, ops an admin) and one per quota, from a key file re-read
+# every second; one request in the pack at a time, in arrival order, so a long job holds the engine while others wait
+TENANT_KEYS = {
+    "alpha": "alpha-key-0123456789abcdef",
+    "beta": "beta-key-0123456789abcdef",
+    "ops": "ops-key-0123456789abcdef00",
+    "rpm": "rpm-key-0123456789abcdef00",
+    "steps": "steps-key-0123456789abcdef",
+}
+TENANT_ENGINE = {"max_active": 1, "max_queue": 16, "policy": "fcfs"}
+
+
+def tenant_entries(keys: dict[str, str], steps_limit: int = 1) -> list[dict]:
+    """The key file's entries (``auth.keys_file``) for ``keys`` (tenant -> key); the ``steps`` tenant's row-step limit
+    is set by the test once it knows a request's size."""
+    limits = {
+        "alpha": {"role": "user", "max_priority": 1, "max_jobs": 2},
+        "beta": {"role": "user"},
+        "ops": {"role": "admin"},
+        "rpm": {"role": "user", "requests_per_minute": 2},
+        "steps": {"role": "user", "max_row_steps": steps_limit},
+    }
+    return [{"key": key, "tenant": name.split("-")[0], **limits[name.split("-")[0]]} for name, key in keys.items()]
+
+
+def tenants_keys_file(inputs: Inputs) -> Path:
+    return inputs.tmp / "tenants" / "keys.yaml"
+
+
+def _tenant_apps(inputs: Inputs) -> list[dict]:
+    import yaml
+
+    path = tenants_keys_file(inputs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"keys": tenant_entries(TENANT_KEYS)}))
+    app = _app(inputs, "tenants", "/tenants", api_key_env=None, auth={"keys_file": str(path), "reload_s": 1})
+    app["args"]["engine"] = {**app["args"]["engine"], **TENANT_ENGINE}
+    return [app]
+
+
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
@@ -139,6 +179,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_events_http": _events_apps,
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
     "test_scale_from_zero": _cold_apps,
+    "test_tenants_http": _tenant_apps,
 }
 
 

@@ -245,6 +245,7 @@ def test_every_route_needs_the_token_but_health(server):
             ("POST", "/v1/videos/{video_id}/cancel"): (f"/v1/videos/{video_id}/cancel", {}, 409),  # it completed
             ("DELETE", "/v1/videos/{video_id}"): (f"/v1/videos/{video_id}", {}, 200),
             ("GET", "/v1/models"): ("/v1/models", {}, 200),
+            ("GET", "/v1/me"): ("/v1/me", {}, 200),  # api_key_env's key: tenant admin
             ("GET", "/health"): ("/health", {}, 200),
             ("GET", "/v1/stats"): ("/v1/stats", {}, 200),
             ("GET", "/"): ("/", {}, 200),  # the playground page: public, it asks for the key itself
@@ -596,5 +597,7 @@ def test_the_playground_page_of_a_locked_server_asks_for_the_key_and_sends_it_as
         browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
         wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"), 30, "the models")
         assert state.text == "key set" and KEY not in browser.current_url
+        # api_key_env's key is tenant admin's: the page says whose key it is
+        assert browser.find_element(By.ID, "tenant").text == "tenant admin (admin: every job)"
     finally:
         browser.quit()

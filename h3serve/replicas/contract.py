@@ -134,6 +134,13 @@ class EngineLimits(BaseModel):
         description="waiting this long is worth one priority level (priority) and halves the remaining-work key "
         "(srpt), so nothing starves",
     )
+    fair_share: bool = Field(
+        default=True,
+        description="tenants of equal priority take turns, one request a turn, to the tenant charged the fewest "
+        "row-steps (a request's tenant comes from the ingress's auth.keys_file); a running request the policy ranks "
+        "first is never displaced. Requests without a tenant are one tenant: the policy alone. false: the policy "
+        "alone, whoever asks",
+    )
     max_prepared: int = Field(
         default=2,
         ge=1,

@@ -373,7 +373,12 @@ class Engine:
         resident, limits = self.requests.at(Stage.RESIDENT), self.limits
         candidates = resident if self.gate is None else gated(self.gate, self.requests, limits.policy, limits.aging_s)
         budget = Budget(limits.max_active, limits.max_rows_per_step, limits.max_text_rows_per_step)
-        decision = scheduler.decide(resident, candidates, budget, limits.policy, time.monotonic(), limits.aging_s)
+        served = self.requests.served(limits.fair_share)
+        now = time.monotonic()
+        decision = scheduler.decide(resident, candidates, budget, limits.policy, now, limits.aging_s, served)
+        for ticket in decision.batch:
+            if not ticket.started:  # it enters a pack for the first time: its tenant is charged its whole work
+                ticket.start_tag = self.requests.fair.charge(ticket.request.tenant, ticket.work)
         for ticket in resident:
             ticket.running = ticket in decision.batch
         if decision.paused:

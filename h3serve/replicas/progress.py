@@ -56,6 +56,10 @@ class EngineObserver(Protocol):
     # after each packed forward: its documents by adapter (None: the base model)
     def on_adapter_documents(self, documents: Mapping[str | None, int]) -> None: ...
 
+    # after each packed forward: its seconds split by tenant, each request's share its rows' share of the pack's
+    # (tenants named by the ingress from its key file, a bounded set; requests without a tenant are not reported)
+    def on_tenant_forward_s(self, seconds: Mapping[str, float]) -> None: ...
+
     # one request's progress (REQUEST_EVENTS), for whoever follows it; on the engine's event loop
     def on_request_event(self, ticket: Ticket, kind: str, fields: dict[str, Any]) -> None: ...
 
@@ -63,7 +67,13 @@ class EngineObserver(Protocol):
 
 
 # observer methods added after the first observers were written: the engine skips them on an observer without them
-OPTIONAL_OBSERVER_METHODS = ("on_adapters", "on_adapter_documents", "on_request_event", "on_cancelled")
+OPTIONAL_OBSERVER_METHODS = (
+    "on_adapters",
+    "on_adapter_documents",
+    "on_request_event",
+    "on_cancelled",
+    "on_tenant_forward_s",
+)
 
 
 @dataclasses.dataclass
@@ -88,6 +98,10 @@ class EngineStats:
     preview_captures: int = 0
     previews: int = 0
     row_steps: int = 0  # rows (padding not counted) x denoising steps advanced by successful forwards
+    # forward seconds by tenant (None: requests without one): each request's rows' share of each pack it was in
+    tenant_forward_s: collections.defaultdict[str | None, float] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(float)
+    )
 
     @property
     def duty_cycle(self) -> float:
@@ -188,6 +202,7 @@ class Progress:
         self.meter.sample(self.busy_s(), self.stats.row_steps)
         self.observe("on_step", stats, seconds)
         self.observe("on_adapter_documents", collections.Counter(t.adapter for t in tickets))
+        self.tenant_shares(tickets, seconds)
         self.stage("step", seconds)
         for ticket, error in zip(tickets, errors, strict=True):
             if ticket.future.done():  # cancelled or past its deadline during the forward: it has left
@@ -197,6 +212,20 @@ class Progress:
                 self.fail(ticket, RuntimeError(f"request {ticket.id} failed: {error}"), "error")
             else:
                 self.stepped(ticket)
+
+    def tenant_shares(self, tickets: Sequence[Ticket], seconds: float) -> None:
+        """A forward's seconds split among its requests' tenants by rows (padding shared in proportion)."""
+        rows = sum(t.rows for t in tickets)
+        if not rows:
+            return
+        shares: collections.defaultdict[str | None, float] = collections.defaultdict(float)
+        for ticket in tickets:
+            shares[ticket.request.tenant] += seconds * ticket.rows / rows
+        for tenant, share in shares.items():
+            self.stats.tenant_forward_s[tenant] += share
+        named = {tenant: s for tenant, s in shares.items() if tenant is not None}
+        if named:
+            self.observe("on_tenant_forward_s", named)
 
     def load(self) -> EngineLoad:
         """The backlog (rows x steps left of every request held, an adapter's own step count included), the
@@ -215,9 +244,14 @@ class Progress:
 
     # -- ETAs and queue positions -------------------------------------------------------------
     def queued(self) -> list[Ticket]:
-        """Requests that never started, in the order the policy would start them."""
+        """Requests that never started, in the order the policy (and the tenants' turns) would start them."""
         now, policy, aging_s = time.monotonic(), self.limits.policy, self.limits.aging_s
-        return sorted(self.table.unstarted(), key=lambda t: scheduler.rank_key(t.view(), policy, now, aging_s))
+        unstarted = {t.order: t for t in self.table.unstarted()}
+        served = self.table.served(self.limits.fair_share)
+        return [
+            unstarted[v.order]
+            for v in scheduler.rank([t.view() for t in unstarted.values()], policy, now, aging_s, served)
+        ]
 
     def queue_position(self, ticket: Ticket) -> int | None:
         """1 for the next request to start; None once it started (or finished)."""

@@ -24,7 +24,7 @@ from h3serve.pipelines.h3 import EncodedMedia, GeneratedMedia, GenerationRequest
 from h3serve.pipelines.h3.step_cache_tiers import StepCachePolicy
 
 from .contract import DeadlineExceeded, EngineLimits
-from .scheduler import RequestView
+from .scheduler import FairShare, RequestView
 
 
 class Stage(enum.Enum):
@@ -77,6 +77,7 @@ class Ticket:
         self.pending_preview: tuple[torch.Tensor, int, int] | None = None  # the newest capture waiting for that one
         self.last_preview: tuple[int, float] = (0, 0.0)  # (step, time.monotonic()) of its last capture
         self.reported: tuple[int, float, float] | None = None  # queued: (position, eta_s, when) last reported
+        self.start_tag = 0  # its tenant's fair-share charge when it first entered a pack (``scheduler.FairShare``)
         self.breaks = 0  # SP groups broken in a row by steps it was in (reset by a step that succeeds)
 
     @property
@@ -119,6 +120,8 @@ class Ticket:
             priority=self.priority,
             running=self.running,
             started=self.started,
+            tenant=self.request.tenant,
+            start_tag=self.start_tag,
         )
 
 
@@ -138,6 +141,7 @@ class RequestTable:
     def __init__(self) -> None:
         # one insertion-ordered set per stage (a dict's keys)
         self._at: dict[Stage, dict[Ticket, None]] = {stage: {} for stage in Stage if stage is not Stage.DONE}
+        self.fair = FairShare()  # the row-steps charged to each tenant with work held (``served``)
 
     def add(self, ticket: Ticket) -> None:
         ticket.stage = Stage.WAITING
@@ -169,6 +173,10 @@ class RequestTable:
     def unstarted(self) -> list[Ticket]:
         """Held requests that never stepped (queued, being prepared, prepared but never stepped)."""
         return [t for t in self.held() if not t.started]
+
+    def served(self, fair_share: bool) -> dict[str | None, int] | None:
+        """What the scheduler's tenant turns read (``scheduler.FairShare``); None when ``fair_share`` is off."""
+        return self.fair.served(t.request.tenant for t in self.held()) if fair_share else None
 
     def depth(self) -> tuple[int, int]:
         """(waiting, active): held requests that never started, and those that did (running, paused, decoding)."""

@@ -247,6 +247,7 @@ class StageLoop:
             limits.policy,
             time.monotonic(),
             limits.aging_s,
+            self.table.served(limits.fair_share),
         )
         if best is not None and worst is not None:
             self.table.move(worst, Stage.WAITING)

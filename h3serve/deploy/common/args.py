@@ -194,6 +194,27 @@ class JobStoreArgs(BaseModel):
     )
 
 
+class AuthArgs(BaseModel):
+    """Tenant keys beside ``api_key_env`` (``h3serve.deploy.ingress.tenants``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys_file: str | None = Field(
+        default=None,
+        description="a YAML file of bearer keys on every ingress node (on Kubernetes: a Secret mounted as a file): "
+        "keys: [{key or key_sha256, tenant, role: user|admin, max_priority, max_jobs, requests_per_minute, "
+        "max_row_steps}]. Each tenant sees only its own jobs (admin: all) within its limits. Read at start (a bad "
+        "file refuses to start) and again when it changes; one that turns invalid while serving refuses every key "
+        "of it until fixed. null: api_key_env's one key (or open mode)",
+    )
+    reload_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="how often (seconds, at most) the ingress looks whether keys_file changed: a rotated or revoked "
+        "key takes effect within this",
+    )
+
+
 class StageDeploymentArgs(BaseModel):
     """One stage deployment (H3Conditioner or H3Decoder): how many replicas, and what each one reserves."""
 
@@ -446,9 +467,11 @@ class DeployArgs(BaseModel):
     )
     api_key_env: str | None = Field(
         default="H3SERVE_API_KEY",
-        description="environment variable holding the bearer token every API call needs; "
-        "an empty or unset variable refuses to start. null: open mode, no token (explicitly)",
+        description="environment variable holding the bearer token every API call needs (tenant 'admin', role "
+        "admin); an empty or unset variable refuses to start. null: open mode, no token (explicitly), or with "
+        "auth.keys_file only the file's keys",
     )
+    auth: AuthArgs = Field(default_factory=AuthArgs, description="tenant keys from a file (auth.keys_file)")
 
     @field_validator("loras")
     @classmethod

@@ -193,6 +193,38 @@ DEADLINE_SLACK = MetricDef(
     "Seconds left to the closest deadline among the requests a replica holds; no series while none has one.",
 )
 
+# "tenant": a name from the ingress's key file (auth.keys_file) or "admin" (api_key_env's key): a bounded set; "" for
+# a request no key was accepted for. Without tenants (open mode) these stay empty.
+TENANT_REQUESTS = MetricDef(
+    "h3serve_tenant_requests",
+    "counter",
+    "HTTP requests by tenant, route and status code.",
+    ("tenant", "route", "status"),
+)
+TENANT_REJECTIONS = MetricDef(
+    "h3serve_tenant_rejections",
+    "counter",
+    "Requests a tenant's limits refused, by the limit (max_priority, requests_per_minute, max_jobs, max_row_steps).",
+    ("tenant", "reason"),
+)
+TENANT_ROW_STEPS = MetricDef(
+    "h3serve_tenant_row_steps",
+    "counter",
+    "Row-steps (rows x num_inference_steps) of the generations admitted, by tenant: its share of the engines' work.",
+    ("tenant",),
+)
+TENANT_GPU_SECONDS = MetricDef(
+    "h3serve_tenant_gpu_seconds",
+    "counter",
+    "Seconds of GPU (of the replica's SP ranks: CPU ranks on a CPU deployment) in packed forwards, by tenant: each "
+    "request's rows' share of each forward's wall time, times the replica's ranks. Requests without a tenant are "
+    "not counted.",
+    ("tenant",),
+)
+# a replica exports at most this many tenants (the ingress names them from its key file): a bug that sends more
+# is an error logged by the engine's observer, never an unbounded set of series
+MAX_TENANT_SERIES = 1000
+
 ALL_METRICS = (
     ADMISSION_DECISIONS,
     ADMISSION_FAILURES,
@@ -217,6 +249,10 @@ ALL_METRICS = (
     ROW_STEP_RATE,
     OLDEST_WAIT,
     DEADLINE_SLACK,
+    TENANT_REQUESTS,
+    TENANT_REJECTIONS,
+    TENANT_ROW_STEPS,
+    TENANT_GPU_SECONDS,
 )
 
 
@@ -288,7 +324,9 @@ def checked(value: str, allowed: tuple[str, ...], tag: str) -> str:
 class EngineMetrics:
     """replicas.EngineObserver, recording to Prometheus through Ray (the replica reports stage "encode" too)."""
 
-    def __init__(self):
+    def __init__(self, ranks: int = 1):
+        """``ranks``: the replica's SP ranks (GPUs on cuda), what a forward's wall time is multiplied by."""
+        self.ranks = ranks
         self.queue, self.step = make(QUEUE_DEPTH), make(STEP_SECONDS)
         self.rows, self.padding = make(ROWS_PER_STEP), make(PADDING_FRACTION)
         self.stage, self.failed_steps, self.failed_requests = (
@@ -303,6 +341,7 @@ class EngineMetrics:
         self.adapters, self.adapter_documents = make(LORA_ADAPTERS), make(ADAPTER_DOCUMENT_STEPS)
         self.backlog, self.rate = make(BACKLOG_ROW_STEPS), make(ROW_STEP_RATE)
         self.oldest_wait, self.slack = make(OLDEST_WAIT), make(DEADLINE_SLACK)
+        self.tenant_gpu_s, self.tenants_seen = make(TENANT_GPU_SECONDS), set[str]()
         self.served_adapters: tuple[str, ...] = ()  # the adapter label's values, the base model's "" besides
         self._adapters_refresher: threading.Thread | None = None
 
@@ -375,6 +414,15 @@ class EngineMetrics:
             if count > 0:  # Ray's counters refuse an increment of 0
                 self.adapter_documents.inc(count, tags={"adapter": label})
 
+    def on_tenant_forward_s(self, seconds: Mapping[str, float]) -> None:
+        for tenant, share in seconds.items():
+            if tenant not in self.tenants_seen:
+                if len(self.tenants_seen) >= MAX_TENANT_SERIES:
+                    raise ValueError(f"tenant {tenant!r} is past {MAX_TENANT_SERIES} tenants: not exported")
+                self.tenants_seen.add(tenant)
+            if share > 0:  # Ray's counters refuse an increment of 0
+                self.tenant_gpu_s.inc(share * self.ranks, tags={"tenant": tenant})
+
 
 class RequestMetrics:
     def __init__(self):
@@ -384,3 +432,21 @@ class RequestMetrics:
         self.requests.inc(1, tags={"route": route, "status": str(status), "model": model})
         if seconds is not None:
             self.latency.observe(seconds, tags={"route": route, "model": model})
+
+
+class TenantMetrics:
+    """Requests, refusals by limit and admitted row-steps by tenant (the ingress's)."""
+
+    def __init__(self):
+        self.requests, self.rejections = make(TENANT_REQUESTS), make(TENANT_REJECTIONS)
+        self.row_steps = make(TENANT_ROW_STEPS)
+
+    def observe(self, tenant: str, route: str, status: int) -> None:
+        self.requests.inc(1, tags={"tenant": tenant, "route": route, "status": str(status)})
+
+    def rejected(self, tenant: str, reason: str) -> None:
+        self.rejections.inc(1, tags={"tenant": tenant, "reason": reason})
+
+    def admitted(self, tenant: str, row_steps: int) -> None:
+        if row_steps > 0:  # Ray's counters refuse an increment of 0
+            self.row_steps.inc(row_steps, tags={"tenant": tenant})

@@ -21,3 +21,14 @@ def log_through_serve(packages: tuple[str, ...] = H3SERVE_PACKAGES) -> None:
             if handler not in package.handlers:
                 package.addHandler(handler)
         package.propagate = False  # once, through Serve's handlers
+
+
+audit_logger = logging.getLogger("h3serve.audit")
+
+
+def audit(tenant: str | None, job: str | None, action: str, outcome: str, request_id: str = "-") -> None:
+    """One line per state change a tenant caused or saw (create, cancel, delete, a job's end), in the ingress's log:
+    ``audit tenant=alpha job=video_... action=create outcome=queued request=...``. Never a key."""
+    audit_logger.info(
+        "audit tenant=%s job=%s action=%s outcome=%s request=%s", tenant or "-", job or "-", action, outcome, request_id
+    )

@@ -189,11 +189,14 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     apps = [(name, parse_args(name, args, deployments[name])) for name, args in h3_apps(raw)]
     if ns.address is None:  # a local cluster: the ingress reads this process's environment
         from h3serve.deploy.ingress.routes import resolve_api_key
+        from h3serve.deploy.ingress.tenants import read_keys
 
         for name, args in apps:
             try:
                 resolve_api_key(args.api_key_env)
-            except RuntimeError as e:
+                if args.auth.keys_file is not None:  # the ingress reads the same file: refuse a bad one now
+                    read_keys(args.auth.keys_file)
+            except (RuntimeError, ValueError) as e:
                 fail(EXIT_REFUSED, f"application {name!r}: {e}")
     # without --address, always a cluster of its own: never one that `ray start` or RAY_ADDRESS left around
     ray.init(address=ns.address or "local", namespace="serve")

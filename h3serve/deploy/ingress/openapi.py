@@ -276,7 +276,8 @@ def html_json(value: Any) -> str:
 
 
 def swagger_page(doc: dict, title: str) -> str:
-    """Swagger UI with ``doc`` inline (its ``spec`` option): nothing to fetch, so nothing without the token."""
+    """Swagger UI with ``doc`` inline (its ``spec`` option): nothing to fetch, so nothing without the token. The token
+    typed into its Authorize dialog stays in the tab's memory (``persistAuthorization`` off: not in localStorage)."""
     return f"""<!DOCTYPE html>
 <html>
 <head>
@@ -295,8 +296,53 @@ SwaggerUIBundle({{
   dom_id: "#swagger-ui",
   layout: "BaseLayout",
   deepLinking: true,
-  persistAuthorization: true,
+  persistAuthorization: false,
   presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset],
+}});
+</script>
+</body>
+</html>
+"""
+
+
+def swagger_sign_in_page(title: str) -> str:
+    """What a browser gets at /docs without a key (with the 401): a form for the key, which then fetches the document
+    with it as a bearer token and opens Swagger UI authorized with it. The key stays in the tab's memory only (not in
+    sessionStorage or localStorage, not in the URL); the page itself holds no data."""
+    return f"""<!DOCTYPE html>
+<html>
+<head>
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<link type="text/css" rel="stylesheet" href="{SWAGGER_CSS}">
+<title>{title}</title>
+</head>
+<body>
+<form id="key-form" style="margin: 2em; font-family: sans-serif">
+<label>API key <input id="key" type="password" autocomplete="off"></label> <button>Authorize</button>
+<span id="key-error"></span>
+</form>
+<div id="swagger-ui"></div>
+<script src="{SWAGGER_JS}"></script>
+<script>
+document.getElementById("key-form").addEventListener("submit", async (e) => {{
+  e.preventDefault();
+  const key = document.getElementById("key").value.trim();
+  const url = location.pathname.replace(/[/]docs[/]?$/, "") + "/openapi.json";
+  const response = await fetch(url, {{headers: {{Authorization: "Bearer " + key}}}});
+  if (!response.ok) {{
+    document.getElementById("key-error").textContent = "the key was refused (" + response.status + ")";
+    return;
+  }}
+  document.getElementById("key-form").hidden = true;
+  const ui = SwaggerUIBundle({{
+    spec: await response.json(),
+    dom_id: "#swagger-ui",
+    layout: "BaseLayout",
+    deepLinking: true,
+    persistAuthorization: false,
+    presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset],
+  }});
+  ui.preauthorizeApiKey("bearer", key);
 }});
 </script>
 </body>

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import logging
 import os
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -51,13 +50,15 @@ from h3serve.deploy.common.errors import (
     APIError,
     http_error,
 )
-from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, admission_recorder
+from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, TenantMetrics, admission_recorder
 from h3serve.deploy.common.retry import retry
-from h3serve.deploy.common.serve_logging import log_through_serve
+from h3serve.deploy.common.serve_logging import audit, log_through_serve
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
-from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page
+from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
 from h3serve.deploy.ingress.playground import playground_page
+from h3serve.deploy.ingress.quotas import Quotas
+from h3serve.deploy.ingress.tenants import Tenant, Tenants
 from h3serve.deploy.jobs.events import last_event_id
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
@@ -193,7 +194,10 @@ class H3Ingress:
         """``rules``: the checkpoint's, read by the driver (given when the replicas scale to zero, so that a video job
         is checked and accepted while none runs); None: asked of a replica when first needed."""
         log_through_serve()  # the ingress's own lines (request ids, job hand-backs) into Serve's replica log
-        self.api_key = resolve_api_key(args.api_key_env)  # refuses to start before serving anything
+        # refuses to start before serving anything: an empty api_key_env, a bad auth.keys_file
+        self.tenants = Tenants(args.auth.keys_file, resolve_api_key(args.api_key_env), args.auth.reload_s)
+        self.tenant_metrics = TenantMetrics()
+        self.quotas = Quotas(self.tenant_metrics.rejected)
         self.replica, self.model_name, self.limits = replica, args.served_model_name, args.limits
         self.cache_tiers, self.cache_default = args.cache_tiers, args.engine.step_cache.default
         # each LoRA adapter is a model id of its own: "<served_model_name>:<adapter name>"
@@ -237,6 +241,7 @@ class H3Ingress:
         its proxy takes the client's X-Request-Id, or makes one, and returns it in the answer's header."""
         started, status, request_id = time.perf_counter(), 200, "-"
         request.state.arrived = time.monotonic()  # timeout_s counts from here
+        request.state.tenant = None
         self.videos.start_sweeper()
         try:
             request_id = request.state.request_id = request_id_of(request)
@@ -247,16 +252,51 @@ class H3Ingress:
         except Exception as e:
             error = e if isinstance(e, APIError) else http_error(e, f"request {request_id} ({route})")
             status = error.status
+            if route == "/docs" and status == 401 and "text/html" in request.headers.get("accept", ""):
+                # a browser opening /docs cannot send the header: a page that asks for the key (and holds no data)
+                return HTMLResponse(swagger_sign_in_page("h3serve API"), status_code=401, headers=error.headers)
             return error.response()
         finally:  # a generation's model id once it was resolved (a bounded set: the config's), else ""
             self.metrics.observe(route, status, time.perf_counter() - started, getattr(request.state, "model", ""))
+            if self.tenants.enabled:
+                tenant = request.state.tenant
+                self.tenant_metrics.observe(tenant.name if tenant is not None else "", route, status)
 
     def _authorize(self, route: str, request: Request) -> None:
-        if self.api_key is None or route in PUBLIC_ROUTES:
+        """The request's tenant into ``request.state.tenant`` (``h3serve.deploy.ingress.tenants``), or a 401."""
+        if not self.tenants.enabled or route in PUBLIC_ROUTES:
             return
-        token = bearer_token(request.headers.get("authorization", ""))
-        if token is None or not secrets.compare_digest(token.encode(), self.api_key.encode()):
+        tenant = self.tenants.authenticate(bearer_token(request.headers.get("authorization", "")))
+        if tenant is None:
             raise APIError(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        request.state.tenant = tenant
+
+    @staticmethod
+    def _owner(request: Request) -> str | None:
+        """The tenant whose jobs the request may see; None: every job (an admin, or a server without tenants)."""
+        tenant: Tenant | None = request.state.tenant
+        return None if tenant is None or tenant.admin else tenant.name
+
+    @staticmethod
+    def _tenant_name(request: Request) -> str | None:
+        tenant: Tenant | None = request.state.tenant
+        return None if tenant is None else tenant.name
+
+    @staticmethod
+    def _scope(route: str, request: Request) -> str:
+        """An Idempotency-Key's scope: each tenant's keys are its own (another's same key is another request)."""
+        tenant: Tenant | None = request.state.tenant
+        return route if tenant is None else f"{route}:{tenant.name}"
+
+    def _admit(self, request: Request, body: Body) -> Tenant | None:
+        """The tenant's priority cap (400) and request rate (429) for a generation request."""
+        tenant: Tenant | None = request.state.tenant
+        self.quotas.check_priority(tenant, body.priority)
+        self.quotas.check_rate(tenant)
+        return tenant
+
+    async def _usage(self, tenant: Tenant) -> tuple[int, int]:
+        return await self.videos.usage(tenant.name)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refusing more than ``max_body_bytes`` before reading it all."""
@@ -342,7 +382,8 @@ class H3Ingress:
     @route("/v1/images/generations")
     async def images(self, request: Request):
         body = await self._parse(request, ImagesBody)
-        async with self.videos.idempotent(request.headers, "images", body) as once:
+        self._admit(request, body)
+        async with self.videos.idempotent(request.headers, self._scope("images", request), body) as once:
             if once.replay is not None:
                 return once.replay
             once.response = await self._images(request, body)
@@ -362,24 +403,40 @@ class H3Ingress:
                     f"no model replica is running (scaled to zero); one is starting, expected in about {retry} s",
                     headers={"Retry-After": str(retry)},
                 )
-        with self._generation(request):
-            # n images are n clips: the engine packs them into the same forwards
-            calls = [
-                asyncio.ensure_future(
-                    self._image(request, body, GenerationRequest(**{**base, "seed": body.seed + i}), i, adapter)
-                )
-                for i in range(body.n)
-            ]
-            try:
-                pngs = await asyncio.gather(*calls)
-            except BaseException:
-                for call in calls:
-                    call.cancel()
-                raise
+        tenant: Tenant | None = request.state.tenant
+        if tenant is not None:
+            base["tenant"] = tenant.name
+        row_steps = await self._row_steps(GenerationRequest(**base)) * body.n if tenant is not None else 0
+        quota = self.quotas.hold(tenant, row_steps, lambda: self._usage(tenant), job=False)  # type: ignore[arg-type]
+        async with quota:
+            with self._generation(request):
+                if tenant is not None:
+                    self.tenant_metrics.admitted(tenant.name, row_steps)
+                pngs = await self._images_of(request, body, base, adapter)
         return {
             "created": epoch_seconds(),
             "data": [{"b64_json": base64.b64encode(png).decode(), "revised_prompt": None} for png in pngs],
         }
+
+    async def _row_steps(self, generation: GenerationRequest) -> int:
+        """A request's work as a tenant's quota counts it: its media's rows (the prompt's not known before it is
+        encoded) x its steps."""
+        return (await self.rules()).rows(generation, 0) * generation.num_inference_steps
+
+    async def _images_of(self, request: Request, body: ImagesBody, base: dict, adapter: str | None) -> list[bytes]:
+        """n images are n clips: the engine packs them into the same forwards."""
+        calls = [
+            asyncio.ensure_future(
+                self._image(request, body, GenerationRequest(**{**base, "seed": body.seed + i}), i, adapter)
+            )
+            for i in range(body.n)
+        ]
+        try:
+            return list(await asyncio.gather(*calls))
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
 
     async def _image(
         self, request: Request, body: ImagesBody, generation: GenerationRequest, i: int, adapter: str | None
@@ -408,7 +465,8 @@ class H3Ingress:
     @route("/v1/videos")
     async def create_video(self, request: Request):
         body = await self._parse(request, VideosBody, uploads=("input_reference", "last_reference"))
-        async with self.videos.idempotent(request.headers, "videos", body) as once:
+        self._admit(request, body)
+        async with self.videos.idempotent(request.headers, self._scope("videos", request), body) as once:
             if once.replay is not None:  # a retry: the same job, as it reads now
                 return await self.videos.get(once.replay["id"]) or once.replay
             once.response = await self._create_video(request, body)
@@ -431,6 +489,7 @@ class H3Ingress:
             first_frame=body.input_reference,
             last_frame=body.last_reference,
             references=tuple(body.references),
+            tenant=None if request.state.tenant is None else request.state.tenant.name,
         )
         if not cold:  # refuse now, not in a failed job later (cold: the replica refuses it, and the job fails as 400)
             await self.replica.validate.remote(generation_request, adapter)
@@ -453,11 +512,31 @@ class H3Ingress:
             "error": None,
         }
         deadline_s = self._deadline_s(request, body.timeout_s)
-        with self._generation(request):
-            # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
-            accepted = await self.videos.submit(
-                video, generation_request, request.state.request_id, deadline_s, body.priority, adapter, not cold
-            )
+        tenant: Tenant | None = request.state.tenant
+        row_steps = rules.rows(generation_request, 0) * generation_request.num_inference_steps
+        async with self.quotas.hold(tenant, row_steps, lambda: self._usage(tenant), job=True):  # type: ignore[arg-type]
+            with self._generation(request):
+                # raises (-> 503 + Retry-After) when no replica can queue it: a job is recorded only once accepted
+                accepted = await self.videos.submit(
+                    video,
+                    generation_request,
+                    request.state.request_id,
+                    deadline_s,
+                    body.priority,
+                    adapter,
+                    not cold,
+                    tenant=generation_request.tenant,
+                    row_steps=row_steps,
+                )
+        if accepted and tenant is not None:
+            self.tenant_metrics.admitted(tenant.name, row_steps)
+        audit(
+            generation_request.tenant,
+            video["id"],
+            "create",
+            "queued" if accepted else "refused: store full",
+            request.state.request_id,
+        )
         if not accepted:
             raise APIError(
                 429,
@@ -466,8 +545,9 @@ class H3Ingress:
             )
         return video
 
-    async def _job(self, video_id: str) -> dict:
-        video = await self.videos.get(video_id)
+    async def _job(self, request: Request, video_id: str) -> dict:
+        """The job, when the request's tenant may see it; else a 404 as for no job at all."""
+        video = await self.videos.get(video_id, self._owner(request))
         if video is None:
             raise unknown_job(video_id)
         return video
@@ -476,7 +556,7 @@ class H3Ingress:
     @route("/v1/videos:list")
     async def list_videos(self, request: Request):
         limit, after, order = list_query(request)
-        videos = await self.videos.list()
+        videos = await self.videos.list(self._owner(request))
         if order == "asc":
             videos.reverse()
         if after is not None:
@@ -496,12 +576,12 @@ class H3Ingress:
     @app.get("/v1/videos/{video_id}")
     @route("/v1/videos/{id}")
     async def get_video(self, request: Request, video_id: str):
-        return await self._job(video_id)
+        return await self._job(request, video_id)
 
     @app.get("/v1/videos/{video_id}/content")
     @route("/v1/videos/{id}/content")
     async def video_content(self, request: Request, video_id: str):
-        video = await self._job(video_id)
+        video = await self._job(request, video_id)
         if video["status"] != "completed":
             raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
         content = await self.videos.content(video_id)
@@ -512,8 +592,9 @@ class H3Ingress:
     @app.delete("/v1/videos/{video_id}")
     @route("/v1/videos/{id}:delete")
     async def delete_video(self, request: Request, video_id: str):
-        if not await self.videos.delete(video_id):
+        if not await self.videos.delete(video_id, self._owner(request)):
             raise unknown_job(video_id)
+        audit(self._tenant_name(request), video_id, "delete", "deleted", request.state.request_id)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     @app.post("/v1/videos/{video_id}/cancel")
@@ -521,9 +602,10 @@ class H3Ingress:
     async def cancel_video(self, request: Request, video_id: str):
         """sglang's route: a queued job leaves its replica's queue, a running one its pack at the next step
         boundary; the job reads cancelled (409 once it finished)."""
-        video = await self.videos.cancel(video_id)
+        video = await self.videos.cancel(video_id, self._owner(request))
         if video is None:
             raise unknown_job(video_id)
+        audit(self._tenant_name(request), video_id, "cancel", video["status"], request.state.request_id)
         return video
 
     @app.get("/v1/videos/{video_id}/events")
@@ -532,7 +614,7 @@ class H3Ingress:
         """Server-Sent Events of the job (``h3serve.deploy.jobs.events``), resumed after ``Last-Event-ID`` when it is
         sent."""
         after = last_event_id(request.headers.get("last-event-id"))
-        video = await self._job(video_id)
+        video = await self._job(request, video_id)
         if self.streams >= self.event_streams:
             raise APIError(
                 503,
@@ -574,6 +656,14 @@ class H3Ingress:
             for model_id, name in self.adapter_ids.items()
         ]
         return {"object": "list", "data": [base, *adapters]}
+
+    @app.get("/v1/me")
+    @route("/v1/me")
+    async def me(self, request: Request):
+        """Who the key belongs to: its tenant, role and limits (the playground shows the tenant). Without tenants
+        (open mode) every caller sees every job, as an admin does."""
+        tenant: Tenant | None = request.state.tenant
+        return (tenant or Tenant(name="", role="admin")).public() | {"auth": self.tenants.enabled}
 
     @app.get("/health")
     @route("/health")
@@ -632,7 +722,7 @@ class H3Ingress:
     async def playground(self, request: Request):
         """The playground page (``h3serve/deploy/ingress/playground/``): plain HTML, CSS and JS, nothing fetched from
         elsewhere."""
-        return HTMLResponse(playground_page(auth=self.api_key is not None, model=self.model_name))
+        return HTMLResponse(playground_page(auth=self.tenants.enabled, model=self.model_name))
 
     @app.get("/openapi.json")
     @route("/openapi.json")
@@ -664,7 +754,7 @@ class H3Ingress:
                 "POST /v1/images/generations": ImagesBody,
                 "POST /v1/videos": VideosBody,
             }
-            public = PUBLIC_ROUTES if self.api_key is not None else None
+            public = PUBLIC_ROUTES if self.tenants.enabled else None
             self._openapi = document(
                 base,
                 bodies,

@@ -68,6 +68,11 @@ def is_record(record) -> bool:
     )
 
 
+def owned(record: dict, tenant: str | None) -> bool:
+    """Whether ``tenant`` may see the job (None: any caller may: an admin, or a server without tenants)."""
+    return tenant is None or record.get("tenant") == tenant
+
+
 def job_id_of(name: str, suffix: str) -> str | None:
     """The job id of a store name like ``video_<32 hex>.json``; None for anything else in the store."""
     if not name.endswith(suffix):
@@ -169,7 +174,13 @@ class JobStore:
         return record
 
     def create(
-        self, video: dict, request_id: str | None = None, priority: int = 0, job: bytes | None = None
+        self,
+        video: dict,
+        request_id: str | None = None,
+        priority: int = 0,
+        job: bytes | None = None,
+        tenant: str | None = None,
+        row_steps: int = 0,
     ) -> JobRunner | None:
         """Store a new job and return its runner; None when ``max_unfinished`` unfinished jobs exist (answer 429).
 
@@ -177,7 +188,9 @@ class JobStore:
         record beside the video object, with ``submissions``: how often it was sent to a replica (a draining
         replica hands back a job it never started, and the runner submits it again), and the ``priority``
         every submission carries. ``job``: what another ingress needs to run it again (``video_jobs``), stored as
-        ``<id>.request`` before the record, so a job acknowledged can always be taken over."""
+        ``<id>.request`` before the record, so a job acknowledged can always be taken over. ``tenant``: who owns it
+        (None: no tenants, open to every caller); ``row_steps``: its work as admitted (rows x steps), counted against
+        its tenant's quota while it is unfinished."""
         if self.unfinished() >= self.policy.max_unfinished:
             return None
         if job is not None:
@@ -194,17 +207,20 @@ class JobStore:
             "priority": priority,
             "epoch": 1,  # the lease's fencing token: a take-over writes epoch + 1; an older runner's writes are refused
             "event_id": 0,  # the last event id its runner had published at its last write
+            "tenant": tenant,
+            "row_steps": row_steps,
         }
         runner = JobRunner(self, record)
         self._write(record)
         return runner
 
-    def get(self, job_id: str) -> dict | None:
-        """The job's OpenAI video object, or None (no such job, deleted, or not an id this store makes)."""
+    def get(self, job_id: str, tenant: str | None = None) -> dict | None:
+        """The job's OpenAI video object, or None (no such job, deleted, not an id this store makes, or ``tenant``
+        given and the job is another tenant's: its existence is not told)."""
         if not JOB_ID.fullmatch(job_id):
             return None
         record = self._read(job_id)
-        if record is None or self.store.exists(f"{job_id}.deleted"):
+        if record is None or not owned(record, tenant) or self.store.exists(f"{job_id}.deleted"):
             return None
         return self._expire(record)["video"]
 
@@ -219,9 +235,10 @@ class JobStore:
         """What a replica that does not run the job streams from: its video object (None: deleted) and its log."""
         return self.get(job_id), self.events(job_id)
 
-    def delete(self, job_id: str) -> bool:
-        """False when there is no such job. A running job is tombstoned; its runner stops at its next write."""
-        video = self.get(job_id)
+    def delete(self, job_id: str, tenant: str | None = None) -> bool:
+        """False when there is no such job (of ``tenant``). A running job is tombstoned; its runner stops at its next
+        write."""
+        video = self.get(job_id, tenant)
         if video is None:
             return False
         if video["status"] in FINISHED:
@@ -284,10 +301,20 @@ class JobStore:
         logger.warning("video job %s: its runner stopped writing; taken over here (epoch %d)", job_id, epoch)
         return runner, job
 
-    def list(self) -> list[dict]:
-        """Every live job's video object, newest first."""
-        videos = [r["video"] for r in self._live_records(self.store.names()).values()]
+    def list(self, tenant: str | None = None) -> list[dict]:
+        """Every live job's video object (of ``tenant``, when given), newest first."""
+        records = self._live_records(self.store.names()).values()
+        videos = [r["video"] for r in records if owned(r, tenant)]
         return sorted(videos, key=lambda v: (v["created_at"], v["id"]), reverse=True)
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(unfinished jobs, their row-steps) of ``tenant``: what its quotas count."""
+        unfinished = [
+            r
+            for r in self._live_records(self.store.names()).values()
+            if owned(r, tenant) and r["video"]["status"] not in FINISHED
+        ]
+        return len(unfinished), sum(r.get("row_steps", 0) for r in unfinished)
 
     # -- bounds ------------------------------------------------------------------------------
     def _records(self, names: builtins.list[str]) -> dict[str, dict]:

@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
 from h3serve.deploy.common.metrics import RequestMetrics
 from h3serve.deploy.common.retry import Backoff, retry
+from h3serve.deploy.common.serve_logging import audit
 from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data, job_stream, keep_stored, load_log
 from h3serve.deploy.jobs.idempotency import Idempotency
 from h3serve.deploy.jobs.store import (
@@ -125,12 +126,15 @@ class VideoJobs:
         priority: int = 0,
         adapter: str | None = None,
         queue_now: bool = True,
+        tenant: str | None = None,
+        row_steps: int = 0,
     ) -> bool:
         """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
         holds too many unfinished jobs. ``queue_now`` False (no replica runs: they scaled to zero): record it as
         queued at once, and queue it on a replica once one serves (waiting at the handle starts one). ``priority``
         goes with it to every replica it is submitted to (a re-submission after a drain keeps it) and is kept in the
-        record; so does ``adapter`` (the LoRA adapter it runs on, None: the base model).
+        record; so does ``adapter`` (the LoRA adapter it runs on, None: the base model). ``tenant`` owns it and
+        ``row_steps`` counts against its quota (``JobStore.create``).
 
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
@@ -145,7 +149,7 @@ class VideoJobs:
             request, request_id=request_id, deadline=deadline, priority=priority, adapter=adapter, model=video["model"]
         )
         try:
-            runner = await self._io(self.store.create, video, request_id, priority, job)
+            runner = await self._io(self.store.create, video, request_id, priority, job, tenant, row_steps)
         except BaseException:
             if stream is not None:
                 stream.cancel()
@@ -264,18 +268,24 @@ class VideoJobs:
             raise RuntimeError(f"request {request_id}: the replica's first event was {sorted(first)}, not queued")
         return stream, first
 
-    async def get(self, video_id: str) -> dict | None:
-        return await self._io(self.store.get, video_id)
+    async def get(self, video_id: str, tenant: str | None = None) -> dict | None:
+        """The job's video object; None when there is none, or it is not ``tenant``'s (None: any tenant's)."""
+        return await self._io(self.store.get, video_id, tenant)
 
-    async def list(self) -> list[dict]:
-        return await self._io(self.store.list)
+    async def list(self, tenant: str | None = None) -> list[dict]:
+        return await self._io(self.store.list, tenant)
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """(unfinished jobs, their row-steps) of ``tenant``, across every ingress."""
+        return await self._io(self.store.usage, tenant)
 
     async def content(self, video_id: str) -> bytes | None:
         return await self._io(self.store.content, video_id)
 
-    async def delete(self, video_id: str) -> bool:
-        """Remove the job; if it runs here, stop it now (elsewhere its runner sees the tombstone)."""
-        if not await self._io(self.store.delete, video_id):
+    async def delete(self, video_id: str, tenant: str | None = None) -> bool:
+        """Remove the job (False: none of ``tenant``'s); if it runs here, stop it now (elsewhere its runner sees the
+        tombstone)."""
+        if not await self._io(self.store.delete, video_id, tenant):
             return False
         task, runner = self.tasks.get(video_id), self.runners.get(video_id)
         if task is not None and runner is not None:
@@ -283,13 +293,13 @@ class VideoJobs:
             task.cancel()
         return True
 
-    async def cancel(self, video_id: str) -> dict | None:
+    async def cancel(self, video_id: str, tenant: str | None = None) -> dict | None:
         """Cancel a queued or running job and return its video object, ``cancelled``; None when there is no such job,
         a 409 APIError when it has finished. Here, its request leaves the engine (the queue at once, the pack at the
         next step boundary) before this returns; on another ingress replica, its runner sees the request at its next
         write and this waits for the record to say so (at most ``lease_s``: a runner that never answers loses its
-        lease, and the record then reads failed)."""
-        video = await self.get(video_id)
+        lease, and the record then reads failed). ``tenant``: another tenant's job is None, as if there were none."""
+        video = await self.get(video_id, tenant)
         if video is None:
             return None
         if video["status"] in FINISHED:
@@ -417,6 +427,8 @@ class VideoJobs:
                 self.tasks.pop(runner.job_id, None)
                 self.runners.pop(runner.job_id, None)
                 self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
+                outcome = runner.record["video"]["status"] if code != 499 else runner.stopping or "stopped"
+                audit(runner.record.get("tenant"), runner.job_id, "run", outcome, request_id)
 
     async def _follow(self, runner: JobRunner, stream: DeploymentResponseGenerator) -> None:
         """The replica's events into the job's event log and (at most every PROGRESS_EVERY_S, and at once when it

@@ -154,8 +154,8 @@ class ReplicaObserver(EngineMetrics):
     """The engine's observer in a replica: Prometheus, and each followed request's events (``REQUEST_EVENTS``) queued
     for the stream that follows it (``H3Replica.generate_video``). Called on the replica's event loop."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, ranks: int = 1):
+        super().__init__(ranks)
         self.followers: dict[Ticket, asyncio.Queue[dict[str, Any]]] = {}
 
     def follow(self, ticket: Ticket) -> asyncio.Queue[dict[str, Any]]:
@@ -249,7 +249,7 @@ class H3Replica:
             )
         self.spec = spec
         backend = spec.resolution.backend
-        self.metrics = ReplicaObserver()
+        self.metrics = ReplicaObserver(spec.sp_degree)
         self.tickets: dict[str, Ticket] = {}  # request id -> its ticket, while this replica serves it
         self._watch: asyncio.Task | None = None
         self._load_gauges: asyncio.Task | None = None

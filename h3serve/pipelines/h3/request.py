@@ -71,6 +71,9 @@ class GenerationRequest(BaseModel):
     # step caching: "off" or a tier name of the deployment's engine.step_cache (None: the deployment's default);
     # the engine checks the name and resolves it to a policy (h3serve/pipelines/h3/step_cache.py)
     cache: str | None = Field(default=None, min_length=1)
+    # the tenant that asked (a name from the ingress's key file; None: no tenants): the engine's scheduler shares
+    # steps between tenants of equal priority (h3serve/replicas/scheduler.py); it changes nothing that is generated
+    tenant: str | None = Field(default=None, min_length=1, max_length=63)
 
     @property
     def task(self) -> Task:

@@ -50,6 +50,14 @@
     start();
   });
 
+  // whose key it is (a tenant sees its own jobs; an admin every job)
+  async function loadMe() {
+    const me = await (await api("/v1/me")).json();
+    const tenant = $("tenant");
+    tenant.hidden = !me.auth;
+    tenant.textContent = me.auth ? "tenant " + me.name + (me.role === "admin" ? " (admin: every job)" : "") : "";
+  }
+
   // -- models and the form ----------------------------------------------------------------------
   async function loadModels() {
     const models = (await (await api("/v1/models")).json()).data;
@@ -255,6 +263,7 @@
     if (config.auth && !key) return;
     try {
       await loadModels();
+      await loadMe();
       await loadJobs();
       document.body.dataset.ready = "1"; // the models and the job list are in
     } catch (error) {
