@@ -1,0 +1,225 @@
+"""**Projected**, not measured: seconds per step, per clip and end to end on H200s and H100s, from meta counts.
+
+What the meta device counts exactly (``step``): each rank's GEMM and attention FLOPs of the real step
+(``FlopCounterMode``, equal to ``shapes.forward_flops``), the bytes each rank sends through Ulysses' all-to-alls,
+and the bytes eager elementwise ops read and write (norms, RoPE, AdaLN modulation, activations, residual adds,
+copies: everything that is neither a matmul nor a view). What turns them into seconds is assumed, each assumption a
+number a GPU run must replace (``ASSUMPTIONS``):
+
+* GEMMs at 40 / 60 / 80% of the bf16 dense peak, 989 TFLOP/s on an H200 and on an H100 SXM (the same Hopper SMs
+  and clocks; the H200 has more and faster memory);
+* attention at FlashAttention-3's published bf16 forward throughput for head dim 128, non-causal: 620 TFLOP/s at
+  16k tokens on an H100 (pytorch/benchmark's measurement, PR #2391; the paper's headline is 740, arXiv:2407.08608),
+  the same on an H200;
+* Ulysses' all-to-alls at 350 GB/s leaving each rank (NVLink 4 through NVSwitch), not overlapped with compute;
+* elementwise ops at 70% of HBM bandwidth (H200 4.8 TB/s, H100 3.35 TB/s), unfused (eager);
+* a step is the sum of the four (nothing overlaps); a clip of ``num_inference_steps`` 50 is 49 forwards
+  (``MiniMaxH3Scheduler``: 50 sigma points, the last one terminal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES
+from h3serve.pipelines.h3.shapes import Clip
+
+from .stages import StageCount, bf16_video_decode, stage_counts
+from .step import PACKS, Ask, MetaReplica, measure
+
+BF16_DENSE_TFLOPS = 989.4  # H100 SXM5 and H200 SXM, NVIDIA's datasheets (dense, no sparsity)
+GEMM_EFFICIENCIES = (0.4, 0.6, 0.8)
+ATTENTION_TFLOPS = 620.0  # FlashAttention-3, bf16 forward, hdim 128, non-causal, 16k tokens, H100 (pytorch/benchmark)
+ALL_TO_ALL_GBPS = 350.0  # per rank, leaving it
+HBM_EFFICIENCY = 0.7
+FORWARDS_PER_CLIP = 49  # num_inference_steps 50
+
+ASSUMPTIONS = {
+    "GEMM efficiency (40/60/80% of 989 TFLOP/s)": "gpu_pipeline's s/step less its attention time: the GEMMs' MFU",
+    "attention 620 TFLOP/s (FlashAttention-3, 16k tokens)": "gpu_kernels Part 1: the admitted kernel's TFLOP/s on "
+    "these documents (one 38k-row document, packs of several)",
+    "all-to-all 350 GB/s per rank, not overlapped": "an sp=4/8 step's time less sp=1's per-rank compute (needs 4-8 "
+    "GPUs: not the lent single H200)",
+    "elementwise at 70% of HBM bandwidth, unfused": "gpu_pipeline's eager s/step against its compiled s/step, and a "
+    "profile's non-GEMM kernel time",
+    "no overlap, no host stalls": "a profile of one step: gaps between kernels (the listed host syncs)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_tbps: float
+    memory_bytes: int  # what nvidia-smi reports, as h3serve/deploy/platforms/ states it
+
+
+H200 = Gpu("H200", 4.8, 143771 * 2**20)
+H100 = Gpu("H100", 3.35, 81559 * 2**20)
+GPUS = (H200, H100)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCounts:
+    """One rank's share of one step, as the meta device counts it."""
+
+    gemm_flops: int
+    attention_flops: int
+    all_to_all_bytes: int  # bytes this rank hands to all-to-alls (its own share included)
+    memory_bytes: int  # bytes elementwise ops read and write
+    sp_degree: int
+
+    def seconds(self, gpu: Gpu, gemm_efficiency: float) -> dict[str, float]:
+        """Each part's projected seconds and their sum."""
+        leaving = self.all_to_all_bytes * (self.sp_degree - 1) / self.sp_degree  # 1/W of it stays on the rank
+        parts = {
+            "gemm": self.gemm_flops / (gemm_efficiency * BF16_DENSE_TFLOPS * 1e12),
+            "attention": self.attention_flops / (ATTENTION_TFLOPS * 1e12),
+            "all_to_all": leaving / (ALL_TO_ALL_GBPS * 1e9),
+            "elementwise": self.memory_bytes / (HBM_EFFICIENCY * gpu.hbm_tbps * 1e12),
+        }
+        return {**parts, "total": sum(parts.values())}
+
+
+def floor_seconds(total_flops: int, gpus: int, forwards: int = FORWARDS_PER_CLIP) -> float:
+    """The physical floor: every FLOP of ``forwards`` steps at the bf16 dense peak of ``gpus`` GPUs."""
+    return forwards * total_flops / (gpus * BF16_DENSE_TFLOPS * 1e12)
+
+
+# -- a step, projected -----------------------------------------------------------------------------------------
+def counts(result: dict) -> RankCounts:
+    formula = result["formula"]
+    return RankCounts(
+        gemm_flops=formula["matmul"] + formula.get("lora", 0),
+        attention_flops=formula["attention"],
+        all_to_all_bytes=result["all_to_all_bytes"],
+        memory_bytes=result["memory_bytes"],
+        sp_degree=result["sp_degree"],
+    )
+
+
+def project(replica: MetaReplica, packs: dict[str, Sequence[Ask]], degrees: Sequence[int] = (1, 4, 8)) -> list[dict]:
+    """Each pack at each Ulysses degree (rank 0, counted on meta), projected on each GPU at each GEMM efficiency."""
+    rows = []
+    for name, asks in packs.items():
+        for sp in degrees:
+            result = measure(replica, asks, sp, 0)
+            rank = counts(result)
+            plan = result["plan"]
+            held = replica.weight_bytes + plan["activation_bytes"] + plan["request_bytes"] + DEFAULT_RESERVE_BYTES
+            for gpu in GPUS:
+                for efficiency in GEMM_EFFICIENCIES:
+                    seconds = rank.seconds(gpu, efficiency)
+                    rows.append(
+                        dict(
+                            pack=name, rows=result["rows"], requests=result["requests"], sp_degree=sp, gpu=gpu.name,
+                            gemm_efficiency=efficiency, fits=held <= gpu.memory_bytes, **seconds,
+                            clip_s=seconds["total"] * FORWARDS_PER_CLIP, pack_flops=result["pack_flops"],
+                            floor_clip_s=floor_seconds(result["pack_flops"], sp), flops=result["flops"],
+                            all_to_all_bytes=result["all_to_all_bytes"], memory_bytes=result["memory_bytes"],
+                            weight_bytes=replica.weight_bytes, activation_bytes=plan["activation_bytes"],
+                            request_bytes=plan["request_bytes"],
+                        )
+                    )  # fmt: skip
+    return rows
+
+
+# The peers' published figures (docs/BENCHMARKS.md cites them): seconds for one clip end to end
+PEERS = [
+    ("sglang, 8 H200, 1344x768 5 s, 50 steps (lossless)", 39.67, "one", 8, FORWARDS_PER_CLIP),
+    ("sglang, 4 H200, the same", 75.10, "one", 4, FORWARDS_PER_CLIP),
+    ("vLLM-Omni FastH3 (4-step LoRA), 4 H200, 209 frames, p50", 17.16, "fast", 4, 4),
+]
+PROJECTED_PACKS = {**PACKS, "fast": [Ask(Clip(1344, 768, 209))]}
+
+
+# -- the whole clip, projected ---------------------------------------------------------------------------------
+FP32_TFLOPS = 66.9  # H100 SXM / H200 fp32 (no tensor cores), NVIDIA's datasheets: the VAEs as h3serve runs them today
+CONV_EFFICIENCY = 0.4  # of the peak in the VAEs' dtype: cuDNN's conv3d and the decoder's ViT, short tiles
+# libx264 "veryfast" at 1344x768 on 2 shared cores, moving gradients (easy to code: natural video costs more):
+# benchmarks/results/cpu-2core-2026-12-05/mp4_rate.json
+MP4_FRAMES_PER_S = 33.7
+H2D_GBPS = {"pageable": 1.8, "pinned": 20.0}  # host-to-GPU copies (vLLM-Omni RFC #4896: 1.8 GB/s vs 20-50 pinned)
+HOST_READ_GBPS = 0.92  # safetensors, a cold 1 GiB file to host memory here (cpu-2core-2026-12-05/load_rate.json)
+E2E_ASSUMPTIONS = {
+    f"stages at {CONV_EFFICIENCY:.0%} of the peak (bf16 989 TFLOP/s; fp32 {FP32_TFLOPS} TFLOP/s without TF32), or "
+    "their weights read at 70% of HBM, whichever is longer": "the decoder stage's decode of one released clip's "
+    "latents, serial and by tiles, bf16 and fp32 (gpu_session.sh, issue 56 item 2); the conditioner's prefill",
+    "the decode spread by whole tiles over the decoder GPUs with no loss": "the same decode over 2-8 GPUs",
+    f"MP4 at {MP4_FRAMES_PER_S} frames/s (libx264 veryfast, measured on this CPU)": "the decoder node's encode",
+    "stages run one after another for one request, the audio decode beside the video decode": "a traced request",
+    f"start: each process reads its bytes at {HOST_READ_GBPS} GB/s from storage, then copies at "
+    f"{H2D_GBPS['pageable']} GB/s (pageable) or {H2D_GBPS['pinned']} GB/s (pinned), processes in parallel": ""
+    "benchmarks/cold_start.py on the GPU node: each component's load and warm-up",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a clip runs: the denoiser's Ulysses degree and GPU, and how many GPUs decode."""
+
+    name: str
+    gpu: Gpu
+    sp_degree: int
+    decoders: int
+
+
+PLACEMENTS = (
+    Placement("8 H200 (sp=8)", H200, 8, 8),  # peers decode over the whole group
+    Placement("4 H200 (sp=4)", H200, 4, 4),
+    Placement("H100 staged (sp=4 + stages)", H100, 4, 2),  # serve_config.h100.yaml: 2 decoder replicas
+)
+
+
+def stage_seconds(count: StageCount, gpu: Gpu, fp32: bool) -> float:
+    """One stage on one GPU: its FLOPs at the stated efficiency, or its weights read from HBM, whichever is longer."""
+    peak = FP32_TFLOPS if fp32 else BF16_DENSE_TFLOPS
+    return max(
+        count.flops / (CONV_EFFICIENCY * peak * 1e12), count.weight_bytes / (HBM_EFFICIENCY * gpu.hbm_tbps * 1e12)
+    )
+
+
+def end_to_end(replica: MetaReplica, clip: Clip, efficiency: float = 0.6) -> list[dict]:
+    """Every stage of one request of ``clip`` (counted on meta) and its **projected** seconds on each placement;
+    the video decode in fp32 (today) and bf16 (as released)."""
+    fp32 = stage_counts(clip)
+    bf16_decode = bf16_video_decode(fp32[1])
+    frames_bytes = clip.num_frames * clip.width * clip.height * 3
+    rows = []
+    for place in PLACEMENTS:
+        step = measure(replica, [Ask(clip)], place.sp_degree, 0)
+        denoise = counts(step).seconds(place.gpu, efficiency)["total"] * FORWARDS_PER_CLIP
+        parts = {
+            "conditioning": (fp32[0].flops, fp32[0].weight_bytes, stage_seconds(fp32[0], place.gpu, False)),
+            "denoising": (step["pack_flops"] * FORWARDS_PER_CLIP, replica.weight_bytes, denoise),
+            "video decode fp32": (fp32[1].flops, fp32[1].weight_bytes, stage_seconds(fp32[1], place.gpu, True)),
+            "video decode bf16": (
+                bf16_decode.flops,
+                bf16_decode.weight_bytes,
+                stage_seconds(bf16_decode, place.gpu, False),
+            ),
+            "audio decode": (fp32[2].flops, fp32[2].weight_bytes, stage_seconds(fp32[2], place.gpu, True)),
+            "mp4": (0, frames_bytes, clip.num_frames / MP4_FRAMES_PER_S),
+        }
+        spread = {"video decode fp32", "video decode bf16"}
+        row: dict = dict(placement=place.name, clip=str(clip), gpu=place.gpu.name, gemm_efficiency=efficiency)
+        for stage, (flops, nbytes, serial) in parts.items():
+            row[stage] = dict(flops=flops, bytes=nbytes, serial_s=serial,
+                              s=serial / place.decoders if stage in spread else serial)  # fmt: skip
+        base = row["conditioning"]["s"] + denoise + row["mp4"]["s"]
+        audio = row["audio decode"]["s"]  # beside the video decode
+        row["total_fp32_serial_s"] = base + max(row["video decode fp32"]["serial_s"], audio)
+        row["total_bf16_spread_s"] = base + max(row["video decode bf16"]["s"], audio)
+        rows.append(row)
+    return rows
+
+
+def start_seconds(weight_bytes: dict[str, int], warm_up_s: float) -> dict[str, float]:
+    """A deployment's **projected** start: the largest process's bytes read then copied, in parallel, plus a
+    warm-up step at the served resolution."""
+    largest = max(weight_bytes.values())
+    read = largest / (HOST_READ_GBPS * 1e9)
+    return {f"{kind} s": read + largest / (rate * 1e9) + warm_up_s for kind, rate in H2D_GBPS.items()} | {
+        "largest process GB": largest / 1e9,
+        "warm-up s": warm_up_s,
+    }
