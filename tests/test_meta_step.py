@@ -210,6 +210,9 @@ def test_every_stage_of_a_clip_is_counted_by_the_libraries_own_classes(replica):
     rows = projection.end_to_end(replica, small)
     assert [r["placement"] for r in rows] == [p.name for p in projection.PLACEMENTS]
     for r in rows:
-        base = r["conditioning"]["s"] + r["denoising"]["s"] + r["mp4"]["s"]
-        assert r["total_bf16_spread_s"] == base + max(r["video decode bf16"]["s"], r["audio decode"]["s"])
-        assert r["video decode bf16"]["s"] < r["video decode fp32"]["serial_s"]
+        s = {name: st["s"] for name, st in r["stages"].items()}
+        both = s["conditioning"] + s["denoising"] + s["mp4"]
+        bf16_s = s["video decode bf16, by tiles"]
+        assert r["totals"][projection.TODAY] == both + max(s["video decode fp32, 1 GPU"], s["audio decode fp32"])
+        assert r["totals"][projection.RELEASED_WAY] == both + max(bf16_s, s["audio decode TF32"])
+        assert bf16_s < s["video decode fp32, 1 GPU"] and s["audio decode TF32"] < s["audio decode fp32"]

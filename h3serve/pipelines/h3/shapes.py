@@ -419,7 +419,7 @@ def released_bytes(embed_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     return out
 
 
-# -- live memory, measured: the plan's counterpart (benchmarks.activation_memory, tests/test_step_cache_memory) ----
+# -- live memory, measured: the plan's counterpart (tests/live_memory.py, tests/test_step_cache_memory) ---------
 class LiveStorages(TorchDispatchMode):
     """Bytes of the tensor storages created under this mode that are still referenced; and their peak."""
 

@@ -135,6 +135,7 @@ PROJECTED_PACKS = {**PACKS, "fast": [Ask(Clip(1344, 768, 209))]}
 
 # -- the whole clip, projected ---------------------------------------------------------------------------------
 FP32_TFLOPS = 66.9  # H100 SXM / H200 fp32 (no tensor cores), NVIDIA's datasheets: the VAEs as h3serve runs them today
+TF32_TFLOPS = 494.7  # the same GPUs' dense TF32 tensor cores (allow_tf32 where fp32 remains: issue 56 item 1)
 CONV_EFFICIENCY = 0.4  # of the peak in the VAEs' dtype: cuDNN's conv3d and the decoder's ViT, short tiles
 # libx264 "veryfast" at 1344x768 on 2 shared cores, moving gradients (easy to code: natural video costs more):
 # benchmarks/results/cpu-2core-2026-12-05/mp4_rate.json
@@ -142,10 +143,11 @@ MP4_FRAMES_PER_S = 33.7
 H2D_GBPS = {"pageable": 1.8, "pinned": 20.0}  # host-to-GPU copies (vLLM-Omni RFC #4896: 1.8 GB/s vs 20-50 pinned)
 HOST_READ_GBPS = 0.92  # safetensors, a cold 1 GiB file to host memory here (cpu-2core-2026-12-05/load_rate.json)
 E2E_ASSUMPTIONS = {
-    f"stages at {CONV_EFFICIENCY:.0%} of the peak (bf16 989 TFLOP/s; fp32 {FP32_TFLOPS} TFLOP/s without TF32), or "
+    f"stages at {CONV_EFFICIENCY:.0%} of the peak (bf16 989, TF32 {TF32_TFLOPS}, fp32 {FP32_TFLOPS} TFLOP/s), or "
     "their weights read at 70% of HBM, whichever is longer": "the decoder stage's decode of one released clip's "
     "latents, serial and by tiles, bf16 and fp32 (gpu_session.sh, issue 56 item 2); the conditioner's prefill",
-    "the decode spread by whole tiles over the decoder GPUs with no loss": "the same decode over 2-8 GPUs",
+    "the bf16 decode spread by whole tiles over the decoder GPUs with no loss (8 on 8 H200s, 4 on 4, the H100 "
+    "config's 2 decoder replicas)": "the same decode over 2-8 GPUs",
     f"MP4 at {MP4_FRAMES_PER_S} frames/s (libx264 veryfast, measured on this CPU)": "the decoder node's encode",
     "stages run one after another for one request, the audio decode beside the video decode": "a traced request",
     f"start: each process reads its bytes at {HOST_READ_GBPS} GB/s from storage, then copies at "
@@ -165,52 +167,54 @@ class Placement:
 
 
 PLACEMENTS = (
-    Placement("8 H200 (sp=8)", H200, 8, 8),  # peers decode over the whole group
-    Placement("4 H200 (sp=4)", H200, 4, 4),
-    Placement("H100 staged (sp=4 + stages)", H100, 4, 2),  # serve_config.h100.yaml: 2 decoder replicas
+    Placement("8 H200 (sp=8, decode on 8)", H200, 8, 8),  # peers decode over the whole group
+    Placement("4 H200 (sp=4, decode on 4)", H200, 4, 4),
+    Placement("H100 staged (sp=4, 2 decoders)", H100, 4, 2),  # serve_config.h100.yaml: 2 decoder replicas
 )
 
 
-def stage_seconds(count: StageCount, gpu: Gpu, fp32: bool) -> float:
-    """One stage on one GPU: its FLOPs at the stated efficiency, or its weights read from HBM, whichever is longer."""
-    peak = FP32_TFLOPS if fp32 else BF16_DENSE_TFLOPS
-    return max(
-        count.flops / (CONV_EFFICIENCY * peak * 1e12), count.weight_bytes / (HBM_EFFICIENCY * gpu.hbm_tbps * 1e12)
-    )
+def stage_seconds(count: StageCount, gpu: Gpu, peak_tflops: float) -> float:
+    """One stage on one GPU: its FLOPs at ``CONV_EFFICIENCY`` of ``peak_tflops``, or its weights read from HBM at
+    ``HBM_EFFICIENCY``, whichever is longer."""
+    compute = count.flops / (CONV_EFFICIENCY * peak_tflops * 1e12)
+    return max(compute, count.weight_bytes / (HBM_EFFICIENCY * gpu.hbm_tbps * 1e12))
+
+
+# the stages of one request: (name, which count, peak TFLOP/s, spread over the decoder GPUs)
+TODAY, RELEASED_WAY = "today (fp32 VAEs, one decoder GPU)", "as released (bf16 video VAE by tiles, TF32 audio)"
 
 
 def end_to_end(replica: MetaReplica, clip: Clip, efficiency: float = 0.6) -> list[dict]:
-    """Every stage of one request of ``clip`` (counted on meta) and its **projected** seconds on each placement;
-    the video decode in fp32 (today) and bf16 (as released)."""
-    fp32 = stage_counts(clip)
-    bf16_decode = bf16_video_decode(fp32[1])
-    frames_bytes = clip.num_frames * clip.width * clip.height * 3
+    """Every stage of one request of ``clip`` (counted on meta) and its **projected** seconds on each placement,
+    the VAEs as h3serve runs them today and as released (issue 56 items 1 and 2)."""
+    conditioning, video, audio = stage_counts(clip)
+    bf16 = bf16_video_decode(video)
+    frames_bytes = clip.num_frames * clip.width * clip.height * 3  # uint8 RGB the encoder reads
     rows = []
     for place in PLACEMENTS:
         step = measure(replica, [Ask(clip)], place.sp_degree, 0)
-        denoise = counts(step).seconds(place.gpu, efficiency)["total"] * FORWARDS_PER_CLIP
-        parts = {
-            "conditioning": (fp32[0].flops, fp32[0].weight_bytes, stage_seconds(fp32[0], place.gpu, False)),
-            "denoising": (step["pack_flops"] * FORWARDS_PER_CLIP, replica.weight_bytes, denoise),
-            "video decode fp32": (fp32[1].flops, fp32[1].weight_bytes, stage_seconds(fp32[1], place.gpu, True)),
-            "video decode bf16": (
-                bf16_decode.flops,
-                bf16_decode.weight_bytes,
-                stage_seconds(bf16_decode, place.gpu, False),
-            ),
-            "audio decode": (fp32[2].flops, fp32[2].weight_bytes, stage_seconds(fp32[2], place.gpu, True)),
+        gpu = place.gpu
+        stages = {  # name: (FLOPs, bytes read as weights or frames, projected seconds)
+            "conditioning": (conditioning.flops, conditioning.weight_bytes,
+                             stage_seconds(conditioning, gpu, BF16_DENSE_TFLOPS)),
+            "denoising": (step["pack_flops"] * FORWARDS_PER_CLIP, replica.weight_bytes,
+                          counts(step).seconds(gpu, efficiency)["total"] * FORWARDS_PER_CLIP),
+            "video decode fp32, 1 GPU": (video.flops, video.weight_bytes, stage_seconds(video, gpu, FP32_TFLOPS)),
+            "video decode bf16, by tiles": (
+                bf16.flops, bf16.weight_bytes, stage_seconds(bf16, gpu, BF16_DENSE_TFLOPS) / place.decoders),
+            "audio decode fp32": (audio.flops, audio.weight_bytes, stage_seconds(audio, gpu, FP32_TFLOPS)),
+            "audio decode TF32": (audio.flops, audio.weight_bytes, stage_seconds(audio, gpu, TF32_TFLOPS)),
             "mp4": (0, frames_bytes, clip.num_frames / MP4_FRAMES_PER_S),
-        }
-        spread = {"video decode fp32", "video decode bf16"}
-        row: dict = dict(placement=place.name, clip=str(clip), gpu=place.gpu.name, gemm_efficiency=efficiency)
-        for stage, (flops, nbytes, serial) in parts.items():
-            row[stage] = dict(flops=flops, bytes=nbytes, serial_s=serial,
-                              s=serial / place.decoders if stage in spread else serial)  # fmt: skip
-        base = row["conditioning"]["s"] + denoise + row["mp4"]["s"]
-        audio = row["audio decode"]["s"]  # beside the video decode
-        row["total_fp32_serial_s"] = base + max(row["video decode fp32"]["serial_s"], audio)
-        row["total_bf16_spread_s"] = base + max(row["video decode bf16"]["s"], audio)
-        rows.append(row)
+        }  # fmt: skip
+        s = {name: seconds for name, (_, _, seconds) in stages.items()}
+        both = s["conditioning"] + s["denoising"] + s["mp4"]  # the audio decode runs beside the video decode
+        video_bf16 = s["video decode bf16, by tiles"]  # over the placement's decoder GPUs
+        rows.append(dict(
+            placement=place.name, clip=str(clip), gpu=gpu.name, gemm_efficiency=efficiency,
+            stages={name: dict(flops=f, bytes=b, s=sec) for name, (f, b, sec) in stages.items()},
+            totals={TODAY: both + max(s["video decode fp32, 1 GPU"], s["audio decode fp32"]),
+                    RELEASED_WAY: both + max(video_bf16, s["audio decode TF32"])},
+        ))  # fmt: skip
     return rows
 
 

@@ -9,37 +9,19 @@ published seconds, and the projected start. Every projected figure is printed wi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from h3serve.pipelines.h3.memory import GiB
 
 from . import projection as pj
 from .step import PACKS, PATHS, RELEASED, Ask, MetaReplica, UlyssesFactory, check, measure_path, sync_budget
+from .tables import table
 
 
-def fmt(value: Any) -> str:
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return "-" if value is None else str(value)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence], title: str, say: Callable[[str], None] = print) -> None:
-    """A plain-text table: first column left-aligned, the rest right-aligned."""
-    cells = [list(map(str, headers))] + [[fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-
-    say("\n".join([title, line(cells[0]), "  ".join("-" * w for w in widths), *map(line, cells[1:])]))
-
-
-def assumptions(extra: dict[str, str] | None = None, say: Callable[[str], None] = print) -> None:
+def assumptions(extra: dict[str, str] | None = None) -> None:
     for assumption, replaced_by in {**pj.ASSUMPTIONS, **(extra or {})}.items():
-        say(f"  assumed {assumption}: a GPU run replaces it with {replaced_by}")
+        print(f"  assumed {assumption}: a GPU run replaces it with {replaced_by}")
 
 
 def projection_table(rows: list[dict], efficiency: float = 0.6) -> None:
@@ -124,9 +106,9 @@ def peers(replica: MetaReplica) -> list[dict]:
 
 # The peers' published end-to-end seconds for one released T2VA (1344x768, 5 s, 50 steps), by placement
 E2E_PEERS = {
-    "8 H200 (sp=8)": "sglang 39.67 (lossless); diffusers 74.3",
-    "4 H200 (sp=4)": "sglang 75.10; vLLM-Omni 85.5",
-    "H100 staged (sp=4 + stages)": "none published at this size",
+    "8 H200 (sp=8, decode on 8)": "sglang 39.67 (lossless); diffusers 74.3",
+    "4 H200 (sp=4, decode on 4)": "sglang 75.10; vLLM-Omni 85.5",
+    "H100 staged (sp=4, 2 decoders)": "none published at this size",
 }
 
 
@@ -136,26 +118,25 @@ def end_to_end(replica: MetaReplica, clips: Sequence[Any] = (RELEASED, dataclass
     from .stages import stage_counts
 
     rows = [row for clip in clips for row in pj.end_to_end(replica, clip)]
-    stages = ("conditioning", "denoising", "video decode fp32", "video decode bf16", "audio decode", "mp4")
-    first = [r for r in rows if r["placement"] == pj.PLACEMENTS[0].name]
+    names = list(rows[0]["stages"])
     table(
-        ["clip", *(f"{s} TFLOP" for s in stages[:-1]), "mp4 frame GB"],
-        [[r["clip"], *(r[s]["flops"] / 1e12 for s in stages[:-1]), r["mp4"]["bytes"] / 1e9] for r in first],
-        "== counted on meta: every stage of one request (diffusers' and transformers' classes at the released configs)",
+        ["clip", "stage", "TFLOP", "GB read (weights, or frames)"],
+        [[r["clip"], name, st["flops"] / 1e12, st["bytes"] / 1e9] for r in rows
+         if r["placement"] == pj.PLACEMENTS[0].name for name, st in r["stages"].items()],
+        "== counted on meta: every stage of one request (diffusers' and transformers' classes, released configs)",
     )  # fmt: skip
     table(
-        ["placement", "clip", *(f"{s} s" for s in stages), "end to end s (fp32 decode, serial)",
-         "end to end s (bf16 decode, by tiles)", "published end to end s"],
-        [[r["placement"], r["clip"], *(r[s]["s"] if s != "video decode fp32" else r[s]["serial_s"] for s in stages),
-          r["total_fp32_serial_s"], r["total_bf16_spread_s"],
-          E2E_PEERS[r["placement"]] if "FL2VA" not in r["clip"] else "none published"] for r in rows],
-        "== PROJECTED (not measured): one request end to end; GEMMs 60%, stages as assumed below",
+        ["placement", "clip", *(f"{n} s" for n in names), *(f"end to end s, {w}" for w in rows[0]["totals"]),
+         "published end to end s"],
+        [[r["placement"], r["clip"], *(r["stages"][n]["s"] for n in names), *r["totals"].values(),
+          "none published" if "FL2VA" in r["clip"] else E2E_PEERS[r["placement"]]] for r in rows],
+        "== PROJECTED (not measured): one request end to end; denoising at GEMMs 60% (section 12's assumptions)",
     )  # fmt: skip
     assumptions(pj.E2E_ASSUMPTIONS)
     counts = stage_counts(clips[0])
     processes = {"denoiser rank": replica.weight_bytes, "conditioner": counts[0].weight_bytes,
                  "decoder": counts[1].weight_bytes + counts[2].weight_bytes}  # fmt: skip
-    warm_up = next(r for r in rows if r["clip"] == str(clips[0]))["denoising"]["s"] / pj.FORWARDS_PER_CLIP
+    warm_up = rows[0]["stages"]["denoising"]["s"] / pj.FORWARDS_PER_CLIP  # one step at the served resolution
     start = pj.start_seconds(processes, warm_up)
     table(["process", "GB"], [[k, v / 1e9] for k, v in processes.items()],
           f"== PROJECTED start: largest process {start['largest process GB']:.1f} GB at {pj.HOST_READ_GBPS} GB/s "

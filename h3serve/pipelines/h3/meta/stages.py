@@ -140,7 +140,13 @@ def audio_decode(clip: Clip) -> StageCount:
 
 
 @functools.cache
+def _decodes(width: int, height: int, num_frames: int) -> tuple[StageCount, StageCount]:
+    clip = Clip(width, height, num_frames)  # keyframes change the conditioning only
+    return video_decode(clip), audio_decode(clip)
+
+
+@functools.cache
 def stage_counts(clip: Clip) -> tuple[StageCount, StageCount, StageCount]:
     """Conditioning, video decode and audio decode of one request of ``clip`` (the video decode takes minutes on meta:
-    ~2 min for a released clip on 2 cores, its ~200 tile-chunks each a whole decoder)."""
-    return (conditioning(clip), video_decode(clip), audio_decode(clip))
+    ~2.5 min for a released clip on 2 cores, its ~200 tile-chunks each a whole decoder)."""
+    return (conditioning(clip), *_decodes(clip.width, clip.height, clip.num_frames))
