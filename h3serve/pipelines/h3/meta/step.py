@@ -59,7 +59,6 @@ from .runtime import MetaRun, MetaVarlenImpl, dtype_log, fake_group
 UlyssesFactory = Callable[..., Any]
 
 STEPS = 50  # the released serve configs' default_steps
-BUDGET_ROWS, BUDGET_SP = 80000, 4  # h3serve/deploy/serve_config.gpu.yaml (H200): max_rows_per_step, sp_degree
 LORA_RANK = 64
 # step caching, First-Block-Cache F1B0: warmed after the warm-up step, a request skips its middle blocks at the
 # measured one (meta has no residual to measure: it reads 0); one still warming up computes them
@@ -182,10 +181,6 @@ def _measure_zero(kind: str, tensor: torch.Tensor):
 
 def _spec(name: str) -> LoraSpec:
     return LoraSpec(path=Path(f"/meta/{name}"))
-
-
-def _adapters(denoiser: H3Denoiser) -> list[LoraAdapter]:
-    return [a for by_slot in denoiser.adapters.values() for a in by_slot.values()]
 
 
 def every_linear_adapter(model: torch.nn.Module, name: str, rank: int) -> LoraAdapter:
