@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from h3serve.pipelines.h3.meta.hardware import BF16_DENSE_TFLOPS
 from h3serve.pipelines.h3.meta.tables import table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -549,7 +550,7 @@ async def at_times(arrivals: Iterable[tuple[float, Any]], send: Callable[[int, A
 
 # -- GPU scripts ----------------------------------------------------------------------------------
 
-PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
+PEAK_TFLOPS = BF16_DENSE_TFLOPS  # H200 SXM bf16 dense, NVIDIA spec (h3serve plan projects with the same)
 
 
 class Budget:

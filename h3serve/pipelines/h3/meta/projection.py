@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES
 from h3serve.pipelines.h3.shapes import Clip
 
+from .hardware import BF16_DENSE_TFLOPS, FP32_TFLOPS, GPUS, H100, H200, TF32_TFLOPS, Gpu
 from .stages import StageCount, bf16_video_decode, stage_counts
 from .step import PACKS, Ask, MetaReplica, measure
 
-BF16_DENSE_TFLOPS = 989.4  # H100 SXM5 and H200 SXM, NVIDIA's datasheets (dense, no sparsity)
 GEMM_EFFICIENCIES = (0.4, 0.6, 0.8)
 ATTENTION_TFLOPS = 620.0  # FlashAttention-3, bf16 forward, hdim 128, non-causal, 16k tokens, H100 (pytorch/benchmark)
 ALL_TO_ALL_GBPS = 350.0  # per rank, leaving it
@@ -45,18 +45,6 @@ ASSUMPTIONS = {
     "profile's non-GEMM kernel time",
     "no overlap, no host stalls": "a profile of one step: gaps between kernels (the listed host syncs)",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpu:
-    name: str
-    hbm_tbps: float
-    memory_bytes: int  # what nvidia-smi reports, as h3serve/deploy/platforms/ states it
-
-
-H200 = Gpu("H200", 4.8, 143771 * 2**20)
-H100 = Gpu("H100", 3.35, 81559 * 2**20)
-GPUS = (H200, H100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +122,6 @@ PROJECTED_PACKS = {**PACKS, "fast": [Ask(Clip(1344, 768, 209))]}
 
 
 # -- the whole clip, projected ---------------------------------------------------------------------------------
-FP32_TFLOPS = 66.9  # H100 SXM / H200 fp32 (no tensor cores), NVIDIA's datasheets: the VAEs as h3serve runs them today
-TF32_TFLOPS = 494.7  # the same GPUs' dense TF32 tensor cores (allow_tf32 where fp32 remains: issue 56 item 1)
 CONV_EFFICIENCY = 0.4  # of the peak in the VAEs' dtype: cuDNN's conv3d and the decoder's ViT, short tiles
 # libx264 "veryfast" at 1344x768 on 2 shared cores, moving gradients (easy to code: natural video costs more):
 # benchmarks/results/cpu-2core-2026-12-05/mp4_rate.json
