@@ -20,7 +20,7 @@
 # torch_varlen (torch.nn.attention.varlen), the STAND-IN for flash-attn, which the lent machine lacks and which has no
 # offline wheel small enough to carry; every log and JSON names the backend it measured. Flex attention (cold Triton
 # compiles) is opt-in: --flex adds the kernels' GPU tests (40 s cap). What runs on CPU runs here, not there: the
-# meta-device projection (python -m benchmarks.meta_step --session) and every dry run.
+# meta-device projection (h3serve plan h3serve/deploy/serve_config.gpu.yaml --end-to-end) and every dry run.
 #
 # Every part saves its result as it finishes (each JSON is rewritten after each sub-part, logs are unbuffered), so a
 # part cut at its cap loses only the sub-part it was in, and the parts after it still run.

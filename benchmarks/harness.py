@@ -7,9 +7,10 @@ Every benchmark is a plain module, ``python -m benchmarks.NAME [--smoke] [--json
 ``cli`` parses the arguments (``--smoke``, ``--json``, ``--address``: join a running Ray cluster, as the tests'
 session cluster, instead of starting one), runs, stamps the result with the machine and the git commit
 (``stamp``), writes it to ``--json`` and exits 1 when ``result["ok"]`` is false (a refusal returns an int: 2).
-The shared pieces: ``table``/``say``/``fmt`` print, ``percentile``/``median``/``time_ms``/``Phases`` time,
-``ServedConfig``/``ServedDefault`` start ``h3serve serve`` as a user does (or ``Attached`` to one already up,
-``--url``), ``at_times`` replays a trace's arrivals; the API calls themselves are ``h3serve.client``'s.
+The shared pieces: ``table`` (``h3serve.pipelines.h3.meta.tables``, ``h3serve plan``'s too)/``say`` print,
+``percentile``/``median``/``time_ms``/``Phases`` time, ``ServedConfig``/``ServedDefault`` start ``h3serve serve``
+as a user does (or ``Attached`` to one already up, ``--url``), ``at_times`` replays a trace's arrivals; the API
+calls themselves are ``h3serve.client``'s.
 
 The GPU scripts (gpu_kernels, gpu_pipeline, gpu_smoke) use only the torch-only helpers: nothing at module level here
 imports Ray, the deploy package or the model pipeline (gpu_session.sh carries only torch, diffusers and pydantic).
@@ -37,6 +38,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from h3serve.pipelines.h3.meta.hardware import BF16_DENSE_TFLOPS
+from h3serve.pipelines.h3.meta.tables import table
 
 REPO = Path(__file__).resolve().parents[1]
 H3SERVE = str(Path(sys.executable).parent / "h3serve")  # the installed console script
@@ -220,33 +224,6 @@ class Phases:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + now() - t0
-
-
-def fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
-    """A plain-text table: first column left-aligned, the rest right-aligned. Printed and returned."""
-    cells = [list(map(str, headers))] + [[fmt(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-
-    lines = ([title] if title else []) + [line(cells[0]), "  ".join("-" * w for w in widths)]
-    lines += [line(r) for r in cells[1:]]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
 
 
 def judge_targets(checks: Sequence[tuple[str, float, str, float]], load: float, title: str) -> list[dict]:
@@ -573,7 +550,7 @@ async def at_times(arrivals: Iterable[tuple[float, Any]], send: Callable[[int, A
 
 # -- GPU scripts ----------------------------------------------------------------------------------
 
-PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA spec
+PEAK_TFLOPS = BF16_DENSE_TFLOPS  # H200 SXM bf16 dense, NVIDIA spec (h3serve plan projects with the same)
 
 
 class Budget:

@@ -396,19 +396,6 @@ def test_gpu_session_dry_run_runs_every_part_on_the_cpu(tmp_path):
     assert "measured_activation_bytes" not in max_rows  # mem_get_info is CUDA's: the one call a dry run leaves out
 
 
-def test_meta_step_session_projects_gpu_pipelines_single_request(tmp_path):
-    """gpu_session.sh's first step: the released step counted on meta, PROJECTED for one H200."""
-    out = tmp_path / "projection.json"
-    run = bench("meta_step", "--session", "--smoke", json_path=out)
-    assert run.code == 0
-    rows = json.loads(out.read_text())["projection"]
-    assert {(r["pack"], r["rows"], r["gpu"]) for r in rows} == {("1 request", 37966, g) for g in ("H200", "H100")}
-    assert sorted(r["gemm_efficiency"] for r in rows if r["gpu"] == "H200") == [0.4, 0.6, 0.8]
-    assert all(r["gemm"] > 0 and r["attention"] > 0 and r["all_to_all"] == 0 for r in rows)
-    printed = run.out
-    assert "PROJECTED (not measured)" in printed and "FlashAttention-3" in printed
-
-
 def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(tmp_path):
     run = bench("default_clip", "--smoke", json_path=tmp_path / "default_clip.json")
     result, out = run.result, run.out

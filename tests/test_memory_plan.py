@@ -16,7 +16,7 @@ from h3serve.pipelines.h3 import checkpoint as ckpt
 from h3serve.pipelines.h3.admission import MemoryBudgetError, check_memory
 from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, memory_plan
 
-TOLERANCE = 0.05  # benchmarks.activation_memory's: |formula bytes per row / measured - 1|
+TOLERANCE = 0.05  # |formula bytes per row / measured - 1| (tests/live_memory.py)
 
 REPO = Path(__file__).resolve().parents[1]
 PLATFORMS = REPO / "h3serve" / "deploy" / "platforms"
@@ -96,24 +96,12 @@ def test_activations_split_over_ranks_and_the_row_budget_that_fits_is_exact():
 
 
 @pytest.mark.slow  # ~20 s: three packs on one rank, then the same over 2 Ulysses ranks (gloo processes)
-def test_formula_matches_the_measured_per_row_cost(tmp_path):
-    """The peak live bytes of real packed forwards (tiny, CPU) grow by the formula's bytes per row,
-    on one rank and on each of 2 Ulysses ranks: ``python -m benchmarks.activation_memory`` (packs of 1, 2 and 4
-    documents, sp_degree 2) as a user runs it."""
-    import json
-    import subprocess
-    import sys
+def test_formula_matches_the_measured_per_row_cost():
+    """The peak live bytes of real packed forwards (tiny, CPU) grow by the formula's bytes per row, on one rank and
+    on each of 2 Ulysses ranks (``tests/live_memory.py``: packs of 1, 2 and 4 documents, sp_degree 2)."""
+    from tests.live_memory import measure
 
-    out = Path(tmp_path) / "activation_memory.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.activation_memory", "--json", str(out)],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    result = json.loads(out.read_text())  # written whether its checks passed or not: the asserts below say which
-    assert done.returncode in (0, 1), done.stdout[-5000:] + done.stderr[-5000:]
+    result = measure((1, 2, 4), sp_degree=2)
     peaks = [p["peak_bytes"] for p in result["points"]]
     assert peaks == sorted(peaks) and peaks[-1] > 3 * peaks[0]  # linear in rows, not constant
     assert abs(result["ratio"] - 1) <= TOLERANCE, result

@@ -30,7 +30,7 @@ from h3serve.pipelines.h3.packing import pack_documents
 from h3serve.pipelines.h3.shapes import Clip, LiveStorages, clip_document
 from h3serve.pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
-CLIP = Clip(width=128, height=64, num_frames=22)  # benchmarks.activation_memory's: the tiny default canvas
+CLIP = Clip(width=128, height=64, num_frames=22)  # tests/live_memory.py's: the tiny default canvas
 SLACK = 1.5  # the plan may exceed the dearest measured pack's extra by this factor, no more
 # after one warm-up step: any change of the first-blocks residual computes; nothing short of 1e9 skips
 COMPUTES = StepCachePolicy(threshold=1e-9, warmup_steps=1, max_consecutive_skips=10**6)
@@ -97,7 +97,7 @@ def measure(model, config, clips: list[Clip], policies: list[StepCachePolicy], s
 
 def planned_extra(config, m: Measured, sp_degree: int = 1) -> int:
     """The plan's step-cache bytes for the measured pack: its activations with a tier offered less without one."""
-    share = m.text_rows / m.rows  # the pack's own mix, as benchmarks/activation_memory.py checks the formula
+    share = m.text_rows / m.rows  # the pack's own mix, as tests/live_memory.py checks the formula
 
     def planned(step_cache: bool) -> int:
         cost = activation_row_cost(config, torch.float32, share, sp_degree, step_cache=step_cache)
@@ -136,7 +136,7 @@ SP_CASES = {
     # h_0 stays gathered until the short late one decides, beside the sub-pack's gathered rows and the pending ones
     "a short one skips, one decides a block later": ([SMALL, SMALL, CLIP, CLIP], [SKIPS, LATE, COMPUTES, COMPUTES]),
 }
-# gloo may hold a finished collective's buffers a moment (benchmarks/activation_memory.py): timing-dependent bytes
+# gloo may hold a finished collective's buffers a moment (tests/live_memory.py): timing-dependent bytes
 # that only ever add to a peak. Five quiet runs per case (2026-12-04) spread one rank's cached peak over 4.36-4.81 MB
 # and its extra up to 15% over the plan; the least of five was each case's floor. Two let a CI run's rank fail by 364 B.
 REPEATS = 5

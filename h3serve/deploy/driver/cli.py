@@ -1,7 +1,9 @@
-"""The ``h3serve`` command: serve, admit, generate, eval, weights, probe.
+"""The ``h3serve`` command: serve, admit, plan, generate, eval, weights, probe.
 
 h3serve serve [CONFIG]            admission pre-flight of every application, then run the config like `serve run`
 h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
+h3serve plan CONFIG               the config's released-size step on the meta device, its PROJECTED seconds;
+                                  --paths (every step path checked), --end-to-end (every stage, peers, start)
 h3serve generate PROMPT -o OUT    one image (.png) or video (.mp4), locally, no Ray
 h3serve eval [--checkpoint DIR]   held-out scenes of the demo world through the packing engine, no Ray;
                                   colour, shape, motion and sound judged per clip; accuracy table, --json
@@ -171,6 +173,29 @@ def cmd_admit(ns: argparse.Namespace) -> None:
         push_to_gateway(ns.pushgateway, job=ns.job, registry=registry)
     if refused:
         fail_refused(refused)
+
+
+def cmd_plan(ns: argparse.Namespace) -> None:
+    """The config's step counted on meta at the released size, and its PROJECTED seconds (``pipelines.h3.meta``)."""
+    from h3serve.pipelines.h3.meta.report import plan
+    from h3serve.replicas.sequence_parallel import UlyssesGroup
+
+    config = load_config(ns.config)
+    deployments = app_deployments(config)
+    results = {}
+    for name, raw in h3_apps(config):
+        args = parse_args(name, raw, deployments[name])
+        if args.model != "full":
+            fail(
+                EXIT_REFUSED,
+                f"application {name!r} serves {args.model!r}: `plan` projects the released model (model: full)",
+            )
+        print(f"h3serve: application {name!r}: sp_degree {args.sp_degree}, {args.engine.max_rows_per_step} rows/step")
+        results[name] = plan(args.sp_degree, args.engine.max_rows_per_step, UlyssesGroup, ns.paths, ns.end_to_end)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(results, indent=1, default=str))
+    if not all(r["ok"] for r in results.values()):
+        fail(EXIT_REFUSED, "a step path broke its budgets (the checks above)")
 
 
 # -- serve --------------------------------------------------------------------------------
@@ -416,6 +441,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pushgateway", help="push the admission counters to this Pushgateway address")
     p.add_argument("--job", default="h3serve-admit", help="Pushgateway job label")
     p.set_defaults(func=cmd_admit)
+
+    p = sub.add_parser("plan", help="the config's released-size step on the meta device and its PROJECTED seconds")
+    p.add_argument("config")
+    p.add_argument("--paths", action="store_true", help="also every step path checked against its budgets (~1 min)")
+    p.add_argument("--end-to-end", action="store_true", help="also every stage of a clip, the peers, the start")
+    p.add_argument("--json", help="write every number here")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("generate", help="generate one clip locally, without Ray")
     p.add_argument("prompt")

@@ -102,7 +102,7 @@ def keeps_fp32(model: torch.nn.Module, name: str) -> bool:
 def build_transformer(config: dict, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
     """Random weights, laid out and typed as ``from_pretrained(torch_dtype=dtype)`` would load the checkpoint.
 
-    On the ``meta`` device: the same layout and dtypes, no weights (``benchmarks.meta_device`` runs it).
+    On the ``meta`` device: the same layout and dtypes, no weights (``h3serve.pipelines.h3.meta`` runs it).
     """
     meta = torch.device(device).type == "meta"
     with torch.device("meta"):
@@ -330,7 +330,7 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
 
 def activation_bytes_per_row(config: dict, dtype: torch.dtype) -> float:
     """The memory plan's live activations per media row of a pack on one rank (``h3serve.pipelines.h3.memory``'s
-    ``ACTIVATION_FORMULA``: the block's SwiGLU peak, the row's inputs), which benchmarks/meta_step.py checks against
+    ``ACTIVATION_FORMULA``: the block's SwiGLU peak, the row's inputs), which ``meta.step`` checks against
     the released step's measured peak on the meta device."""
     from h3serve.pipelines.h3.memory import activation_row_cost
 
@@ -419,7 +419,7 @@ def released_bytes(embed_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     return out
 
 
-# -- live memory, measured: the plan's counterpart (benchmarks.activation_memory, tests/test_step_cache_memory) ----
+# -- live memory, measured: the plan's counterpart (tests/live_memory.py, tests/test_step_cache_memory) ---------
 class LiveStorages(TorchDispatchMode):
     """Bytes of the tensor storages created under this mode that are still referenced; and their peak."""
 

@@ -1,23 +1,14 @@
-"""Activation memory of one packed forward, measured, against the formula the memory plan budgets with.
+"""Activation memory of one packed forward, measured: what ``tests/test_memory_plan.py`` holds the plan's formula to.
 
-    python -m benchmarks.activation_memory [--smoke] [--json PATH]
-
-Runs ``packed_forward`` (no grad) on the tiny preset on CPU over packs of 1, 2, 4 (smoke: 1, 2) copies
-of one T2VA clip, and tracks the bytes of every live tensor storage created inside it (the pack's
-inputs included, the weights not) with a ``TorchDispatchMode``: each op's outputs are counted once per
-storage and uncounted when the last tensor viewing that storage is freed (weakref finalizers). The
-peak is fitted as ``a + b * rows``; ``b`` is the measured per-row cost. ``h3serve.pipelines.h3.memory``'s
-``ACTIVATION_FORMULA`` evaluated at the tiny dims and the measured packs' text share must match ``b``
-within ``TOLERANCE``; the same formula at the released dims is then printed: the per-row cost on the
-GPU, and what it means at the GPU config's row budget on H200 and H100.
-
-CPU-only; the attention backend is torch_sdpa, which runs one document at a time, so its score matrix
-is a per-document constant (in ``a``), as flash-attn's workspace is on the GPU.
+Runs ``packed_forward`` (no grad) on the tiny preset on CPU over packs of 1, 2, 4 copies of one T2VA clip and tracks
+the bytes of every live tensor storage created inside it (the pack's inputs included, the weights not) with
+``shapes.LiveStorages``. The peak is fitted as ``a + b * rows``; ``b`` is the measured per-row cost, which
+``h3serve.pipelines.h3.memory``'s ``ACTIVATION_FORMULA`` at the tiny dims must match. The same packs over 2 Ulysses
+ranks (gloo, a process each): each rank's peak per pack row. torch_sdpa runs one document at a time, so its score
+matrix is a per-document constant (in ``a``), as flash-attn's workspace is on the GPU.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import torch
@@ -26,21 +17,16 @@ from h3serve.attention import get_backend
 from h3serve.pipelines.h3.attention_processor import install
 from h3serve.pipelines.h3.config import preset
 from h3serve.pipelines.h3.forward import packed_forward
-from h3serve.pipelines.h3.memory import ACTIVATION_FORMULA, activation_row_cost, memory_plan
+from h3serve.pipelines.h3.memory import activation_row_cost
 from h3serve.pipelines.h3.packing import pack_documents
 from h3serve.pipelines.h3.shapes import Clip, LiveStorages, build_transformer, clip_document
 
-from .harness import say, smoke_main, table
-
-TOLERANCE = 0.05  # |formula slope / measured slope - 1|
 # Each pack is measured this many times and its least peak kept. Under Ulysses, gloo's worker thread can hold a
 # finished collective's buffers a moment after the call returns (the Work still references them, so their Python
 # tensors outlive the forward's last use): timing-dependent bytes that only ever add to a peak (seen: +4% on one
 # rank of a loaded machine). The least of a few runs is the forward's own need.
 REPEATS = 5  # 3 left one rank 5.3% over on a quiet fresh-clone CI run (2026-12-03): the least of more runs
 CLIP = Clip(width=128, height=64, num_frames=22)  # the tiny default canvas, one 17n+5 chunk
-DEVICE_BYTES = {"H200 (141 GB)": 143771 * 2**20, "H100 (80 GB)": 81559 * 2**20}  # nvidia-smi's MiB
-GPU_ROWS, GPU_SP = 80000, 4  # h3serve/deploy/serve_config.gpu.yaml
 
 
 def _points(copies: tuple[int, ...], sp=None) -> list[dict]:
@@ -161,102 +147,3 @@ def measure(copies: tuple[int, ...] = (1, 2, 4), sp_degree: int = 2) -> dict:
         "ratio": formula_slope / float(slope),
         "sp": sp,
     }
-
-
-def released() -> dict:
-    """The formula at the released dims: per-row cost and each rank role at the GPU config's row budget."""
-    plan = memory_plan(
-        model="full",
-        checkpoint=None,
-        dtype="bfloat16",
-        sp_degree=GPU_SP,
-        max_rows=GPU_ROWS,
-        partitions=("transformer",),
-    )
-    per_gpu = {}
-    for name, device_bytes in DEVICE_BYTES.items():
-        per_gpu[name] = {
-            "device_bytes": device_bytes,
-            "ranks": {
-                r.role: {
-                    "weight_bytes": r.weight_bytes,
-                    "activation_bytes": r.activation_bytes,
-                    "total_bytes": r.total_bytes,
-                    "fits": r.total_bytes <= device_bytes,
-                    "rows_that_fit": plan.rows_that_fit(r, device_bytes),
-                }
-                for r in plan.ranks
-            },
-            "max_rows_that_fit": plan.max_rows_that_fit(device_bytes),
-            "table": plan.table(device_bytes),
-        }
-    return {
-        "bytes_per_pack_row": plan.row_cost.per_row(GPU_SP),
-        "row_cost": dataclasses.asdict(plan.row_cost),
-        "per_gpu": per_gpu,
-    }
-
-
-def run(smoke: bool) -> dict:
-    result = measure((1, 2) if smoke else (1, 2, 4), sp_degree=2)
-    table(
-        ["docs", "rows", "text rows", "peak live bytes", "bytes/row", "peak at", "attention-phase peak"],
-        [
-            [
-                p["docs"],
-                p["rows"],
-                p["text_rows"],
-                p["peak_bytes"],
-                p["peak_bytes"] / p["rows"],
-                p["peak_op"],
-                p["attention_peak_bytes"],
-            ]
-            for p in result["points"]
-        ],
-        title="== measured: one packed forward, tiny preset, float32, CPU, torch_sdpa (no grad)",
-    )
-    say(
-        f"  fit: {result['measured_fixed_bytes']:.0f} B + {result['measured_bytes_per_row']:.1f} B x rows; "
-        f"formula at tiny dims (text share {result['text_fraction']:.3f}): {result['formula_bytes_per_row']:.1f} B/row "
-        f"= {result['ratio']:.3f}x measured (tolerance +-{TOLERANCE:.0%}); the attention phase peaks at "
-        f"{result['attention_phase_bytes_per_row']:.1f} B/row (formula {result['attention_formula_bytes_per_row']:.1f}"
-        f" = {result['attention_ratio']:.3f}x), below the SwiGLU's"
-    )
-    sp = result["sp"]
-    table(
-        ["rank", *(f"{p['rows']} rows" for p in sp["points"][0]), "bytes per pack row", "formula"],
-        [
-            [
-                r,
-                *(p["peak_bytes"] for p in rank),
-                sp["measured_bytes_per_pack_row"][r],
-                sp["formula_bytes_per_pack_row"],
-            ]
-            for r, rank in enumerate(sp["points"])
-        ],
-        title=f"== the same packs over {sp['sp_degree']} Ulysses ranks (gloo): each rank's peak live bytes",
-    )
-    say(f"  formula / measured per rank: {', '.join(f'{x:.3f}' for x in sp['ratios'])}")
-    say(ACTIVATION_FORMULA)
-    gpu = released()
-    say(
-        f"\n== the formula at the released dims, bfloat16, sp_degree {GPU_SP}: "
-        f"{gpu['bytes_per_pack_row'] / 1e3:.1f} kB per pack row on each rank (every row a prompt row at worst: "
-        f"{gpu['row_cost']})"
-    )
-    for name, numbers in gpu["per_gpu"].items():
-        say(f"-- {name}\n{numbers['table']}")
-    result["released"] = gpu
-    result["ok"] = (
-        abs(result["ratio"] - 1) <= TOLERANCE
-        and abs(result["attention_ratio"] - 1) <= TOLERANCE
-        and all(abs(r - 1) <= TOLERANCE for r in result["sp"]["ratios"])
-        and result["attention_phase_bytes_per_row"] < result["measured_bytes_per_row"]
-    )
-    return result
-
-
-main = smoke_main(__doc__, run)
-
-if __name__ == "__main__":
-    raise SystemExit(main())

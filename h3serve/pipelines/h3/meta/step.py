@@ -1,38 +1,33 @@
 """The released-size step on the meta device: every path a replica takes, its FLOPs, host syncs and memory.
 
-    python -m benchmarks.meta_step [--json PATH]      # every path, the plan check, the projection (~1 min)
-    python -m benchmarks.meta_step --session           # the projection of gpu_pipeline's packs on one H200
-    python -m benchmarks.meta_step --session --smoke   # its single request only (gpu_session.sh --cpu-dry-run)
-
 The ``full`` transformer (diffusers' ``MiniMaxH3Transformer3DModel`` at the released config, 33.1B parameters, bf16
 with diffusers' fp32 modules kept fp32) is built on the meta device inside a real ``H3Pipeline`` (its denoiser, the
 released schedulers and model rules; conditioning and decoding belong to stages, as in the shipped GPU configs).
 Requests are admitted from what a conditioner stage hands over (``shapes.clip_prepared``: diffusers' layout and
 row-timestep builders), then stepped by ``H3Pipeline.packs``/``forward``/``apply``, the calls an engine step makes:
 ``pack_documents``, ``packed_forward`` through h3serve's attention processor, each request's two schedulers. Only the
-attention kernel and the collectives stand in (``benchmarks.meta_device``).
+attention kernel and the collectives stand in (``runtime``). Ulysses' group class is handed in by the caller
+(``h3serve plan``, the tests): pipelines import nothing from ``replicas``.
 
 Each pack runs one warm-up step (each scheduler finds its place in its schedule, each step cache takes its first
 residuals) and one measured step, which reports: the FLOPs ``FlopCounterMode`` counts against
 ``shapes.forward_flops``; the host syncs, each with its line; the collectives and their bytes; the bytes live
 before the step (the requests' own tensors on the device) and the step's peak above them, against
-``h3serve/pipelines/h3/memory.py``'s plan for the same pack; which tensors ran in fp32.
-
-Over 600 lines: the released step's paths, their budgets (syncs, FLOPs, memory), the check, the projection and its
-tables; the meta-device runtime itself is ``benchmarks/meta_device.py``, the seconds' assumptions
-``benchmarks/projection.py``.
+``h3serve/pipelines/h3/memory.py``'s plan for the same pack; which tensors ran in fp32. ``check`` holds a path to
+its budgets (``SYNC_BUDGET``, the formula, the plan); ``projection`` turns the counts into **projected** seconds.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import functools
 import io
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -41,7 +36,7 @@ from h3serve.pipelines.h3.attention_processor import install
 from h3serve.pipelines.h3.denoiser import H3Denoiser
 from h3serve.pipelines.h3.handoff import PreparedState
 from h3serve.pipelines.h3.lora import LoraAdapter, LoraLayer, LoraSpec, LoraSpecs
-from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, GiB, activation_row_cost, request_row_cost
+from h3serve.pipelines.h3.memory import activation_row_cost, request_row_cost
 from h3serve.pipelines.h3.pipeline import H3Pipeline
 from h3serve.pipelines.h3.request import GenerationRequest
 from h3serve.pipelines.h3.request_state import RequestState
@@ -57,25 +52,13 @@ from h3serve.pipelines.h3.shapes import (
     transformer_config,
 )
 from h3serve.pipelines.h3.step_cache import StepCachePolicy
-from h3serve.replicas.sequence_parallel import UlyssesGroup
 
-from .harness import cli, say, table
-from .meta_device import MetaRun, MetaVarlenImpl, dtype_log, fake_group
-from .projection import (
-    ALL_TO_ALL_GBPS,
-    ASSUMPTIONS,
-    ATTENTION_TFLOPS,
-    BF16_DENSE_TFLOPS,
-    FORWARDS_PER_CLIP,
-    GEMM_EFFICIENCIES,
-    GPUS,
-    HBM_EFFICIENCY,
-    RankCounts,
-    floor_seconds,
-)
+from .runtime import MetaRun, MetaVarlenImpl, dtype_log, fake_group
+
+# the Ulysses group: (sp_degree, rank, heads, device) -> h3serve.replicas.sequence_parallel.UlyssesGroup
+UlyssesFactory = Callable[..., Any]
 
 STEPS = 50  # the released serve configs' default_steps
-BUDGET_ROWS, BUDGET_SP = 80000, 4  # h3serve/deploy/serve_config.gpu.yaml (H200): max_rows_per_step, sp_degree
 LORA_RANK = 64
 # step caching, First-Block-Cache F1B0: warmed after the warm-up step, a request skips its middle blocks at the
 # measured one (meta has no residual to measure: it reads 0); one still warming up computes them
@@ -135,9 +118,11 @@ def _png() -> bytes:
 
 
 class MetaReplica:
-    """One rank's denoiser at the released size on meta, inside a real ``H3Pipeline``; ``run`` watches it."""
+    """One rank's denoiser at the released size on meta, inside a real ``H3Pipeline``; ``run`` watches it.
+    ``ulysses`` builds the SP group of a step over several ranks (None: sp_degree 1 only)."""
 
-    def __init__(self, adapters: Sequence[str] = ()):
+    def __init__(self, adapters: Sequence[str] = (), ulysses: UlyssesFactory | None = None):
+        self.ulysses = ulysses
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
 
         from h3serve.pipelines.h3.stages import H3Stages
@@ -170,10 +155,11 @@ class MetaReplica:
         """A request as a denoiser with stages admits it (the conditioner's host tensors moved onto the device),
         at step ``start`` of its schedules, as a request resumed there."""
         clip = ask.clip
-        keyframes = {f"{anchor}_frame": _png() for anchor in clip.keyframes}
+        png = _png()
         request = GenerationRequest(
             prompt="a meta-device request", width=clip.width, height=clip.height, num_frames=clip.num_frames,
-            num_inference_steps=STEPS, seed=seed, **keyframes,
+            num_inference_steps=STEPS, seed=seed, first_frame=png if "first" in clip.keyframes else None,
+            last_frame=png if "last" in clip.keyframes else None,
         )  # fmt: skip
         state = self.pipeline.admit(request, prepared, ask.cache, ask.adapter)
         state.step_index = start
@@ -197,10 +183,6 @@ def _spec(name: str) -> LoraSpec:
     return LoraSpec(path=Path(f"/meta/{name}"))
 
 
-def _adapters(denoiser: H3Denoiser) -> list[LoraAdapter]:
-    return [a for by_slot in denoiser.adapters.values() for a in by_slot.values()]
-
-
 def every_linear_adapter(model: torch.nn.Module, name: str, rank: int) -> LoraAdapter:
     """An adapter on every ``nn.Linear`` of ``model`` (as a few-step adapter adapts the timestep path too), its
     factors on each layer's device and dtype (``LoraAdapter.placed_for``)."""
@@ -216,7 +198,7 @@ def every_linear_adapter(model: torch.nn.Module, name: str, rank: int) -> LoraAd
     return LoraAdapter(name=name, spec=_spec(name), partition="transformer", layers=layers).placed_for(model)
 
 
-def _forward_for(replica: MetaReplica, sp: UlyssesGroup | None):
+def _forward_for(replica: MetaReplica, sp: Any):
     if sp is None:
         return replica.pipeline._forward_alone
     return lambda pack: replica.denoiser.forward(pack, sp)
@@ -230,8 +212,10 @@ def measure(replica: MetaReplica, asks: Sequence[Ask], sp_degree: int = 1, rank:
     warm_up = any(a.cache is not None for a in asks)
     prepared = [_prepared("full", ask.clip, seed) for seed, ask in enumerate(asks)]
     replica.impl.dtypes.clear()
-    with fake_group(rank, sp_degree) if sp_degree > 1 else _nothing(), run:
-        sp = UlyssesGroup(sp_degree, rank, heads, device="meta") if sp_degree > 1 else None
+    if sp_degree > 1 and replica.ulysses is None:
+        raise ValueError(f"sp_degree {sp_degree} needs the replica's Ulysses group class (MetaReplica(ulysses=...))")
+    with fake_group(rank, sp_degree) if sp_degree > 1 else contextlib.nullcontext(), run:
+        sp = replica.ulysses(sp_degree, rank, heads, device="meta") if replica.ulysses and sp_degree > 1 else None
         pipeline.row_multiple = sp_degree
         forward = _forward_for(replica, sp)
         run.live = run.peak = 0
@@ -332,9 +316,8 @@ def run_host(run: MetaRun, pack):
 
 
 def plan_for(config: dict, result: dict, asks: Sequence[Ask]) -> dict:
-    """``h3serve/pipelines/h3/memory.py``'s plan for the measured pack, by modality: its activations on this rank, and
-    the
-    requests' own tensors (rank 0)."""
+    """``h3serve/pipelines/h3/memory.py``'s plan for the measured pack, by modality: its activations on this rank,
+    and the requests' own tensors (rank 0)."""
     policies = [a.cache for a in asks if a.cache is not None]
     cost = activation_row_cost(
         config,
@@ -359,14 +342,6 @@ def _count(items) -> dict[str, int]:
     for item in items:
         counts[item] = counts.get(item, 0) + 1
     return counts
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 # -- what CI holds every path to ---------------------------------------------------------------------------------
@@ -440,195 +415,6 @@ def measure_path(replica: MetaReplica, path: StepPath) -> dict:
     return measure(replica, path.asks, path.sp_degree, path.rank)
 
 
-# -- the projection ---------------------------------------------------------------------------------------------
-# The peers' published figures (docs/BENCHMARKS.md cites them): seconds for one clip end to end
-PEERS = [
-    ("sglang, 8 H200, 1344x768 5 s, 50 steps (lossless)", 39.67, "one", 8, FORWARDS_PER_CLIP),
-    ("sglang, 4 H200, the same", 75.10, "one", 4, FORWARDS_PER_CLIP),
-    ("vLLM-Omni FastH3 (4-step LoRA), 4 H200, 209 frames, p50", 17.16, "fast", 4, 4),
-]
-PROJECTED_PACKS = {
-    "one": PACKS["one"],
-    "mixed": PACKS["mixed"],
-    "budget": PACKS["budget"],
-    "fast": [Ask(Clip(1344, 768, 209))],
-}
-
-
-def counts(result: dict) -> RankCounts:
-    formula = result["formula"]
-    return RankCounts(
-        gemm_flops=formula["matmul"] + formula.get("lora", 0),
-        attention_flops=formula["attention"],
-        all_to_all_bytes=result["all_to_all_bytes"],
-        memory_bytes=result["memory_bytes"],
-        sp_degree=result["sp_degree"],
-    )
-
-
-def project(replica: MetaReplica, packs: dict[str, list[Ask]], degrees=(1, 4, 8)) -> list[dict]:
-    """Each pack at each Ulysses degree (rank 0, counted on meta), projected on each GPU at each GEMM efficiency."""
-    rows = []
-    for name, asks in packs.items():
-        for sp in degrees:
-            result = measure(replica, asks, sp, 0)
-            rank = counts(result)
-            fits = {
-                gpu.name: replica.weight_bytes + result["plan"]["activation_bytes"] + result["plan"]["request_bytes"]
-                + DEFAULT_RESERVE_BYTES <= gpu.memory_bytes
-                for gpu in GPUS
-            }  # fmt: skip
-            for gpu in GPUS:
-                for efficiency in GEMM_EFFICIENCIES:
-                    seconds = rank.seconds(gpu, efficiency)
-                    rows.append(
-                        dict(
-                            pack=name, rows=result["rows"], requests=result["requests"], sp_degree=sp, gpu=gpu.name,
-                            gemm_efficiency=efficiency, fits=fits[gpu.name], **seconds,
-                            clip_s=seconds["total"] * FORWARDS_PER_CLIP, pack_flops=result["pack_flops"],
-                            floor_clip_s=floor_seconds(result["pack_flops"], sp),
-                        )
-                    )  # fmt: skip
-    return rows
-
-
-def _report_measured(results: dict[str, dict]) -> None:
-    table(
-        ["path", "rows (text)", "TFLOP counted", "/ formula", "syncs (mid-fwd)", "collectives", "activations GiB",
-         "/ plan", "requests' tensors MiB", "/ plan", "eager s"],
-        [
-            [
-                name, f"{r['rows']} ({r['text_rows']})", r["flops"] / 1e12,
-                f"{r['flops_ratio']:.4f}" if r.get("flops_ratio") is not None else "-",
-                f"{len(r['syncs'])} ({r['mid_forward_syncs']})",
-                ", ".join(f"{n} {op.split('.')[0]}" for op, n in r["collectives"].items()) or "-",
-                r["activation_peak_bytes"] / GiB, f"{r['plan']['activation_ratio']:.3f}", r["resident_bytes"] / 2**20,
-                f"{r['plan']['request_ratio']:.3f}", r["seconds"],
-            ]
-            for name, r in results.items()
-        ],
-        title="== measured on meta: one step of the released transformer (bf16, fp32 where diffusers keeps it)",
-    )  # fmt: skip
-    for name, r in results.items():
-        say(f"-- {name}: host syncs (kind, op, shape, before/mid-forward, where)")
-        for line in r["syncs"]:
-            say(f"   {line}")
-
-
-def _report_projection(rows: list[dict], efficiency: float = 0.6) -> None:
-    chosen = [r for r in rows if r["gemm_efficiency"] == efficiency]
-    table(
-        ["pack", "rows", "GPUs (sp)", "GPU", "fits", "GEMM s", "attention s", "all-to-all s", "elementwise s",
-         "s / step", "s / clip (49 fwd)", "floor s / clip"],
-        [
-            [r["pack"], r["rows"], r["sp_degree"], r["gpu"], r["fits"], r["gemm"], r["attention"], r["all_to_all"],
-             r["elementwise"], r["total"], r["clip_s"], r["floor_clip_s"]]
-            for r in chosen
-        ],
-        title=f"== PROJECTED (not measured): GEMMs at {efficiency:.0%} of {BF16_DENSE_TFLOPS:g} TFLOP/s, attention at "
-        f"{ATTENTION_TFLOPS:g} TFLOP/s (FlashAttention-3), all-to-all {ALL_TO_ALL_GBPS:g} GB/s, elementwise at "
-        f"{HBM_EFFICIENCY:.0%} of HBM, nothing overlapped",
-    )  # fmt: skip
-    by = {(r["pack"], r["sp_degree"], r["gpu"], r["gemm_efficiency"]): r for r in rows}
-    table(
-        ["pack", "GPUs (sp)", *(f"H200 s/clip @{e:.0%}" for e in GEMM_EFFICIENCIES)],
-        [[p, sp, *(by[(p, sp, "H200", e)]["clip_s"] for e in GEMM_EFFICIENCIES)] for p, sp, g, e in by
-         if g == "H200" and e == GEMM_EFFICIENCIES[0]],
-        title="== PROJECTED: seconds per clip of the whole pack (49 forwards) on H200s at each GEMM efficiency",
-    )  # fmt: skip
-
-
-def run(session: bool = False, smoke: bool = False, self_test: bool = False) -> dict:
-    say(__doc__.split("\n\n")[0])
-    replica = MetaReplica(adapters=() if session else ADAPTERS)
-    say(f"built the released transformer on meta: {replica.weight_bytes / GiB:.1f} GiB of weights (adapters included)")
-    if session:  # the packs benchmarks.gpu_pipeline measures on one H200, projected for it
-        from .gpu_pipeline import LENGTHS
-
-        packs = {
-            f"{n} request{'s' * (n > 1)}": [Ask(Clip(1344, 768, f), step=20 + j) for j, f in enumerate(LENGTHS[:n])]
-            for n in range(1, 2 if smoke else len(LENGTHS) + 1)
-        }
-        rows = project(replica, packs, degrees=(1,))
-        _report_projection([r for r in rows if r["gpu"] == "H200"])
-        return {"ok": True, "projection": rows, "assumptions": ASSUMPTIONS}
-    results = {name: measure_path(replica, path) for name, path in PATHS.items()}
-    _report_measured(results)
-    rows = project(replica, PROJECTED_PACKS)
-    _report_projection(rows)
-    peers = []
-    for label, seconds, pack, gpus, forwards in PEERS:
-        ours = next(
-            r for r in rows if (r["pack"], r["sp_degree"], r["gpu"], r["gemm_efficiency"]) == (pack, gpus, "H200", 0.6)
-        )
-        peers.append(dict(peer=label, published_s=seconds, projected_denoise_s=ours["total"] * forwards,
-                          floor_s=floor_seconds(ours["pack_flops"], gpus, forwards)))  # fmt: skip
-    table(["published", "s", "projected denoise s (60%)", "floor s"],
-          [[p["peer"], p["published_s"], p["projected_denoise_s"], p["floor_s"]] for p in peers],
-          title="== the peers' published seconds per clip beside h3serve's PROJECTED denoising time")  # fmt: skip
-    for assumption, replaced_by in ASSUMPTIONS.items():
-        say(f"  assumed {assumption}: a GPU run replaces it with {replaced_by}")
-    checks = {name: check(name, r) for name, r in results.items()}
-    model = replica.model
-    result = {
-        "ok": all(problems == [] for problems in checks.values()),
-        "checks": checks,
-        "paths": results,
-        "sync_budgets": {name: sync_budget(path.parts) for name, path in PATHS.items()},
-        "model": {
-            "keep_in_fp32_modules": sorted(model._keep_in_fp32_modules or []),
-            "rope_inv_freq_dtype": str(model.rope.inv_freq.dtype),
-            "parameter_bytes": parameter_bytes(model),
-            "parameters": sum(p.numel() for p in model.parameters()),
-        },
-        "projection": rows,
-        "peers": peers,
-        "assumptions": ASSUMPTIONS,
-    }
-    if self_test:
-        result["self_test"] = run_self_test(replica)
-        say(f"self-test: {result['self_test']}")
-    return result
-
-
-def run_self_test(replica: MetaReplica) -> dict:
-    """The run catches what it exists for (``--self-test``), each as the exception it raised (its class and bases):
-
-    - ``planted_cpu_zeros``: the padding document made on the CPU (``torch.zeros`` without ``device=``, as the pack
-      path once had it); a 37,966-row pack over 4 ranks needs 2 padding rows. Also the run's last violation.
-    - ``stand_in_kernel``: the stand-in attention kernel given CPU tensors.
-    """
-    from h3serve.pipelines.h3 import packing
-
-    class CpuZeros:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def zeros(*size, device=None, **kwargs):  # drops the device: made on torch's default device, the CPU
-            return torch.zeros(*size, **kwargs)
-
-    def raised(fn) -> dict:
-        try:
-            fn()
-        except Exception as e:
-            return {"raised": [c.__name__ for c in type(e).__mro__], "message": str(e)}  # the class and its bases
-        return {"raised": [], "message": None}
-
-    real, packing.torch = packing.torch, CpuZeros()  # type: ignore[assignment]
-    try:
-        planted = raised(lambda: measure(replica, PATHS["(a) one 1344x768x124"].asks, sp_degree=4))
-    finally:
-        packing.torch = real
-    planted["last_violation"] = replica.run.violations[-1] if replica.run.violations else None
-    q = torch.zeros(4, 2, 8)
-    kernel = MetaVarlenImpl(MetaRun())
-    stand_in = raised(
-        lambda: kernel.forward_varlen(q, q, q, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32), max_seqlen=4)
-    )
-    return {"planted_cpu_zeros": planted, "stand_in_kernel": stand_in}
-
-
 def check(name: str, result: dict) -> list[str]:
     """What is wrong with one measured path against its budgets and the plan (empty: nothing)."""
     path = PATHS[name]
@@ -644,15 +430,3 @@ def check(name: str, result: dict) -> list[str]:
         if abs(result["plan"][what] - 1) > TOLERANCE:
             problems.append(f"{what} {result['plan'][what]:.3f}")
     return problems
-
-
-def options(ap: argparse.ArgumentParser) -> None:  # --smoke: with --session, its single request only (CI)
-    ap.add_argument("--session", action="store_true", help="only the projection of gpu_pipeline's packs on one H200")
-    ap.add_argument("--self-test", action="store_true", help="also show the checks catch a planted CPU tensor")
-
-
-main = cli(__doc__, lambda args: run(args.session, args.smoke, args.self_test), options)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

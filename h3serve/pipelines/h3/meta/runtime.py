@@ -3,8 +3,8 @@
 A meta tensor has a shape, a dtype and a device but no data, so the released 33B transformer builds in a second
 and every op of a step runs its shape and dtype logic at once. What a CUDA run would show, a meta run shows too:
 a tensor made on the CPU and mixed with the model's tensors fails here as it fails there. What it cannot do is read
-data, so three things stand in, here and nowhere else (the ``benchmarks`` package; no backend registry or model code
-knows them):
+data, so three things stand in, here and nowhere else (no backend registry or model code knows them; only
+``h3serve plan`` and the tests build them):
 
 * ``MetaRun`` (a ``TorchDispatchMode`` and a ``TorchFunctionMode``) keeps the **host value** of every small tensor
   made from host data (a pack's indices, ``cu_seqlens``, the schedules), computed on the CPU beside the meta op. An
@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import os
 import sys
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -41,11 +42,12 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 from torch.utils.weak import WeakTensorKeyDictionary
 
+import h3serve
 from h3serve.attention import AttentionImpl
 from h3serve.attention.impl import check_varlen_inputs
 
 aten = torch.ops.aten
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(h3serve.__file__)))  # paths in the report: h3serve/...
 HOST_VALUE_LIMIT = 1 << 24  # elements: larger tensors (activations) never get a host value; index tensors are far below
 
 
@@ -183,7 +185,7 @@ _NO_DATA = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_lik
 
 def _where() -> str:
     """The innermost frame outside torch and this module: the line whose op this is (no source read: cheap)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if path != __file__ and f"{os.sep}torch{os.sep}" not in path:
@@ -514,8 +516,10 @@ class _Factories(TorchFunctionMode):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if func in _FACTORIES and device is not None and torch.device(device) == self.run.device:
+            # data given as device tensors (a list of 0-d results, say) is read from their host values
+            data = tree_map(lambda a: self.run.value_of(a) if isinstance(a, torch.Tensor) else a, args)
             with _disable_current_modes():
-                host = func(*args, **{**kwargs, "device": "cpu"})
+                host = func(*data, **{**kwargs, "device": "cpu"})
             return host.to(self.run.device)
         if func in _FACTORIES and device is None and self.run.checking and not isinstance(args[0], torch.Tensor):
             self.run.violations.append(f"{func.__name__}() made a tensor on the default device at {_where()}")
