@@ -168,9 +168,20 @@ def _tenant_apps(inputs: Inputs) -> list[dict]:
     return [app]
 
 
+def _cli_apps(inputs: Inputs) -> list[dict]:
+    """test_client_cli's: the default, with room for a job long enough (CLI_STEPS) to press Ctrl-C under its bar."""
+    cli = _app(inputs, "cli", "/cli")
+    cli["args"]["limits"] = {**cli["args"]["limits"], "max_steps": CLI_STEPS}
+    return [cli]
+
+
+CLI_STEPS = 2000  # ~100 s of the tiny model's steps on 2 cores: the Ctrl-C test cancels it within the first seconds
+
+
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
+    "test_client_cli": _cli_apps,
     "test_api_http": _http_apps,
     "test_deploy_checkpoint": lambda inputs: [
         _app(inputs, "foreign", "/foreign", checkpoint=str(library_checkpoint(inputs)), model="auto")

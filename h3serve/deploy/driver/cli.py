@@ -9,6 +9,7 @@ h3serve eval [--checkpoint DIR]   held-out scenes of the demo world through the 
                                   colour, shape, motion and sound judged per clip; accuracy table, --json
 h3serve weights                   create the built-in tiny weights (deterministic, cached)
 h3serve probe                     this node's platform as JSON (for `admit --platform`)
+h3serve video create|ls|get|wait|cancel|download   video jobs on a running server (``h3serve.client.video_cli``)
 """
 
 from __future__ import annotations
@@ -509,6 +510,10 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("probe", help="print this node's attention platform as JSON")
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.set_defaults(func=cmd_probe)
+
+    from h3serve.client.video_cli import add_commands
+
+    add_commands(sub)
 
     ns = parser.parse_args(argv)
     ns.func(ns)
