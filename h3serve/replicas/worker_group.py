@@ -16,9 +16,11 @@ entered, whether it left at the agreement).
 One failure semantics (``classify``), decided by rank 0 as outcomes arrive:
 
 - every rank finished -> the step succeeded;
-- every rank left at the step's agreement (``UlyssesGroup.agree``, after the broadcast and the row-local prologue;
-  any rank's error from before it, an injected one before the first collective included, reaches every rank there)
-  -> ``PackFailed``: the pack's data failed, every rank entered the same collectives, the group stays healthy;
+- every rank left at one of the step's agreements (``UlyssesGroup.ready`` before the broadcast: any rank's error
+  so far, an OOM making its side of the broadcast or an injected fault included; ``UlyssesGroup.agree`` after the
+  row-local prologue), or a rank that ran out of memory past them entered the step's remaining collectives with
+  scratch buffers (``UlyssesGroup.drain``) -> ``PackFailed``: the pack failed, every rank entered the same
+  collectives, the group stays healthy;
 - anything else (a rank raised after the agreement, died, or the step outlived its bound ``bound_s``) -> the group
   is broken at once: no resync over a communicator that may hold unmatched collectives. Every rank's communicator is
   aborted, never destroyed (rank 0's here, each worker's by a call on its control thread, which runs while its step
@@ -521,8 +523,9 @@ class WorkerGroup:
             broken.after_s = time.monotonic() - started
             raise broken
         errors = {o.rank: o.error for o in outcomes.values() if o.error is not None}
-        if errors:  # every rank left at the agreement: the pack's data failed, the group is as it was
-            local.exception().__traceback__ = None  # type: ignore[union-attr]  # the failed forward's frames go
+        if errors:  # every collective matched (an agreement, or a drained OOM): the pack failed, the group is fine
+            if (own := local.exception()) is not None:
+                own.__traceback__ = None  # the failed forward's frames go
             raise PackFailed(errors)
         return local.result()
 
