@@ -216,10 +216,10 @@ def test_a_fault_is_answered_within_its_bound_and_loses_no_request(matrix, case,
         assert not replaced and new is group and engine.stats.failed_steps >= 1
         assert engine.stats.group_replacements == 0
         assert not [r for r in caplog.records if "SP group broken" in r.getMessage()]  # what a break logs first
-    if case.fault.action == "oom":  # the pack of two failed once, on the OOM, and each half ran alone
-        assert engine.stats.failed_steps == 1, engine.stats.failed_steps
-        halved = [r.getMessage() for r in caplog.records if "retrying them in halves" in r.getMessage()]
-        assert len(halved) == 1 and f"rank {case.fault.rank}: OutOfMemoryError" in halved[0], halved
+        if case.fault.action == "oom":  # the pack of two failed once, on the OOM, and each half ran alone
+            assert engine.stats.failed_steps == 1, engine.stats.failed_steps
+            halved = [r.getMessage() for r in caplog.records if "retrying them in halves" in r.getMessage()]
+            assert len(halved) == 1 and f"rank {case.fault.rank}: OutOfMemoryError" in halved[0], halved
     else:
         (replacement,) = replaced
         assert re.search(case.reason, replacement.reason), replacement.reason

@@ -64,11 +64,12 @@ import ray
 import torch
 
 from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline
+from h3serve.pipelines.h3.memory import MeasuredUse
 from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack, pack_layout
 from h3serve.pipelines.h3.step_cache import CachedPack, CacheMirror, CacheMirrorWriter, RankCaches
 
 from . import nccl
-from .allocator import cuda_allocator_defaults
+from .allocator import cuda_allocator_defaults, measure_device, reset_peak
 from .cuda_faults import device_ping, fatal
 from .faults import Fault, FaultInjector
 from .placement import Placement
@@ -273,6 +274,15 @@ class SPWorker:
             logger.error("rank %d: step %d failed\n%s", self.rank, order.step, formatted(e))
             return RankOutcome.of(self.rank, order.step, e, sp)
         return RankOutcome.of(self.rank, order.step, None, sp)
+
+    @ray.method(concurrency_group="step")
+    def device_memory(self, reset: bool = False) -> MeasuredUse | None:
+        """This rank's device use after its last step (None on the CPU); ``reset``: then start its peak count anew."""
+        device = self.sp.device if self.sp is not None else torch.device("cpu")
+        use = measure_device(self.rank, device)
+        if reset:
+            reset_peak(device)
+        return use
 
     @ray.method(concurrency_group="step")
     def step_cache_bytes(self) -> dict[int, int]:
@@ -619,6 +629,15 @@ class WorkerGroup:
         if not self.broken_reason:
             self.broken_reason, self.broken_at = reason, time.monotonic()
             logger.error("SP group broken: %s", reason)
+
+    def device_memory(self, reset: bool = False, timeout_s: float = 60.0) -> list[MeasuredUse | None]:
+        """Every rank's device use now, in rank order (None on the CPU); ``reset``: then each starts its peak count
+        anew."""
+        device = self.sp.device if self.sp is not None else self.pipeline.denoiser.device
+        own = measure_device(0, device)
+        if reset:
+            reset_peak(device)
+        return [own, *ray.get([w.device_memory.remote(reset) for w in self.workers], timeout=timeout_s)]
 
     # -- tests ----------------------------------------------------------------------------
     def arm(self, fault: Fault) -> None:
