@@ -272,14 +272,13 @@ class UlyssesGroup:
         return self._gather(local)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor | None:
+        # every buffer before the count: an OOM making one leaves the gather to ``drain``
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.sp_degree)] if self.rank == 0 else None
         self._collective()
         self.gathered = True
-        if self.rank != 0:
-            dist.gather(local.contiguous(), None, dst=0, group=self.group)
-            return None
-        parts = [torch.empty_like(local) for _ in range(self.sp_degree)]
-        dist.gather(local.contiguous(), parts, dst=0, group=self.group)
-        return torch.cat(parts)
+        dist.gather(local, parts, dst=0, group=self.group)
+        return None if parts is None else torch.cat(parts)
 
     def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [W*n, ...]: every rank's rows, concatenated in rank order, on every rank."""

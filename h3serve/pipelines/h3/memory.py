@@ -11,8 +11,9 @@ only the partition(s) like the workers, and the plan has two more roles, each on
 the **decoder** (both VAEs). They hold no pack rows: weights + the reserve, and their per-request transients
 (Qwen3-VL over a prompt, a VAE decode) must fit in what is left of their device.
 
-Over 600 lines (by a little): one plan, whose formulas are written beside the code that applies them so the
-docs, admission's message and the meta-device check quote the same text.
+Over 600 lines: one plan, whose formulas are written beside the code that applies them so the docs, admission's
+message and the meta-device check quote the same text, and the check of a replica's measured use against it
+(``check_measured``: the warm-up at the row budget on CUDA).
 
 * **Weights** are counted by building every component from its config on the ``meta`` device (no
   memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
@@ -649,6 +650,8 @@ class MeasuredUse:
 
 class PlanExceeded(RuntimeError):
     """A rank's measured device use is past its plan by more than the reserve: the replica refuses to serve."""
+
+    reason = "memory_measured"  # the replica's build-failure metric's reason
 
 
 def check_measured(planned: dict[str, dict[str, int]], uses: list[MeasuredUse]) -> list[str]:
