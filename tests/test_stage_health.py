@@ -83,9 +83,10 @@ def test_a_cuda_fatal_error_in_a_stage_poisons_its_replica_not_the_request(
 
         def replaced():
             try:
-                return (r := report(handle))["replica_id"] != first["replica_id"] and r
-            except ray.exceptions.RayError:  # the poisoned replica going away under the call
+                r = handle.report.remote().result(timeout_s=10)
+            except (ray.exceptions.RayError, TimeoutError):  # the poisoned replica going, its successor loading
                 return False
+            return r["replica_id"] != first["replica_id"] and r
 
         fresh = wait_for(replaced, timeout=REPLACED_WITHIN_S, what="Serve to replace the poisoned decoder replica")
         print(f"poisoned decoder replica replaced {time.monotonic() - hit:.1f} s after the fault")

@@ -12,7 +12,7 @@ from h3serve.replicas import Engine, EngineLimits, WorkerGroup
 from tests.test_replicas import request, spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
-BUDGET = 384  # rows: the tiny warm-up request (64 x 64, the shortest clip) has fewer; padding fills the rest
+BUDGET = 1024  # rows: the tiny warm-up request (458 rows) has fewer; padding fills the rest
 
 
 def test_the_warm_up_at_the_row_budget_runs_on_every_rank_then_the_engine_serves(tiny_checkpoint, tiny_pipeline):
@@ -27,6 +27,12 @@ def test_the_warm_up_at_the_row_budget_runs_on_every_rank_then_the_engine_serves
         assert group.steps == before + 2  # both launched on every rank (the workers number steps alike)
         assert list(warm.peak.by_adapter) == [None]  # the base model: no adapters here
         assert warm.peak.measured == [None, None] and warm.peak.checked == []  # CPU ranks: no device to measure
+        # a budget below the warm-up request: the request alone, never padded past it to the next multiple
+        below = Engine(group, EngineLimits(max_rows_per_step=256))
+        below.warm_up(peak=True)
+        assert below.last_warm_up is not None and below.last_warm_up.peak is not None
+        assert below.last_warm_up.peak.rows == below.last_warm_up.rows == warm.rows
+        asyncio.run(below.close())
         wanted = request("after the warm-up", 3, seed=5)
         got = asyncio.run(serve_one(engine, wanted))
         want = tiny_pipeline.generate(wanted)

@@ -182,15 +182,18 @@ class Executor:
         device measured (CUDA: ``torch.cuda.mem_get_info``, logged) and checked against the deployment's memory
         plan (``spec.memory_plan``): ``memory.PlanExceeded``, naming the rank, the plan and the measured bytes, when
         a rank is past its plan by more than the reserve (the replica refuses to serve)."""
-        rows = max(max_rows - max_rows % self.group.sp_degree, self.group.sp_degree)
+        document = state.document()
+        # [rows]: the document, then padding up to the budget (a document past the budget: alone, padded for the SP)
+        rows = max_rows - max_rows % self.group.sp_degree
+        if document.length > rows:
+            rows = self.group.sp_degree
         self.group.device_memory(reset=True)  # each rank's peak count from here
         by_adapter: dict[str | None, float] = {}
         total = 0
         runs: dict[str | None, int] = {None: state.adapter_slot}
         runs.update(self.pipeline.denoiser.loras.slots)
         for name, slot in runs.items():
-            # [max_rows] rows: the document, then padding up to the budget (a document past it: the pack as it is)
-            pack = pack_documents([state.document()], state.partition, rows, [slot])
+            pack = pack_documents([document], state.partition, rows, [slot])
             started = time.perf_counter()
             self.group(pack)
             by_adapter[name] = time.perf_counter() - started
