@@ -85,7 +85,6 @@ class UlyssesGroup:
         self.left_together = False
         self.early_error: BaseException | None = None  # raised before the first collective: carried to ``agree``
         self.gathered = False  # it entered the step's gather of the output rows
-        self.drained = False  # an OOM past the agreement: it entered the step's remaining collectives (``drain``)
 
     def _collective(self) -> None:
         if self.aborted:
@@ -245,7 +244,7 @@ class UlyssesGroup:
             del chunks, out
         if not self.gathered and self.sp_degree > 1:
             self._gather(torch.zeros((rows, columns), dtype=gather_dtype, device=self.device))
-        self.drained = self.left_together = True
+        self.left_together = True
         raise error
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:

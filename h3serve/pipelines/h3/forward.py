@@ -138,13 +138,13 @@ def _packed_forward(
             cache.commit()  # after the last collective: every rank commits the same step, or (failing) none does
         if rows is None:
             return None
-        video_rows = rows.index_select(0, pack.video_indices)[:, :c_video]
-        return video_rows, rows.index_select(0, pack.audio_indices)[:, :c_audio]
+        velocities = rows.index_select(0, pack.video_indices)[:, :c_video]  # [N_video, C_video]
+        return velocities, rows.index_select(0, pack.audio_indices)[:, :c_audio]
     except torch.OutOfMemoryError as e:
         if sp is None or world == 1 or cache is not None:
             raise
         e.__traceback__ = None  # its frames hold the failed block's activations: they go before the scratch comes
-        del hidden, temb, rotary_emb, text, video, audio
+        del hidden, temb, rotary_emb, text, video, audio, video_rows, audio_rows
         sp.drain(
             e,
             blocks=len(model.transformer_blocks),
