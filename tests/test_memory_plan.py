@@ -14,7 +14,8 @@ from h3serve.attention import Platform
 from h3serve.pipelines.h3 import H3Pipeline, H3StageModels
 from h3serve.pipelines.h3 import checkpoint as ckpt
 from h3serve.pipelines.h3.admission import MemoryBudgetError, check_memory
-from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, memory_plan
+from h3serve.pipelines.h3.memory import DEFAULT_RESERVE_BYTES, TEXT_ENCODER_LAYER, GiB, memory_plan
+from tests.test_replicas import RESOLUTION
 
 TOLERANCE = 0.05  # |formula bytes per row / measured - 1| (tests/live_memory.py)
 
@@ -260,3 +261,62 @@ def test_admit_counts_a_staged_h100_admission_and_the_unstaged_refusal():
         ("admitted", "ok", "preflight"),
         ("rejected", "memory", "preflight"),
     ]
+
+
+# --- the plan measured: the warm-up at the row budget (issue 53) ---------------------------------
+
+
+H200_BYTES = 150_754_820_096  # torch.cuda.mem_get_info's total on an H200 (140.4 GiB)
+
+
+def test_a_warm_up_within_the_plan_and_its_reserve_serves_and_one_past_it_is_refused_naming_rank_plan_and_bytes():
+    """The shipped H200 config's plan (sp 4, 80,000 rows), as admission makes it and the replica receives it, against
+    device uses a warm-up at the row budget could measure: spending the reserve is the plan; past it, the replica
+    refuses to serve, naming the rank, its plan and the measured bytes."""
+    from h3serve.pipelines.h3.memory import MeasuredUse, PlanExceeded, check_measured, planned_by_role
+
+    args = gpu_args()
+    spec = args.replica_spec(RESOLUTION, plan=memory_plan_of(args))  # what every replica of the deployment gets
+    planned = spec.memory_plan
+    assert planned is not None and set(planned) == {"rank 0", "worker ranks"}
+    assert planned == planned_by_role(memory_plan_of(args))
+    rank0, worker = planned["rank 0"], planned["worker ranks"]
+    tensors0 = rank0["weights"] + rank0["activations"] + rank0["requests"]
+    tensors = worker["weights"] + worker["activations"]
+    assert worker["requests"] == 0 and rank0["reserve"] == worker["reserve"] == 4 * GiB
+
+    def use(rank, used, tensor_peak):
+        return MeasuredUse(rank, H200_BYTES - used, H200_BYTES, tensor_peak)
+
+    fine = [
+        use(0, tensors0 + 3 * GiB, tensors0 - GiB),  # the context, NCCL and the allocator's cache took 3 GiB
+        use(1, tensors + worker["reserve"], tensors),  # the whole reserve spent, not more
+        use(2, tensors + GiB, tensors),
+        use(3, tensors, tensors),
+    ]
+    lines = check_measured(planned, fine)
+    assert [line.split(":")[0] for line in lines] == [
+        "rank 0 (rank 0)",
+        "rank 1 (worker ranks)",
+        "rank 2 (worker ranks)",
+        "rank 3 (worker ranks)",
+    ]
+    assert "planned 65.2 GiB" in lines[1] and "+ reserve 4.0 GiB = 69.2 GiB" in lines[1], lines[1]
+
+    past = tensors + worker["reserve"] + 2**20  # 1 MiB past the reserve on rank 2
+    with pytest.raises(PlanExceeded) as refused:
+        check_measured(planned, [*fine[:2], use(2, past, tensors), fine[3]])
+    message = str(refused.value)
+    assert "refuses to serve" in message and "rank 2 (worker ranks)" in message
+    assert all(f"rank {r} (" not in message for r in (0, 1, 3))  # only the rank past its plan is named
+    assert f"{past} bytes measured, {tensors + worker['reserve']} planned with the reserve" in message
+    assert "4.0 GiB past the plan, more than its reserve" in message
+    assert "engine.max_rows_per_step" in message  # what the operator can do about it
+
+
+def test_a_measured_rank_without_a_plan_for_its_role_fails_closed():
+    from h3serve.pipelines.h3.memory import MeasuredUse, check_measured, planned_by_role
+
+    solo = planned_by_role(memory_plan(model="tiny", checkpoint=None, dtype="float32", sp_degree=1, max_rows=1024))
+    with pytest.raises(ValueError, match="rank 1: no plan for 'worker ranks'"):
+        check_measured(solo, [MeasuredUse(1, 0, GiB, 0)])

@@ -1,10 +1,12 @@
-"""The CUDA caching allocator's settings on every rank of a replica.
+"""The CUDA caching allocator's settings on every rank of a replica, and what a rank's device holds.
 
 A pack's size changes from step to step (requests join and leave, step caches skip), so the activations of one
 forward rarely fit the blocks a previous forward cut: the caching allocator's fixed segments fragment, and a rank
 can run out of memory with enough free in total. Expandable segments map more pages into one segment instead
 (PyTorch's "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF"). The setting is read when CUDA initializes in
 the process, so each rank sets it before it loads anything, and an operator's own setting is kept as it is.
+
+``measure_device``: a rank's device use after a forward (the warm-up at the row budget checks it against the plan).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 import os
 
 import torch
+
+from h3serve.pipelines.h3.memory import MeasuredUse
 
 logger = logging.getLogger(__name__)
 
@@ -31,3 +35,20 @@ def cuda_allocator_defaults(device: str) -> str | None:
     if torch.cuda.is_initialized():  # too late for this process: CUDA read the variable when it started
         logger.warning("%s=%s set after CUDA initialized here: it applies to new processes", VARIABLE, DEFAULT)
     return DEFAULT
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start the allocator's peak count afresh (CUDA; nothing to count on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_device(rank: int, device: torch.device) -> MeasuredUse | None:
+    """``rank``'s device use now, once its queued work is done: ``torch.cuda.mem_get_info`` (the device as the driver
+    sees it: tensors, the allocator's cache, the CUDA context, cuBLAS and NCCL buffers) and the tensors' peak since
+    ``reset_peak``. None on the CPU, which has neither."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return MeasuredUse(rank, free, total, torch.cuda.max_memory_allocated(device))

@@ -121,7 +121,14 @@ class EngineLimits(BaseModel):
         description="the shortest step bound, in seconds (see step_timeout_factor); below collective_timeout_s, "
         "so that this bound, not the collective's own timeout (NCCL's watchdog), ends a hung step",
     )
-    warmup: bool = Field(default=True, description="one warm-up forward before the replica reports ready")
+    warmup: bool = Field(
+        default=True,
+        description="warm-up forwards before the replica reports ready: the smallest request (and one per LoRA "
+        "adapter); on CUDA then the same padded to max_rows_per_step on every rank (and per adapter), each rank's "
+        "torch.cuda.mem_get_info logged and checked against admission's memory plan: past it by more than the "
+        "reserve, the replica refuses to serve (PlanExceeded). CPU replicas skip the forward at the row budget: "
+        "nothing to measure, and its padding document costs seconds of CPU",
+    )
     policy: Policy = Field(
         default="fcfs",
         description="which requests each step packs: fcfs = submission order, a running request is never "

@@ -48,6 +48,11 @@ def fatal(error: BaseException) -> str | None:
     return None
 
 
+class ProcessPoisoned(RuntimeError):
+    """This process hit a CUDA-fatal error: it serves nothing more until it is replaced. A caller in another process
+    makes the call again elsewhere (as for a process that died under it); never the request's own failure."""
+
+
 class DeviceUnhealthy(RuntimeError):
     """This process's device did not run a tiny kernel within the ping's deadline (or it raised)."""
 

@@ -35,7 +35,7 @@ from .contract import (
     QueueFull,
     check_priority,
 )
-from .executor import Executor, StepOutcome
+from .executor import Executor, StepOutcome, WarmUp
 from .hooks import StepGate, acts_before_forward, gated
 from .progress import EngineObserver, EngineStats, Progress
 from .requests import RequestTable, Stage, Ticket, check_rows, deadline_error, place
@@ -78,6 +78,7 @@ class Engine:
         self._stop_reason: str | None = None
         self._ids, self._orders = itertools.count(), itertools.count()
         self.warmup_s: dict[str | None, float] = {}  # warm_up()'s forward seconds by adapter (None: the base model)
+        self.last_warm_up: WarmUp | None = None  # what warm_up() ran and measured
         self._progress_at = time.monotonic()  # the watchdog: when work arrived (the loops keep their own clocks)
         self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
 
@@ -250,17 +251,23 @@ class Engine:
         """The smallest request the model's rules allow: the shortest clip on the smallest canvas, one step."""
         return self.executor.warmup_request()
 
-    def warm_up(self, state: RequestState | None = None) -> float:
+    def warm_up(self, state: RequestState | None = None, peak: bool | None = None) -> float:
         """Prepare the smallest request and run one packed forward on every rank, discarding the result.
 
         Synchronous, before any submit (kernel setup and compilation land here, not on the first user). With LoRA
         adapters, one more forward per adapter (``warmup_s`` holds each forward's seconds).
         ``state``: ``warmup_request()`` already prepared elsewhere (a conditioner stage); None prepares it here.
+        ``peak``: then the same request padded to ``max_rows_per_step`` on every rank, each rank's device measured
+        and checked against the memory plan (``Executor.warm_up_peak``: raises ``PlanExceeded``); None: on CUDA
+        only (a CPU has no device memory to measure, and the forward at the budget costs the suite seconds).
         Returns the forward's seconds, which seed the watchdog's expected step time and the measured rate.
         """
         if self._task is not None:
             raise RuntimeError("warm_up() runs before the first submit")
-        warm = self.executor.warm_up(state)
+        if peak is None:
+            peak = self.executor.device.type == "cuda"
+        warm = self.executor.warm_up(state, self.limits.max_rows_per_step if peak else None)
+        self.last_warm_up = warm
         self.warmup_s = warm.by_adapter
         self.progress.meter.seed(warm.rows - warm.padding_rows, warm.seconds)
         return warm.seconds

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 import torch
 
 from h3serve.pipelines.h3 import GenerationRequest, RequestState, StepStats
-from h3serve.pipelines.h3.packing import Pack
+from h3serve.pipelines.h3.memory import MeasuredUse, check_measured
+from h3serve.pipelines.h3.packing import Pack, pack_documents
 from h3serve.pipelines.h3.step_cache import skipped_block_rows
 
 from .contract import EngineLimits
@@ -75,11 +76,22 @@ class StepOutcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeakWarmUp:
+    """The forwards at the row budget: the pack's rows, each forward's seconds by adapter, every rank's device."""
+
+    rows: int
+    by_adapter: dict[str | None, float]
+    measured: list[MeasuredUse | None]  # by rank (None: a CPU rank, nothing to measure)
+    checked: list[str]  # one line per rank against the plan (empty: nothing measured, or no plan)
+
+
+@dataclasses.dataclass(frozen=True)
 class WarmUp:
     seconds: float  # the base model's forward
     rows: int  # its pack's rows, padding included
     padding_rows: int
     by_adapter: dict[str | None, float]  # each forward's seconds by adapter (None: the base model)
+    peak: PeakWarmUp | None = None  # at the row budget (``Executor.warm_up_peak``)
 
 
 class Executor:
@@ -125,10 +137,10 @@ class Executor:
             prompt="warm-up", width=side, height=side, num_frames=rules.min_frames, num_inference_steps=2
         )
 
-    def warm_up(self, state: RequestState | None) -> WarmUp:
+    def warm_up(self, state: RequestState | None, peak_rows: int | None = None) -> WarmUp:
         """One packed forward of ``state`` (None: ``warmup_request()`` prepared here) on every rank, then one more per
         LoRA adapter with its documents on the adapter's slot (its GEMM shapes and the widened timestep path land
-        here, not on its first request)."""
+        here, not on its first request). ``peak_rows``: then the same at that many rows (``warm_up_peak``)."""
         started = time.perf_counter()
         state = self.pipeline.prepare(self.warmup_request()) if state is None else state
         ((_, pack),) = self.pipeline.packs([state])
@@ -160,7 +172,59 @@ class Executor:
                 "warm-up through each LoRA adapter: %s",
                 ", ".join(f"{name} {by_adapter[name]:.2f} s" for name in slots),
             )
-        return WarmUp(seconds, pack.total_rows, pack.padding_rows, by_adapter)
+        peak = self.warm_up_peak(state, peak_rows) if peak_rows else None
+        return WarmUp(seconds, pack.total_rows, pack.padding_rows, by_adapter, peak)
+
+    def warm_up_peak(self, state: RequestState, max_rows: int) -> PeakWarmUp:
+        """The first pack at the row budget is the warm-up's, not a user's: ``state``'s document padded to
+        ``max_rows`` (one padding document: every block runs on that many rows, as a full pack does) through every
+        rank, on the base model and then on each LoRA adapter's slot (the deltas' activations); then every rank's
+        device measured (CUDA: ``torch.cuda.mem_get_info``, logged) and checked against the deployment's memory
+        plan (``spec.memory_plan``): ``memory.PlanExceeded``, naming the rank, the plan and the measured bytes, when
+        a rank is past its plan by more than the reserve (the replica refuses to serve)."""
+        document = state.document()
+        # [rows]: the document, then padding up to the budget (a document past the budget: alone, padded for the SP)
+        rows = max_rows - max_rows % self.group.sp_degree
+        if document.length > rows:
+            rows = self.group.sp_degree
+        self.group.device_memory(reset=True)  # each rank's peak count from here
+        by_adapter: dict[str | None, float] = {}
+        total = 0
+        runs: dict[str | None, int] = {None: state.adapter_slot}
+        runs.update(self.pipeline.denoiser.loras.slots)
+        for name, slot in runs.items():
+            pack = pack_documents([document], state.partition, rows, [slot])
+            started = time.perf_counter()
+            self.group(pack)
+            by_adapter[name] = time.perf_counter() - started
+            total = pack.total_rows
+            del pack
+        measured = self.group.device_memory()
+        logger.info(
+            "warm-up at the row budget: %d rows on %d rank(s), %s",
+            total,
+            self.group.sp_degree,
+            ", ".join(f"{'base' if n is None else n} {s:.2f} s" for n, s in by_adapter.items()),
+        )
+        checked: list[str] = []
+        uses = [use for use in measured if use is not None]
+        if uses:
+            planned = self.group.spec.memory_plan
+            if planned is None:  # measured, with nothing to check it against: the operator still sees it
+                for use in uses:
+                    logger.info(
+                        "rank %d: %d of %d bytes in use after the warm-up at the row budget (tensors' peak %d); "
+                        "no memory plan to check it against",
+                        use.rank,
+                        use.used_bytes,
+                        use.total_bytes,
+                        use.peak_tensor_bytes,
+                    )
+            else:
+                checked = check_measured(planned, uses)  # raises PlanExceeded
+                for line in checked:
+                    logger.info("memory plan measured: %s", line)
+        return PeakWarmUp(total, by_adapter, measured, checked)
 
     # -- one step -----------------------------------------------------------------------------
     async def step(

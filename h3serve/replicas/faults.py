@@ -9,8 +9,12 @@ group starts with none.
 Points (where in a step, on the rank that holds the fault):
 
 - ``before_first_collective``: at the step's start, before the pack's broadcast (the step's first collective);
+- ``receive_buffer``: a worker's allocation of its side of the pack's broadcast (action ``oom``: the receive buffer
+  does not fit);
 - ``between_all_to_alls``: in block ``block``'s attention, after its first all-to-all and before its second (a pack
   without step caching runs four all-to-alls a block: q, k, v there and the output back);
+- ``after_attention``: in block ``block``, after its attention's last all-to-all, where its SwiGLU (the step's memory
+  peak) runs next;
 - ``final_gather``: just before the gather of the output rows onto rank 0;
 - ``step_cache_decision``: at a step-cache decision under Ulysses (action ``disagree`` only);
 - ``join``: a worker's join, after the rendezvous and before the communicator's first all-reduce (armed on the worker
@@ -20,7 +24,9 @@ Points (where in a step, on the rank that holds the fault):
 
 Actions:
 
-- ``raise``: ``InjectedFault`` (an OOM or a bad kernel argument on that rank);
+- ``raise``: ``InjectedFault`` (a bad kernel argument on that rank);
+- ``oom``: ``torch.OutOfMemoryError``, the type the caching allocator raises (what a pack too large for the memory
+  plan does there);
 - ``hang``: the rank stops there, as a rank waiting in a collective or a host sync for a peer that never comes:
   until its communicator is aborted (``release``), then it raises; at most ``hang_s``;
 - ``freeze``: the rank's step thread stops there for ``hang_s`` whatever happens, as a kernel that never ends: an
@@ -42,15 +48,25 @@ import os
 import threading
 from typing import Literal
 
+import torch
+
 from .cuda_faults import InjectedDeviceError
 
 logger = logging.getLogger(__name__)
 
 Point = Literal[
-    "before_first_collective", "between_all_to_alls", "final_gather", "step_cache_decision", "join", "abort"
+    "before_first_collective",
+    "receive_buffer",
+    "between_all_to_alls",
+    "after_attention",
+    "final_gather",
+    "step_cache_decision",
+    "join",
+    "abort",
 ]
-Action = Literal["raise", "hang", "freeze", "kill", "disagree", "cuda_fatal", "cuda_fatal_late"]
-STEP_POINTS = ("before_first_collective", "between_all_to_alls", "final_gather")
+Action = Literal["raise", "oom", "hang", "freeze", "kill", "disagree", "cuda_fatal", "cuda_fatal_late"]
+STEP_POINTS = ("before_first_collective", "receive_buffer", "between_all_to_alls", "after_attention", "final_gather")
+BLOCK_POINTS = ("between_all_to_alls", "after_attention")  # a block's: ``Fault.block`` says which
 ALL_TO_ALLS_PER_BLOCK = 4  # q, k, v to heads, the output back to rows
 
 
@@ -73,11 +89,11 @@ class Fault:
             raise ValueError(f"action {self.action!r} does not fit point {self.point!r}")
         if self.point == "abort" and self.action != "freeze":
             raise ValueError(f"action {self.action!r} does not fit point 'abort' (only 'freeze')")
-        if self.action.startswith("cuda_fatal") and self.point not in STEP_POINTS:
+        if (self.action.startswith("cuda_fatal") or self.action == "oom") and self.point not in STEP_POINTS:
             raise ValueError(f"action {self.action!r} does not fit point {self.point!r}")
 
     def __str__(self) -> str:
-        where = f"{self.point} of block {self.block}" if self.point == "between_all_to_alls" else self.point
+        where = f"{self.point} of block {self.block}" if self.point in BLOCK_POINTS else self.point
         return f"{self.action} on rank {self.rank} at {where}"
 
 
@@ -118,6 +134,8 @@ class FaultInjector:
             return
         if fault.action == "cuda_fatal":
             raise InjectedDeviceError(f"CUDA error: an illegal memory access was encountered (injected: {fault})")
+        if fault.action == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected: {fault})")
         if fault.action == "cuda_fatal_late":
             self.poisoned = fault  # the kernels "ran"; the fault shows at the next sync
             return

@@ -6,20 +6,24 @@ the pack's global ``cu_seqlens``; a second all-to-all brings the rows home. Step
 every rank's rows onto every rank at its transitions (``all_gather_rows``) and follows rank 0's decisions
 (``follow_rank0``).
 
-One step's collectives, in order, on every rank: the pack's tensors broadcast from rank 0 (``send_pack`` /
-``receive_pack``); the row-local prologue, then one agreement (``agree``) that carries any rank's error from
-before it to every rank, so all leave the step there together and nothing is left unmatched; the blocks'
-all-to-alls (and step caching's gathers and decision broadcasts); the gather of the output rows onto rank 0; then
-each rank waits for its device (``finish``). Every collective is counted (``collectives``), so a rank's outcome
-says how far into the step it failed. ``abort`` ends the communicator without a collective (NCCL: in-flight kernels
-exit; gloo: the sockets close once nothing holds the group) on a thread with a deadline (``h3serve.replicas.nccl``),
-and every later collective of this object raises.
+One step's collectives, in order, on every rank: an agreement (``ready``) that every rank can take its side of the
+broadcast (an OOM making its buffer, or any earlier error, ends the step there on every rank); the pack's tensors
+broadcast from rank 0 (``send_pack`` / ``receive_pack``); the row-local prologue, then one agreement (``agree``)
+that carries any rank's error from before it to every rank, so all leave the step there together and nothing is
+left unmatched; the blocks' all-to-alls (and step caching's gathers and decision broadcasts); the gather of the
+output rows onto rank 0; then each rank waits for its device (``finish``). An out-of-memory past the agreement (a
+block's SwiGLU is the step's peak) is the pack's too: that rank enters the step's remaining collectives with
+scratch buffers (``drain``) and reports it; no collective or host sync is spent on it while nothing fails.
+Every collective is counted (``collectives``), so a rank's outcome says how far into the step it failed. ``abort`` ends
+the communicator without a collective (NCCL: in-flight kernels exit; gloo: the sockets close once nothing holds the
+group) on a thread with a deadline (``h3serve.replicas.nccl``), and every later collective of this object raises.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,8 +81,10 @@ class UlyssesGroup:
     def begin_step(self) -> None:
         self.collectives = 0  # collectives this rank entered in the current step
         self.all_to_alls = 0
-        self.left_together = False  # the step ended at the agreement, on every rank
+        # the step ended with every collective matched: at the agreement, on every rank, or after ``drain``
+        self.left_together = False
         self.early_error: BaseException | None = None  # raised before the first collective: carried to ``agree``
+        self.gathered = False  # it entered the step's gather of the output rows
 
     def _collective(self) -> None:
         if self.aborted:
@@ -90,16 +96,35 @@ class UlyssesGroup:
         ``flatten_pack(pack)``'s buffer, made before the step was launched (``WorkerGroup.forward_async``: a failure
         to make it, an OOM, is then the pack's before any rank waits in this broadcast)."""
         if flat is None:
-            _, flat = flatten_pack(pack)  # [nbytes] uint8 on the pack's device
+            try:
+                _, flat = flatten_pack(pack)  # [nbytes] uint8 on the pack's device
+            except torch.OutOfMemoryError as e:
+                self.early_error = self.early_error or e
+        self.ready()
+        assert flat is not None  # ready() raised otherwise
         self._collective()
         dist.broadcast(flat, src=0, group=self.group)
 
     def receive_pack(self, layout: PackLayout) -> Pack:
         """Ranks 1..W-1: rank 0's pack, on this rank's device (its tensors are views of one received buffer)."""
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+        flat = None
+        try:  # the receive buffer: an OOM making it is the pack's, carried to ``ready``
+            self.faults.at("receive_buffer")
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)  # [nbytes]
+        except torch.OutOfMemoryError as e:
+            self.early_error = self.early_error or e
+        self.ready()
+        assert flat is not None  # ready() raised otherwise
         self._collective()
         dist.broadcast(flat, src=0, group=self.group)
         return layout.unflatten(flat)
+
+    def ready(self) -> None:
+        """Before the pack's broadcast, whose buffers must exist on every rank: if any rank failed so far (its
+        ``early_error``: an OOM making its side of the broadcast, its step caches, an injected fault), every rank
+        raises here together (rank 0 fails the pack). One all-reduce of W flags and its read-back, at the step's
+        start, where the device has nothing queued: its latency only, no drained queue."""
+        self.agree(None)
 
     def agree(self, error: BaseException | None) -> None:
         """After the row-local prologue, before any collective that depends on the data: if any rank failed so far
@@ -175,7 +200,52 @@ class UlyssesGroup:
         self._collective()
         self.all_to_alls += 1
         dist.all_to_all_single(out, chunks, group=self.group)
+        if self.all_to_alls % ALL_TO_ALLS_PER_BLOCK == 0:  # the block's attention is over: its FFN, the peak, is next
+            self.faults.at("after_attention", block=self.all_to_alls // ALL_TO_ALLS_PER_BLOCK - 1)
         return out
+
+    def drain(
+        self,
+        error: BaseException,
+        *,
+        blocks: int,
+        rows: int,
+        inner: int,
+        dtype: torch.dtype,
+        columns: int,
+        gather_dtype: torch.dtype,
+    ) -> NoReturn:
+        """An out-of-memory past the agreement is the pack's, not the group's: enter every collective left in this
+        step with scratch buffers of the shapes the peers use (the rest of ``blocks`` blocks' all-to-alls of this
+        rank's ``rows`` x ``inner`` channels in ``dtype``, then the gather of ``rows`` x ``columns`` in
+        ``gather_dtype``), so nothing is left unmatched and every peer finishes the step, then raise ``error``, having
+        left the step with every collective matched (``left_together``): rank 0 fails the pack (``PackFailed``) and
+        the engine retries it in halves. The peers compute on the scratch rows; rank 0 discards the step. Anything
+        raised while draining (another OOM, an abort) is raised instead, past the agreement: the group breaks."""
+        left = ALL_TO_ALLS_PER_BLOCK * blocks - self.all_to_alls
+        logger.warning(
+            "rank %d: out of memory past the step's agreement, after %d of %d all-to-all(s): entering the %d left "
+            "and the gather with scratch rows, so the pack fails alone (%s)",
+            self.rank,
+            self.all_to_alls,
+            ALL_TO_ALLS_PER_BLOCK * blocks,
+            left,
+            error,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed block's blocks back to the device before the scratch is made
+        if left > 0:
+            chunks = torch.zeros((self.sp_degree, rows, inner // self.sp_degree), dtype=dtype, device=self.device)
+            out = torch.empty_like(chunks)  # [W, T/W, H/W * D]: the bytes of one all-to-all of the step
+            for _ in range(left):
+                self._collective()
+                self.all_to_alls += 1
+                dist.all_to_all_single(out, chunks, group=self.group)
+            del chunks, out
+        if not self.gathered and self.sp_degree > 1:
+            self._gather(torch.zeros((rows, columns), dtype=gather_dtype, device=self.device))
+        self.left_together = True
+        raise error
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[n, H, D] (my rows, all heads) -> [W*n, H/W, D] (all rows, my heads)."""
@@ -198,13 +268,16 @@ class UlyssesGroup:
         if self.sp_degree == 1:
             return local
         self.faults.at("final_gather")
+        return self._gather(local)
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor | None:
+        # every buffer before the count: an OOM making one leaves the gather to ``drain``
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.sp_degree)] if self.rank == 0 else None
         self._collective()
-        if self.rank != 0:
-            dist.gather(local.contiguous(), None, dst=0, group=self.group)
-            return None
-        parts = [torch.empty_like(local) for _ in range(self.sp_degree)]
-        dist.gather(local.contiguous(), parts, dst=0, group=self.group)
-        return torch.cat(parts)
+        self.gathered = True
+        dist.gather(local, parts, dst=0, group=self.group)
+        return None if parts is None else torch.cat(parts)
 
     def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [W*n, ...]: every rank's rows, concatenated in rank order, on every rank."""

@@ -40,6 +40,9 @@ class ReplicaSpec(BaseModel):
     # where conditioning and decoding run: "local" on rank 0 (it loads the text encoder and both VAEs), "remote"
     # in stage deployments of their own (DeployArgs.stages; rank 0 holds only the transformer partitions)
     stages: StagePlacement = "local"
+    # each rank role's planned device bytes by part (memory.planned_by_role of admission's plan): the warm-up at the
+    # row budget is checked against it on every rank (CUDA); None: admitted without a plan (tests, benchmarks)
+    memory_plan: dict[str, dict[str, int]] | None = None
 
     @property
     def geometry(self) -> TransformerGeometry:

@@ -16,9 +16,11 @@ entered, whether it left at the agreement).
 One failure semantics (``classify``), decided by rank 0 as outcomes arrive:
 
 - every rank finished -> the step succeeded;
-- every rank left at the step's agreement (``UlyssesGroup.agree``, after the broadcast and the row-local prologue;
-  any rank's error from before it, an injected one before the first collective included, reaches every rank there)
-  -> ``PackFailed``: the pack's data failed, every rank entered the same collectives, the group stays healthy;
+- every rank left at one of the step's agreements (``UlyssesGroup.ready`` before the broadcast: any rank's error
+  so far, an OOM making its side of the broadcast or an injected fault included; ``UlyssesGroup.agree`` after the
+  row-local prologue), or a rank that ran out of memory past them entered the step's remaining collectives with
+  scratch buffers (``UlyssesGroup.drain``) -> ``PackFailed``: the pack failed, every rank entered the same
+  collectives, the group stays healthy;
 - anything else (a rank raised after the agreement, died, or the step outlived its bound ``bound_s``) -> the group
   is broken at once: no resync over a communicator that may hold unmatched collectives. Every rank's communicator is
   aborted, never destroyed (rank 0's here, each worker's by a call on its control thread, which runs while its step
@@ -62,11 +64,12 @@ import ray
 import torch
 
 from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline
+from h3serve.pipelines.h3.memory import MeasuredUse
 from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack, pack_layout
 from h3serve.pipelines.h3.step_cache import CachedPack, CacheMirror, CacheMirrorWriter, RankCaches
 
 from . import nccl
-from .allocator import cuda_allocator_defaults
+from .allocator import cuda_allocator_defaults, measure_device, reset_peak
 from .cuda_faults import device_ping, fatal
 from .faults import Fault, FaultInjector
 from .placement import Placement
@@ -271,6 +274,15 @@ class SPWorker:
             logger.error("rank %d: step %d failed\n%s", self.rank, order.step, formatted(e))
             return RankOutcome.of(self.rank, order.step, e, sp)
         return RankOutcome.of(self.rank, order.step, None, sp)
+
+    @ray.method(concurrency_group="step")
+    def device_memory(self, reset: bool = False) -> MeasuredUse | None:
+        """This rank's device use after its last step (None on the CPU); ``reset``: then start its peak count anew."""
+        device = self.sp.device if self.sp is not None else torch.device("cpu")
+        use = measure_device(self.rank, device)
+        if reset:
+            reset_peak(device)
+        return use
 
     @ray.method(concurrency_group="step")
     def step_cache_bytes(self) -> dict[int, int]:
@@ -521,8 +533,9 @@ class WorkerGroup:
             broken.after_s = time.monotonic() - started
             raise broken
         errors = {o.rank: o.error for o in outcomes.values() if o.error is not None}
-        if errors:  # every rank left at the agreement: the pack's data failed, the group is as it was
-            local.exception().__traceback__ = None  # type: ignore[union-attr]  # the failed forward's frames go
+        if errors:  # every collective matched (an agreement, or a drained OOM): the pack failed, the group is fine
+            if (own := local.exception()) is not None:
+                own.__traceback__ = None  # the failed forward's frames go
             raise PackFailed(errors)
         return local.result()
 
@@ -616,6 +629,15 @@ class WorkerGroup:
         if not self.broken_reason:
             self.broken_reason, self.broken_at = reason, time.monotonic()
             logger.error("SP group broken: %s", reason)
+
+    def device_memory(self, reset: bool = False, timeout_s: float = 60.0) -> list[MeasuredUse | None]:
+        """Every rank's device use now, in rank order (None on the CPU); ``reset``: then each starts its peak count
+        anew."""
+        device = self.sp.device if self.sp is not None else self.pipeline.denoiser.device
+        own = measure_device(0, device)
+        if reset:
+            reset_peak(device)
+        return [own, *ray.get([w.device_memory.remote(reset) for w in self.workers], timeout=timeout_s)]
 
     # -- tests ----------------------------------------------------------------------------
     def arm(self, fault: Fault) -> None:

@@ -11,6 +11,7 @@ from h3serve.attention import Platform, Resolution
 from h3serve.deploy.common.autoscaling import POLICY_PATH
 from h3serve.pipelines.h3 import AUTO, TransformerGeometry, default_dtype, preset
 from h3serve.pipelines.h3.lora_spec import LoraSpec, LoraSpecs
+from h3serve.pipelines.h3.memory import MemoryPlan, planned_by_role
 from h3serve.pipelines.h3.step_cache_tiers import OFF, StepCacheTiers
 from h3serve.pipelines.h3.uploads import MAX_UPLOAD_PIXELS
 from h3serve.replicas import EngineLimits, ReplicaSpec
@@ -607,9 +608,12 @@ class DeployArgs(BaseModel):
     def placement_bundles(self) -> list[dict[str, float]]:
         return [dict(self.rank_resources) for _ in range(self.sp_degree)]
 
-    def replica_spec(self, resolution: Resolution, geometry: TransformerGeometry | None = None) -> ReplicaSpec:
+    def replica_spec(
+        self, resolution: Resolution, geometry: TransformerGeometry | None = None, plan: MemoryPlan | None = None
+    ) -> ReplicaSpec:
         """What every replica builds: these args with the driver's admitted backend and checkpoint geometry (None:
-        the preset's, for callers that admitted nothing: tests and benchmarks; every rank checks it either way)."""
+        the preset's, for callers that admitted nothing: tests and benchmarks; every rank checks it either way), and
+        admission's memory plan, which the warm-up at the row budget is checked against (None: no check)."""
         geometry = geometry or preset(self.model).geometry()
         return ReplicaSpec(
             resolution=resolution,
@@ -626,4 +630,5 @@ class DeployArgs(BaseModel):
             rank_resources=dict(self.rank_resources),
             loras=self.lora_specs,
             stages="remote" if self.stages is not None else "local",
+            memory_plan=None if plan is None else planned_by_role(plan),
         )

@@ -37,7 +37,8 @@ def build_app(args: DeployArgs) -> Application:
         if role in args.stage_deployments():
             deployment = serve.deployment(stage, **stage.deployment_options(args))
             stages.append(deployment.bind(args.checkpoint, args.device, args.dtype))
-    replica = replica.bind(args.replica_spec(admission.resolution, admission.geometry), args.engine, *stages)
+    spec = args.replica_spec(admission.resolution, admission.geometry, admission.plan)
+    replica = replica.bind(spec, args.engine, *stages)
     # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations
     ingress = H3Ingress.options(**ingress_options(args))  # type: ignore[attr-defined]  # a Serve deployment
     return ingress.bind(replica, args, cold_start_rules(args, admission))

@@ -63,6 +63,7 @@ from h3serve.pipelines.h3 import (
     PreparedState,
 )
 from h3serve.replicas import DeadlineExceeded, Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
+from h3serve.replicas.cuda_faults import ProcessPoisoned
 from h3serve.replicas.stage_worker import lower_thread_priority
 
 logger = logging.getLogger(__name__)
@@ -125,22 +126,29 @@ class ServeStages:
             if self.observer is not None:
                 self.observer.on_stage_retry(stage)
 
+        lost: Exception
         try:
             return await retry(lambda: method.remote(*args, self.caller), STAGE_BACKOFF, _replica_lost, again)
         except ray.exceptions.RayTaskError as e:  # first: the stage's own exception, whatever its type
-            raise _stage_error(e) from None
+            if not isinstance(e.cause, ProcessPoisoned):
+                raise _stage_error(e) from None
+            lost = e.cause  # a poisoned replica on every attempt: as if it had died
         except STAGE_REPLICA_LOST as e:  # on every attempt
-            logger.error("the %s stage's replica died under this call %d times: giving up", stage, STAGE_ATTEMPTS)
-            raise StageUnavailable(
-                stage,
-                f"the {stage} stage's replica died under this request {STAGE_ATTEMPTS} times in a row "
-                f"(last: {type(e).__name__}); no live {stage} replica finished it",
-            ) from e
+            lost = e
+        logger.error("the %s stage's replica died under this call %d times: giving up", stage, STAGE_ATTEMPTS)
+        raise StageUnavailable(
+            stage,
+            f"the {stage} stage's replica died under this request {STAGE_ATTEMPTS} times in a row "
+            f"(last: {type(lost).__name__}); no live {stage} replica finished it",
+        ) from lost
 
 
 def _replica_lost(error: Exception) -> bool:
-    """A call to make again: its stage replica failed, not the stage's code (whose exception is a RayTaskError)."""
-    return isinstance(error, STAGE_REPLICA_LOST) and not isinstance(error, ray.exceptions.RayTaskError)
+    """A call to make again: its stage replica failed, not the stage's code (whose exception is a RayTaskError), or
+    the replica's device is poisoned (``ProcessPoisoned``: a CUDA-fatal error there; Serve replaces it)."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return isinstance(error.cause, ProcessPoisoned)
+    return isinstance(error, STAGE_REPLICA_LOST)
 
 
 def _stage_error(error: ray.exceptions.RayTaskError) -> Exception:

@@ -16,6 +16,13 @@ each stage's memory plan beside the denoiser's ranks (``h3serve/pipelines/h3/mem
 
 Each stage counts what it served per caller (``report``): the calling H3Replica's replica id, and the calls it
 is working on now.
+
+A CUDA-fatal error in a stage call (``h3serve.replicas.cuda_faults.fatal``: an illegal address, a device-side assert,
+an Xid) is the process's, not the request's: the replica marks itself poisoned, its health check fails from then on
+(Serve replaces it), every call it still gets is refused, and the call raises ``ProcessPoisoned``, which each
+H3Replica makes again on another replica like a call whose replica died, never a failure of the request's own.
+The health check also launches a one-element kernel on the stage's device within a deadline
+(``cuda_faults.device_ping``): a wedged or poisoned device fails it even when no call noticed.
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ from h3serve.pipelines.h3 import (
 )
 from h3serve.pipelines.h3.preview import PreviewMap
 from h3serve.replicas.allocator import cuda_allocator_defaults
+from h3serve.replicas.cuda_faults import ProcessPoisoned, device_ping, fatal
 
 logger = logging.getLogger(__name__)
+HEALTH_PING_S = 2.5  # the health check's kernel deadline: within Serve's health_check_timeout_s (30 s by default)
 
 
 class StageReplica:
@@ -68,6 +77,7 @@ class StageReplica:
         self.calls: collections.Counter[str] = collections.Counter()  # caller's replica id -> requests served
         self.failures = 0
         self.ongoing = 0  # calls running now (report() is answered while they run)
+        self.poisoned: str | None = None  # a call hit a CUDA-fatal error: why (this process serves nothing more)
         logger.info("%s stage ready (replica %s)", self.role, self.replica_id)
 
     def report(self) -> dict[str, Any]:
@@ -78,16 +88,40 @@ class StageReplica:
             "calls": dict(self.calls),
             "failures": self.failures,
             "ongoing": self.ongoing,
+            "poisoned": self.poisoned,
         }
 
+    def check_health(self) -> None:
+        """Serve's health check: fails once a call poisoned this process, or when the device does not run a tiny
+        kernel within ``HEALTH_PING_S``; Serve then replaces the replica."""
+        if self.poisoned is not None:
+            raise ProcessPoisoned(f"{self.role} stage replica {self.replica_id} is poisoned: {self.poisoned}")
+        device_ping(self.models.device, HEALTH_PING_S)
+
     async def _run(self, caller: str, what: str, fn, *args):
+        if self.poisoned is not None:  # until Serve replaces it: the caller makes the call again elsewhere
+            raise ProcessPoisoned(f"{self.role} stage replica {self.replica_id} is poisoned: {self.poisoned}")
         self.calls[caller] += 1
         started = time.perf_counter()
         self.ongoing += 1
         try:
             result = await asyncio.to_thread(fn, *args)  # off the event loop: report() and health stay answered
-        except Exception:
+        except Exception as e:
             self.failures += 1
+            why = fatal(e)
+            if why is not None:  # the device is poisoned, not the request: it runs again on another replica
+                self.poisoned = why
+                logger.error(
+                    "%s for %s hit a CUDA-fatal error: this %s stage replica is poisoned, fails its health check "
+                    "and is replaced: %s",
+                    what,
+                    caller,
+                    self.role,
+                    why,
+                )
+                raise ProcessPoisoned(
+                    f"{self.role} stage replica {self.replica_id} hit a CUDA-fatal error: {why}"
+                ) from None
             logger.warning("%s for %s failed", what, caller, exc_info=True)
             raise
         finally:

@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
@@ -49,6 +49,22 @@ class SequenceParallel(Protocol):
 
     def follow_rank0(self, skips: list[bool]) -> list[bool]:
         """Rank 0's step-cache decisions on every rank (one per deciding document): every rank runs the same rows."""
+        ...
+
+    def drain(
+        self,
+        error: BaseException,
+        *,
+        blocks: int,
+        rows: int,
+        inner: int,
+        dtype: torch.dtype,
+        columns: int,
+        gather_dtype: torch.dtype,
+    ) -> NoReturn:
+        """An out-of-memory past the agreement: enter every collective left in the step (``blocks`` blocks' all-to-alls
+        of ``[rows, inner]`` in ``dtype``, then the gather of ``[rows, columns]`` in ``gather_dtype``) with scratch
+        buffers, then raise ``error``: the step ends with every collective matched, a failure of the pack's."""
         ...
 
 

@@ -98,37 +98,60 @@ def _packed_forward(
     if sp is not None and world > 1:
         sp.agree(failure)  # one collective, before any that depends on the data; raises on every rank on a failure
 
-    with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
-        if cache is None:
-            for block in model.transformer_blocks:
-                hidden = block(hidden, temb, adaln_indices, rotary_emb)
-        else:  # each document runs the middle blocks only when its first blocks' residual changed enough
-            sharded = None
-            if sp is not None and world > 1:  # a sub-pack's rows are anywhere in the pack: every row's AdaLN index
-                pack_adaln = pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags  # [T]
-                sharded = ShardedRows(sp, pack_adaln, model.rope)
-            hidden = cached_blocks(
-                model.transformer_blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache, sharded
-            )
-    hidden = model.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(model.proj_out))[0]  # [T/W, hidden]
+    # Past the agreement an out-of-memory (a block's SwiGLU is the step's peak) is the pack's, not the group's: this
+    # rank enters the collectives left in its step with scratch buffers, then raises it (``sp.drain``), so every peer
+    # finishes the step and rank 0 fails the pack, which the engine retries in halves. No cost while nothing fails: no
+    # collective or host sync is added. A step cache's collectives depend on decisions made mid-step: there an OOM
+    # still breaks the group.
+    block_dtype = hidden.dtype  # what the blocks' all-to-alls carry
+    try:
+        with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
+            if cache is None:
+                for block in model.transformer_blocks:
+                    hidden = block(hidden, temb, adaln_indices, rotary_emb)
+            else:  # each document runs the middle blocks only when its first blocks' residual changed enough
+                sharded = None
+                if sp is not None and world > 1:  # a sub-pack's rows are anywhere in the pack: every row's AdaLN index
+                    pack_adaln = pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags  # [T]
+                    sharded = ShardedRows(sp, pack_adaln, model.rope)
+                hidden = cached_blocks(
+                    model.transformer_blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache, sharded
+                )
+        hidden = model.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(model.proj_out))[0]  # [T/W, d]
 
-    # 4. Each head on its own modality's rows, on the rank that holds them.
-    video_out = model.proj_out(hidden.index_select(0, video_at))  # [n_video here, C_video]
-    audio_out = model.audio_proj_out(hidden.index_select(0, audio_at))  # [n_audio here, C_audio]
-    if sp is None or world == 1:
+        # 4. Each head on its own modality's rows, on the rank that holds them.
+        video_out = model.proj_out(hidden.index_select(0, video_at))  # [n_video here, C_video]
+        audio_out = model.audio_proj_out(hidden.index_select(0, audio_at))  # [n_audio here, C_audio]
+        if sp is None or world == 1:
+            if cache is not None:
+                cache.commit()  # the forward succeeded: every document's step enters its state
+            return video_out, audio_out  # every row is here, already in the pack's video/audio order
+
+        # 5. Rank 0 gathers the projected rows, not the hidden state: [T/W, max(C_video, C_audio)] per rank
+        # instead of [T/W, hidden]: 96 columns (video 24 x 2 x 2 patch; audio 32) instead of 5376 when released.
+        c_video, c_audio = video_out.shape[1], audio_out.shape[1]
+        local = hidden.new_zeros((hi - lo, max(c_video, c_audio)))  # text and padding rows stay zero
+        local[:, :c_video].index_copy_(0, video_at, video_out)
+        local[:, :c_audio].index_copy_(0, audio_at, audio_out)
+        rows = sp.gather_rows(local)  # [T, max(C_video, C_audio)] on rank 0
         if cache is not None:
-            cache.commit()  # the forward succeeded: every document's step enters its state
-        return video_out, audio_out  # every row is here, already in the pack's video/audio order
-
-    # 5. Rank 0 gathers the projected rows, not the hidden state: [T/W, max(C_video, C_audio)] per rank
-    # instead of [T/W, hidden]: 96 columns (video 24 channels x 2 x 2 patch; audio 32) instead of 5376 when released.
-    c_video, c_audio = video_out.shape[1], audio_out.shape[1]
-    local = hidden.new_zeros((hi - lo, max(c_video, c_audio)))  # text and padding rows stay zero
-    local[:, :c_video].index_copy_(0, video_at, video_out)
-    local[:, :c_audio].index_copy_(0, audio_at, audio_out)
-    rows = sp.gather_rows(local)  # [T, max(C_video, C_audio)] on rank 0
-    if cache is not None:
-        cache.commit()  # after the last collective: every rank commits the same step, or (failing) none does
-    if rows is None:
-        return None
-    return rows.index_select(0, pack.video_indices)[:, :c_video], rows.index_select(0, pack.audio_indices)[:, :c_audio]
+            cache.commit()  # after the last collective: every rank commits the same step, or (failing) none does
+        if rows is None:
+            return None
+        velocities = rows.index_select(0, pack.video_indices)[:, :c_video]  # [N_video, C_video]
+        return velocities, rows.index_select(0, pack.audio_indices)[:, :c_audio]
+    except torch.OutOfMemoryError as e:
+        if sp is None or world == 1 or cache is not None:
+            raise
+        e.__traceback__ = None  # its frames hold the failed block's activations: they go before the scratch comes
+        del hidden, temb, rotary_emb, text, video, audio, video_rows, audio_rows
+        sp.drain(
+            e,
+            blocks=len(model.transformer_blocks),
+            rows=hi - lo,
+            inner=model.config.num_attention_heads * model.config.attention_head_dim,  # heads x head_dim
+            dtype=block_dtype,
+            columns=max(model.proj_out.out_features, model.audio_proj_out.out_features),
+            gather_dtype=get_parameter_dtype(model.proj_out),
+        )
+        raise  # drain raises ``e``; never reached

@@ -11,8 +11,9 @@ only the partition(s) like the workers, and the plan has two more roles, each on
 the **decoder** (both VAEs). They hold no pack rows: weights + the reserve, and their per-request transients
 (Qwen3-VL over a prompt, a VAE decode) must fit in what is left of their device.
 
-Over 600 lines (by a little): one plan, whose formulas are written beside the code that applies them so the
-docs, admission's message and the meta-device check quote the same text.
+Over 600 lines: one plan, whose formulas are written beside the code that applies them so the docs, admission's
+message and the meta-device check quote the same text, and the check of a replica's measured use against it
+(``check_measured``: the warm-up at the row budget on CUDA).
 
 * **Weights** are counted by building every component from its config on the ``meta`` device (no
   memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
@@ -612,3 +613,76 @@ def memory_plan(
     plan = MemoryPlan(model, dtype, sp_degree, max_rows, row_cost, ranks, notes, stage_plans, request_cost)
     rank0 = dataclasses.replace(rank0, request_bytes=plan.requests_at(rank0, max_rows))
     return dataclasses.replace(plan, ranks=(rank0, *plan.ranks[1:]))
+
+
+# -- the plan measured ----------------------------------------------------------------------------
+PLAN_PARTS = ("weights", "activations", "requests", "reserve")
+
+
+def planned_by_role(plan: MemoryPlan) -> dict[str, dict[str, int]]:
+    """Each rank role's planned bytes by part (``PLAN_PARTS``): what a replica checks its warm-up against."""
+    return {
+        rank.role: dict(
+            weights=rank.weight_bytes,
+            activations=rank.activation_bytes,
+            requests=rank.request_bytes,
+            reserve=rank.reserve_bytes,
+        )
+        for rank in plan.ranks
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredUse:
+    """One rank's device after a forward at the row budget (``torch.cuda.mem_get_info`` and the allocator's peak)."""
+
+    rank: int
+    free_bytes: int
+    total_bytes: int
+    peak_tensor_bytes: int  # torch.cuda.max_memory_allocated: the tensors' own peak (the rest is the reserve's)
+
+    @property
+    def used_bytes(self) -> int:
+        """Everything in use on the device: tensors, the allocator's cached blocks, the CUDA context, cuBLAS and NCCL
+        buffers, and any other process on it."""
+        return self.total_bytes - self.free_bytes
+
+
+class PlanExceeded(RuntimeError):
+    """A rank's measured device use is past its plan by more than the reserve: the replica refuses to serve."""
+
+    reason = "memory_measured"  # the replica's build-failure metric's reason
+
+
+def check_measured(planned: dict[str, dict[str, int]], uses: list[MeasuredUse]) -> list[str]:
+    """Each rank's measured use against its role's plan (``planned_by_role``: rank 0's, the workers' for the others):
+    one line per rank. Raises PlanExceeded naming every rank whose device use is past its plan (weights +
+    activations + requests) by more than the plan's reserve (the reserve is what the allocator cannot hand to
+    tensors: the measured use may spend it, not more)."""
+    lines, over = [], []
+    for use in sorted(uses, key=lambda u: u.rank):
+        role = "rank 0" if use.rank == 0 else "worker ranks"
+        if role not in planned:
+            raise ValueError(f"rank {use.rank}: no plan for {role!r} (the plan has {sorted(planned)})")
+        parts = planned[role]
+        tensors = parts["weights"] + parts["activations"] + parts["requests"]
+        line = (
+            f"rank {use.rank} ({role}): {gib(use.used_bytes)} of {gib(use.total_bytes)} in use after the forward at "
+            f"the row budget (tensors' peak {gib(use.peak_tensor_bytes)}); planned {gib(tensors)} "
+            f"(weights {gib(parts['weights'])}, activations {gib(parts['activations'])}, requests "
+            f"{gib(parts['requests'])}) + reserve {gib(parts['reserve'])} = {gib(tensors + parts['reserve'])}"
+        )
+        lines.append(line)
+        if use.used_bytes > tensors + parts["reserve"]:
+            over.append(
+                f"{line}: {gib(use.used_bytes - tensors)} past the plan, more than its reserve "
+                f"({use.used_bytes} bytes measured, {tensors + parts['reserve']} planned with the reserve)"
+            )
+    if over:
+        raise PlanExceeded(
+            "the memory plan is wrong by more than its reserve; this replica refuses to serve (a pack at "
+            "max_rows_per_step would run out of memory): "
+            + "; ".join(over)
+            + ". Lower engine.max_rows_per_step (or max_text_rows_per_step), or measure and raise the reserve"
+        )
+    return lines
