@@ -127,8 +127,8 @@ class H3Decoder(StageReplica):
     routes each to the less busy of two it samples: an idle peer over this busy replica), and diffusers' own blend
     joins them, the same frames bit for bit. The audio decoder runs beside them here. A run a peer has not returned
     by the time this replica's own run took again (the peer is busy with a decode of its own, perhaps waiting on this
-    one) is cancelled and decoded here: two splitting decodes never wait on each other, and a busy pool decodes as
-    it would serially, plus that wait.
+    one) is cancelled and decoded here, as is a run whose peer failed: two splitting decodes never wait on each
+    other, a busy pool decodes as it would serially plus that wait, and a lost peer costs a clip no frame.
     """
 
     role = "decoder"
@@ -175,17 +175,20 @@ class H3Decoder(StageReplica):
             started = time.perf_counter()
             decoded = self.models.decode_tiles(own)
             self.tiles_decoded["own"] += len(own)
-            # a peer that took its run at once is done by about now (the floor: a call's own latency on tiny clips)
-            grace = max(time.perf_counter() - started, PEER_GRACE_FLOOR_S)
+            # a peer that took its run at once is done by about then (the floor: a call's own latency on tiny clips)
+            deadline = time.perf_counter() + max(time.perf_counter() - started, PEER_GRACE_FLOOR_S)
             for run, call in calls:  # each a DeploymentResponse: waiting blocks this thread, not the event loop
                 try:
-                    decoded.extend(call.result(timeout_s=grace))
+                    decoded.extend(call.result(timeout_s=max(deadline - time.perf_counter(), 0.0)))
+                    continue
                 except TimeoutError:
                     call.cancel()
-                    logger.info("a peer did not return %d tiles within %.2f s: decoding them here", len(run), grace)
-                    decoded.extend(self.models.decode_tiles(run))
-                    self.tiles_decoded["taken_back"] += len(run)
-                grace = 0.0  # the peers ran at once or not at all
+                    why = "was not back in time"
+                except Exception as e:  # the peer died under it, or failed: its tiles are decoded here all the same
+                    why = f"failed ({type(e).__name__}: {e})"
+                logger.info("a peer's run of %d tiles %s: decoding them here", len(run), why)
+                decoded.extend(self.models.decode_tiles(run))
+                self.tiles_decoded["taken_back"] += len(run)
             return decoded
 
         return run_tiles
