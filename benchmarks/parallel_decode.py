@@ -110,6 +110,12 @@ def run(args: argparse.Namespace) -> dict:
             rows.append([canvas, frames["serial"].shape[0], tiles, serial, parallel, serial / parallel, equal])
             result["canvases"][canvas] = dict(tiles=tiles, serial_s=times["serial"], parallel_s=times["parallel"])
             result["canvases"][canvas]["equal"] = equal
+            tiles_by_replica: dict[str, dict] = {}  # who decoded what, so far: own, for_peers, taken_back
+            for _ in range(20):
+                report = handles["parallel"].report.remote().result(timeout_s=60)
+                tiles_by_replica[report["replica_id"]] = report["tiles"]
+            result["canvases"][canvas]["tiles_by_replica"] = tiles_by_replica
+            say(f"{canvas}: tiles decoded by each parallel replica so far: {list(tiles_by_replica.values())}")
             result["ok"] &= equal
     finally:
         for mode in handles:
