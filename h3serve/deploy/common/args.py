@@ -357,7 +357,7 @@ class DeployArgs(BaseModel):
         default_factory=lambda fields: default_vae_dtype(fields["device"]),
         description="both VAEs' dtype; bfloat16 keeps diffusers' _keep_in_fp32_modules in float32 (as released) and "
         "lets a stage deployment's float32 matmuls use TF32. Default: bfloat16 on cuda, float32 on cpu (the exact "
-        "reference there; bf16 measured 0.74-0.95x of its time: docs/CONFIG.md, VAE dtype)",
+        "reference there; bf16 measured 0.74-1.09x of its time: docs/CONFIG.md, VAE dtype)",
     )
     sp_degree: int = Field(
         default=1,
