@@ -77,8 +77,9 @@ float32 matmuls use TF32. The frames equal diffusers' own pipeline at the same d
 evaluation compare against, not for speed: measured with `python -m benchmarks.parallel_decode` (2026-12-05, the
 shared 2-core machine, one torch thread, the tiny VAEs, whole decode of both VAEs, two runs), bf16 took 0.95x and
 1.09x of fp32's time on the default 128x64 5 s clip (0.11-0.13 s: noise) and 0.74x and 0.86x at 640x384 (2.6-3.1 s
-against 3.5-3.6 s), on a Xeon with AVX512-BF16 and AMX-BF16 (a CPU without them may well be slower in bf16). `vae_dtype: bfloat16` on
-such a CPU deployment is valid and faster; its frames differ from fp32's by the bf16 rounding.
+against 3.5-3.6 s), on a Xeon with AVX512-BF16 and AMX-BF16 (a CPU without them may well be slower in bf16).
+`vae_dtype: bfloat16` on such a CPU deployment is valid and faster; its frames differ from fp32's by the bf16
+rounding.
 """
 
 
