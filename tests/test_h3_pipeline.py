@@ -48,8 +48,9 @@ def run(pipeline: H3Pipeline, request: GenerationRequest):
     return pipeline.stages.decode(state.state, state.video_rows, state.audio_rows)
 
 
-def diffusers_run(pipeline: H3Pipeline, request: GenerationRequest, **inputs):
-    """diffusers' own MiniMaxH3 modular pipeline, same components and inputs, its own attention processor."""
+def diffusers_run(pipeline: H3Pipeline, request: GenerationRequest, replace: dict | None = None, **inputs):
+    """diffusers' own MiniMaxH3 modular pipeline, same components (but ``replace``'s) and inputs, its own attention
+    processor."""
     reference = MiniMaxH3Blocks().init_pipeline()
     reference.register_to_config(**pipeline.stages.before.config)
     components = {
@@ -60,7 +61,7 @@ def diffusers_run(pipeline: H3Pipeline, request: GenerationRequest, **inputs):
     for name, model in pipeline.denoiser.transformers.items():
         components[name] = copy.deepcopy(model)
         components[name].set_attn_processor(MiniMaxH3AttnProcessor())
-    reference.update_components(**components)
+    reference.update_components(**{**components, **(replace or {})})
     return reference(
         prompt=request.prompt,
         num_inference_steps=request.num_inference_steps,

@@ -30,6 +30,7 @@ class ReplicaSpec(BaseModel):
     hidden_size: int = Field(gt=0, description="transformer hidden size the deployment was admitted for")
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "float32"
+    vae_dtype: str | None = None  # both VAEs' (DeployArgs.vae_dtype); None: default_vae_dtype(device)
     sp_degree: int = Field(default=1, ge=1)
     # a collective that waits longer than this on a peer fails instead of hanging
     collective_timeout_s: float = Field(default=60.0, gt=0)

@@ -196,7 +196,12 @@ def build_rank0(spec: ReplicaSpec) -> H3Pipeline:
     ``spec.stages`` "remote" it loads no text encoder and no VAE (``H3Pipeline.load_denoiser_only``)."""
     cuda_allocator_defaults(spec.device)  # before anything touches CUDA in this process
     return H3Pipeline.load(
-        spec.checkpoint, spec.resolution.backend, name=spec.model_name, stages=spec.stages, **_load_kwargs(spec)
+        spec.checkpoint,
+        spec.resolution.backend,
+        name=spec.model_name,
+        stages=spec.stages,
+        vae_dtype=spec.vae_dtype,
+        **_load_kwargs(spec),
     )
 
 

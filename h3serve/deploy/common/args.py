@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from h3serve.attention import Platform, Resolution
 from h3serve.deploy.common.autoscaling import POLICY_PATH
-from h3serve.pipelines.h3 import AUTO, TransformerGeometry, default_dtype, preset
+from h3serve.pipelines.h3 import AUTO, TransformerGeometry, default_dtype, default_vae_dtype, preset
 from h3serve.pipelines.h3.lora_spec import LoraSpec, LoraSpecs
 from h3serve.pipelines.h3.memory import MemoryPlan, planned_by_role
 from h3serve.pipelines.h3.step_cache_tiers import OFF, StepCacheTiers
@@ -256,6 +256,17 @@ class StagesArgs(BaseModel):
     decoder: StageDeploymentArgs = Field(
         default_factory=StageDeploymentArgs, description="the H3Decoder deployment (VAE decoders, PNG/MP4 encoding)"
     )
+    parallel_decode: bool = Field(
+        default=True,
+        description="split each clip's video decode by whole VAE tiles (every temporal chunk's spatial tiles) over "
+        "the decoder's replicas, blended by diffusers' own code (the same frames bit for bit); the audio decode runs "
+        "beside it. Takes effect with decoder.num_replicas >= 2; a run a busy peer does not take is decoded by the "
+        "clip's own replica (docs/OPERATIONS.md)",
+    )
+
+    def decode_split(self) -> int:
+        """How many runs one clip's video tiles are split into over the decoder's replicas (1: none)."""
+        return self.decoder.num_replicas if self.parallel_decode else 1
 
 
 class AutoscalingArgs(BaseModel):
@@ -401,8 +412,14 @@ class DeployArgs(BaseModel):
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the replicas run")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default_factory=lambda fields: default_dtype(fields["device"]),
-        description="transformer and text encoder dtype (the VAEs and boundary layers stay float32); "
+        description="transformer and text encoder dtype (the transformer's boundary layers stay float32); "
         "default: float32 on cpu, bfloat16 on cuda",
+    )
+    vae_dtype: Literal["float32", "bfloat16"] = Field(
+        default_factory=lambda fields: default_vae_dtype(fields["device"]),
+        description="both VAEs' dtype; bfloat16 keeps diffusers' _keep_in_fp32_modules in float32 (as released) and "
+        "lets a stage deployment's float32 matmuls use TF32. Default: bfloat16 on cuda, float32 on cpu (the exact "
+        "reference there; bf16 measured 0.74-1.09x of its time: docs/CONFIG.md, VAE dtype)",
     )
     sp_degree: int = Field(
         default=1,
@@ -625,6 +642,7 @@ class DeployArgs(BaseModel):
             hidden_size=geometry.hidden_size,
             device=self.device,
             dtype=self.dtype,
+            vae_dtype=self.vae_dtype,
             sp_degree=self.sp_degree,
             collective_timeout_s=self.collective_timeout_s,
             rank_resources=dict(self.rank_resources),

@@ -36,7 +36,8 @@ def build_app(args: DeployArgs) -> Application:
     for role, stage in ((H3Conditioner.role, H3Conditioner), (H3Decoder.role, H3Decoder)):
         if role in args.stage_deployments():
             deployment = serve.deployment(stage, **stage.deployment_options(args))
-            stages.append(deployment.bind(args.checkpoint, args.device, args.dtype))
+            fanout = (args.stages.decode_split(),) if role == H3Decoder.role and args.stages is not None else ()
+            stages.append(deployment.bind(args.checkpoint, args.device, args.dtype, args.vae_dtype, *fanout))
     spec = args.replica_spec(admission.resolution, admission.geometry, admission.plan)
     replica = replica.bind(spec, args.engine, *stages)
     # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations

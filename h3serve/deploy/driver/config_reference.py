@@ -66,6 +66,22 @@ SCHEDULING = """\
   on quiet cores supports another value (on the shared machine of section 16 they were inside the noise).
 """
 
+VAE_DTYPE = """\
+## VAE dtype
+
+`vae_dtype: bfloat16` is the VAEs as released: diffusers' `from_pretrained(torch_dtype=bfloat16)` keeps each VAE's
+`_keep_in_fp32_modules` in float32 (the video encoder, `quant_conv`, the decoder's norms and scales; most of the audio
+VAE) and runs the 36-layer ViT video decoder in bf16; on GPUs that is the default, and a stage deployment lets its
+float32 matmuls use TF32. The frames equal diffusers' own pipeline at the same dtype within one uint8 step
+(`tests/test_vae_dtype.py`). On CPUs the default stays `float32`, the exact reference the CPU tests and the demo's
+evaluation compare against, not for speed: measured with `python -m benchmarks.parallel_decode` (2026-12-05, the
+shared 2-core machine, one torch thread, the tiny VAEs, whole decode of both VAEs, two runs), bf16 took 0.95x and
+1.09x of fp32's time on the default 128x64 5 s clip (0.11-0.13 s: noise) and 0.74x and 0.86x at 640x384 (2.6-3.1 s
+against 3.5-3.6 s), on a Xeon with AVX512-BF16 and AMX-BF16 (a CPU without them may well be slower in bf16).
+`vae_dtype: bfloat16` on such a CPU deployment is valid and faster; its frames differ from fp32's by the bf16
+rounding.
+"""
+
 
 def _type(field: FieldInfo) -> str:
     text = str(field.annotation).replace("typing.", "")
@@ -123,6 +139,7 @@ def reference() -> str:
         "",
         BACKPRESSURE,
         SCHEDULING,
+        VAE_DTYPE,
     ]
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ from h3serve.pipelines.h3 import (
     GenerationRequest,
     H3StageModels,
     PreparedState,
+    tiled_decode,
 )
 from h3serve.pipelines.h3.preview import PreviewMap
 from h3serve.replicas.allocator import cuda_allocator_defaults
@@ -51,6 +52,8 @@ from h3serve.replicas.cuda_faults import ProcessPoisoned, device_ping, fatal
 
 logger = logging.getLogger(__name__)
 HEALTH_PING_S = 2.5  # the health check's kernel deadline: within Serve's health_check_timeout_s (30 s by default)
+
+PEER_GRACE_FLOOR_S = 2.0  # the least a splitting decode waits on a peer's run before decoding it itself
 
 
 class StageReplica:
@@ -69,10 +72,16 @@ class StageReplica:
             health_check_period_s=5,
         )
 
-    def __init__(self, checkpoint: str | None, device: str, dtype: str):
+    def __init__(self, checkpoint: str | None, device: str, dtype: str, vae_dtype: str | None = None):
         log_through_serve()
         cuda_allocator_defaults(device)  # a VAE decode's transients vary with the clip as a pack's do
-        self.models = H3StageModels.load(self.role, checkpoint, device=device, dtype=dtype)  # type: ignore[arg-type]
+        self.models = H3StageModels.load(
+            self.role,
+            checkpoint,
+            device=device,  # type: ignore[arg-type]
+            dtype=dtype,
+            vae_dtype=vae_dtype,
+        )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.calls: collections.Counter[str] = collections.Counter()  # caller's replica id -> requests served
         self.failures = 0
@@ -144,9 +153,76 @@ class H3Conditioner(StageReplica):
 
 
 class H3Decoder(StageReplica):
-    """Both VAE decoders, diffusers' blocks after the loop and the PNG/MP4 encoding; no transformer."""
+    """Both VAE decoders, diffusers' blocks after the loop and the PNG/MP4 encoding; no transformer.
+
+    With ``decode_split`` > 1 (``stages.parallel_decode`` and several replicas) a clip's video decode is split by
+    whole tiles (every temporal chunk's spatial tiles, ``h3serve.pipelines.h3.tiled_decode``) into ``decode_split``
+    runs: this replica decodes the first, the others go to this deployment's replicas through its own handle (Serve
+    routes each to the less busy of two it samples: an idle peer over this busy replica), and diffusers' own blend
+    joins them, the same frames bit for bit. The audio decoder runs beside them here. A run a peer has not returned
+    by the time this replica's own run took again (the peer is busy with a decode of its own, perhaps waiting on this
+    one) is cancelled and decoded here, as is a run whose peer failed: two splitting decodes never wait on each
+    other, a busy pool decodes as it would serially plus that wait, and a lost peer costs a clip no frame.
+    """
 
     role = "decoder"
 
+    def __init__(
+        self,
+        checkpoint: str | None,
+        device: str,
+        dtype: str,
+        vae_dtype: str | None = None,
+        decode_split: int = 1,
+    ):
+        super().__init__(checkpoint, device, dtype, vae_dtype)
+        self.decode_split = decode_split
+        # tiles decoded, by whose clip: "own", "for_peers" (runs peers sent), "taken_back" (runs no peer returned)
+        self.tiles_decoded: collections.Counter[str] = collections.Counter()
+        self._peers: Any = None  # this deployment's handle, once a decode splits
+
+    def report(self) -> dict[str, Any]:
+        return {**super().report(), "tiles": dict(self.tiles_decoded)}
+
     async def decode(self, handoff: DecodeHandoff, output: str | None, caller: str) -> GeneratedMedia | EncodedMedia:
-        return await self._run(caller, "decode", self.models.decode, handoff, output)
+        if self.decode_split < 2:
+            return await self._run(caller, "decode", self.models.decode, handoff, output)
+        what = f"decode split {self.decode_split} ways"
+        return await self._run(caller, what, self.models.decode, handoff, output, self._split_runner())
+
+    async def decode_tiles(self, tiles: list, caller: str) -> list:
+        """A run of another replica's clip tiles (``H3StageModels.decode_tiles``)."""
+        decoded = await self._run(caller, f"{len(tiles)} tiles", self.models.decode_tiles, tiles)
+        self.tiles_decoded["for_peers"] += len(tiles)
+        return decoded
+
+    def _split_runner(self):
+        """A ``TileRunner`` for one decode (it runs on the decode's thread): the first run of tiles here, the
+        others through this deployment's handle, all at once."""
+        if self._peers is None:
+            context = serve.get_replica_context()
+            self._peers = serve.get_deployment_handle(context.deployment, app_name=context.app_name)
+
+        def run_tiles(tiles: list) -> list:
+            own, *others = tiled_decode.split(tiles, self.decode_split)
+            calls = [(run, self._peers.decode_tiles.remote(run, self.replica_id)) for run in others if run]
+            started = time.perf_counter()
+            decoded = self.models.decode_tiles(own)
+            self.tiles_decoded["own"] += len(own)
+            # a peer that took its run at once is done by about then (the floor: a call's own latency on tiny clips)
+            deadline = time.perf_counter() + max(time.perf_counter() - started, PEER_GRACE_FLOOR_S)
+            for run, call in calls:  # each a DeploymentResponse: waiting blocks this thread, not the event loop
+                try:
+                    decoded.extend(call.result(timeout_s=max(deadline - time.perf_counter(), 0.0)))
+                    continue
+                except TimeoutError:
+                    call.cancel()
+                    why = "was not back in time"
+                except Exception as e:  # the peer died under it, or failed: its tiles are decoded here all the same
+                    why = f"failed ({type(e).__name__}: {e})"
+                logger.info("a peer's run of %d tiles %s: decoding them here", len(run), why)
+                decoded.extend(self.models.decode_tiles(run))
+                self.tiles_decoded["taken_back"] += len(run)
+            return decoded
+
+        return run_tiles

@@ -3,7 +3,7 @@
 import importlib
 from typing import TYPE_CHECKING
 
-from .config import AUTO, PRESETS, H3Preset, TransformerGeometry, default_dtype, preset
+from .config import AUTO, PRESETS, H3Preset, TransformerGeometry, default_dtype, default_vae_dtype, preset
 from .placement import STAGE_ROLES
 from .request import GenerationRequest, ModelRules, Reference, RequestError, VisionUnavailable
 
@@ -75,6 +75,7 @@ __all__ = [
     "checkpoint_geometry",
     "checkpoint_rules",
     "default_dtype",
+    "default_vae_dtype",
     "preset",
     "validate_deployment",
 ]

@@ -179,29 +179,79 @@ def _refuse_mismatches(folder: Path, info: dict[str, list]) -> None:
         raise CheckpointError(f"{folder} ({files}) does not fit its class: " + "; ".join(problems))
 
 
-def load_model(index: CheckpointIndex, name: str, dtype: torch.dtype, device: str | torch.device):
-    """One model component (transformer, VAE, text encoder), strictly: every key present, none extra."""
+def load_model(
+    index: CheckpointIndex,
+    name: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    text_layers: int | None = None,
+):
+    """One model component (transformer, VAE, text encoder), strictly: every key present, none extra.
+
+    Straight to ``device``: the libraries' ``device_map`` builds the module on the ``meta`` device and reads each
+    safetensors tensor onto ``device``, so no host copy of the model is made and then moved (on a GPU the host copy
+    of the released checkpoint is ~124 GB through pageable memory). ``meta`` itself loads the structure only.
+    ``text_layers`` (the text encoder only): build just the first ``text_layers`` Qwen3-VL decoder layers and never
+    read the later ones' weights (``keep_decoder_layers`` says why); their keys are the only ones allowed unread.
+    """
     import diffusers
     import transformers
 
     folder = index.folder(name)
     library, class_name = LAYOUT[name]
     cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+    device = torch.device(device)
     kwargs: dict[str, Any] = {"torch_dtype": dtype} if library == "diffusers" else {"dtype": dtype}
-    try:
+    unread: tuple[str, ...] = ()
+    if text_layers is not None:
+        if name != "text_encoder":
+            raise ValueError(f"text_layers applies to the text encoder, not {name}")
+        config = cls.config_class.from_pretrained(folder, local_files_only=True)
+        text_config = config.text_config
+        if text_config.num_hidden_layers > text_layers:
+            later = range(text_layers, text_config.num_hidden_layers)
+            unread = tuple(f"model.language_model.layers.{i}." for i in later)
+            text_config.num_hidden_layers = text_layers
+            if getattr(text_config, "layer_types", None):
+                text_config.layer_types = text_config.layer_types[:text_layers]
+        kwargs["config"] = config
+
+    def load(onto: torch.device):
+        # hub kernels refuse the meta device, and there is nothing to run there
+        meta = {"use_kernels": False} if library == "transformers" and onto.type == "meta" else {}
         with _library_deprecations_silenced():
-            model, info = cls.from_pretrained(folder, output_loading_info=True, local_files_only=True, **kwargs)
-    except (OSError, ValueError, RuntimeError) as e:  # wrong shapes, unreadable files
+            return cls.from_pretrained(
+                folder, output_loading_info=True, local_files_only=True, device_map=str(onto), **kwargs, **meta
+            )
+
+    def refuse_mismatches(info: dict) -> None:
+        if unread:
+            info = dict(
+                info, unexpected_keys=[k for k in info.get("unexpected_keys") or [] if not k.startswith(unread)]
+            )
+        _refuse_mismatches(folder, info)
+
+    try:
+        model, info = load(device)
+    except (OSError, ValueError, RuntimeError) as e:  # wrong shapes, unreadable files, a weight left on meta
+        if device.type != "meta":  # a missing key fails the move to the device: name the keys, as meta loads them
+            try:
+                meta_info = load(torch.device("meta"))[1]
+            except (OSError, ValueError, RuntimeError):
+                meta_info = None
+            if meta_info is not None:
+                refuse_mismatches(meta_info)
         raise CheckpointError(f"{folder} cannot be loaded as {class_name}: {e}") from None
-    _refuse_mismatches(folder, info)
-    return model.to(device).eval()
+    refuse_mismatches(info)
+    return model.eval()
 
 
 def keep_decoder_layers(text_encoder, count: int) -> None:
     """Drop the Qwen3-VL decoder layers after the first ``count``: H3 reads an inner hidden state.
 
     The released conditioner's later layers never influence ``hidden_states[50]``; keeping them would
-    hold ~13 GB of GPU memory on rank 0 for nothing.
+    hold ~13 GB of GPU memory on rank 0 for nothing. (``load_model(text_layers=)`` never builds them.)
     """
     language_model = text_encoder.model.language_model
     if len(language_model.layers) > count:

@@ -208,6 +208,13 @@ def default_dtype(device: str) -> Literal["bfloat16", "float32"]:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+def default_vae_dtype(device: str) -> Literal["bfloat16", "float32"]:
+    """The VAEs' dtype when none is given: bf16 on GPUs as released (diffusers keeps each VAE's
+    ``_keep_in_fp32_modules`` in fp32); fp32 on CPUs, the exact reference the CPU tests compare against (bf16 decodes
+    there too, and faster at larger canvases: docs/CONFIG.md has the numbers)."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 # ``model: auto``: no preset; the architecture is the checkpoint's own (its transformer/config.json).
 AUTO = "auto"
 

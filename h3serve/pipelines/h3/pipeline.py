@@ -25,11 +25,10 @@ from diffusers.modular_pipelines import PipelineState
 
 from h3serve.attention import (
     DeviceType,
-    parse_dtype,
 )
 
 from . import checkpoint as ckpt
-from .config import TransformerGeometry
+from .config import TransformerGeometry, default_vae_dtype
 from .denoiser import REQUIREMENTS, H3Denoiser
 from .handoff import DecodeHandoff, GeneratedMedia, PreparedState
 from .lora import LoraSpecs
@@ -39,11 +38,9 @@ from .placement import STAGE_PLACEMENTS, StagePlacement
 from .preview import PreviewLayout, PreviewMap, preview_frames, strip_png
 from .request import GenerationRequest, ModelRules, RequestError
 from .request_state import RequestState, StepStats
-from .stage_models import config_only_component, held_modules, prepare_shifted
+from .stage_models import config_only_component, held_modules, load_stage_components, prepare_shifted
 from .stages import DECODE_KEYS, H3Stages
 from .step_cache import CachedPack, PackCache, StepCachePolicy, skipped_block_rows
-
-logger = logging.getLogger(__name__)
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +93,12 @@ class H3Pipeline:
         name: str | None = None,
         loras: LoraSpecs | None = None,
         stages: StagePlacement = "local",
+        vae_dtype: str | torch.dtype | None = None,
     ) -> H3Pipeline:
         """Every component of the checkpoint directory, the transformer(s) with exactly ``backend``, and ``loras``.
+
+        ``dtype``: the transformer's and text encoder's; ``vae_dtype``: both VAEs' (None: ``default_vae_dtype``,
+        bf16 on GPUs as released, with diffusers' ``_keep_in_fp32_modules`` in fp32; fp32 on CPUs).
 
         ``stages="remote"``: conditioning and decoding run in stage deployments of their own, so only the
         transformer partition(s), the tokenizer and the schedulers are loaded (``load_denoiser_only``).
@@ -108,20 +109,11 @@ class H3Pipeline:
         if stages == "remote":
             return cls.load_denoiser_only(denoiser, name)
         index = ckpt.CheckpointIndex(denoiser.directory)
-        torch_dtype = parse_dtype(dtype)
+        vae_dtype = vae_dtype or default_vae_dtype(device)
         components = dict(denoiser.transformers)
-        components.update(
-            vae=ckpt.load_model(index, "vae", torch.float32, device),  # the VAEs run in fp32
-            audio_vae=ckpt.load_model(index, "audio_vae", torch.float32, device),
-            text_encoder=ckpt.load_model(index, "text_encoder", torch_dtype, "cpu"),  # trimmed before it moves
-            tokenizer=ckpt.load_tokenizer(index),
-            processor=ckpt.load_processor(index),
-        )
-        schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
+        components.update(load_stage_components(index, device, dtype, vae_dtype, text_encoder=True))
+        schedulers = {n: components.pop(n) for n in ("scheduler", "audio_scheduler")}
         blocks = H3Stages({**components, **schedulers}, index.pipeline_config)
-        # diffusers' encoder step refuses a stack of exactly `text_encoder_layer` layers (the last one is post-norm)
-        ckpt.keep_decoder_layers(components["text_encoder"], blocks.before.text_encoder_layer + 1)
-        components["text_encoder"].to(device)
         return cls(denoiser, blocks, schedulers, components["tokenizer"], name or denoiser.directory.name)
 
     @classmethod

@@ -19,12 +19,15 @@ from h3serve.attention import (
 )
 
 from . import checkpoint as ckpt
+from . import tiled_decode
+from .config import default_vae_dtype
 from .denoiser import quiet_libraries
 from .handoff import DecodeHandoff, EncodedMedia, GeneratedMedia, PreparedState
 from .placement import STAGE_ROLES
 from .preview import PreviewMap
 from .request import GenerationRequest, ModelRules
-from .stages import H3Stages
+from .stages import H3Stages, text_encoder_layers
+from .tiled_decode import TileRunner
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,32 @@ def checkpoint_rules(checkpoint: str | Path | None) -> ModelRules:
     return H3Stages(components, index.pipeline_config).rules().model_copy(update={"partitions": index.partitions()})
 
 
+def load_stage_components(
+    index: ckpt.CheckpointIndex,
+    device: str,
+    dtype: str | torch.dtype,
+    vae_dtype: str | torch.dtype,
+    *,
+    text_encoder: bool,
+) -> dict[str, Any]:
+    """What diffusers' blocks before and after the loop hold: both VAEs in ``vae_dtype``, the tokenizer, processor
+    and schedulers, and (``text_encoder``) Qwen3-VL in ``dtype`` through the layer H3 reads. Each model is read
+    straight onto ``device`` (``ckpt.load_model``): no host copy is made and moved, and the Qwen3-VL layers after
+    the one H3 reads are never read at all."""
+    components: dict[str, Any] = dict(
+        vae=ckpt.load_model(index, "vae", parse_dtype(vae_dtype), device),
+        audio_vae=ckpt.load_model(index, "audio_vae", parse_dtype(vae_dtype), device),
+        tokenizer=ckpt.load_tokenizer(index),
+        processor=ckpt.load_processor(index),
+        **{n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")},
+    )
+    if text_encoder:
+        components["text_encoder"] = ckpt.load_model(
+            index, "text_encoder", parse_dtype(dtype), device, text_layers=text_encoder_layers()
+        )
+    return components
+
+
 def held_modules(value: Any) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in vars(value).items() if isinstance(module, torch.nn.Module)}
 
@@ -117,24 +146,21 @@ class H3StageModels:
         *,
         device: DeviceType = "cpu",
         dtype: str | torch.dtype = "float32",
+        vae_dtype: str | torch.dtype | None = None,
     ) -> H3StageModels:
+        """``dtype``: the text encoder's; ``vae_dtype``: both VAEs' (None: ``default_vae_dtype(device)``, bf16 on
+        GPUs as released, with diffusers' ``_keep_in_fp32_modules`` in fp32)."""
         if role not in STAGE_ROLES:
             raise ValueError(f"stage role must be one of {', '.join(STAGE_ROLES)}, got {role!r}")
         quiet_libraries()
         index = ckpt.CheckpointIndex(ckpt.resolve_checkpoint(checkpoint))
-        components: dict[str, Any] = dict(
-            vae=ckpt.load_model(index, "vae", torch.float32, device),  # the VAEs run in fp32
-            audio_vae=ckpt.load_model(index, "audio_vae", torch.float32, device),
-            tokenizer=ckpt.load_tokenizer(index),
-            processor=ckpt.load_processor(index),
-        )
-        if role == "conditioner":
-            components["text_encoder"] = ckpt.load_model(index, "text_encoder", parse_dtype(dtype), "cpu")
-        schedulers = {n: ckpt.load_scheduler(index, n) for n in ("scheduler", "audio_scheduler")}
+        vae_dtype = vae_dtype or default_vae_dtype(device)
+        components = load_stage_components(index, device, dtype, vae_dtype, text_encoder=role == "conditioner")
+        schedulers = {n: components.pop(n) for n in ("scheduler", "audio_scheduler")}
         stages = H3Stages({**components, **schedulers}, index.pipeline_config)
-        if role == "conditioner":  # as H3Pipeline.load: trimmed to the layer H3 reads before it moves
-            ckpt.keep_decoder_layers(components["text_encoder"], stages.before.text_encoder_layer + 1)
-            components["text_encoder"].to(device)
+        if device == "cuda" and parse_dtype(vae_dtype) != torch.float32:
+            # this process holds no transformer: the VAEs' fp32 modules (and the bf16 text encoder) may use TF32
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         return cls(role, stages, schedulers, torch.device(device), index.partitions())
 
     def held_models(self) -> dict[str, torch.nn.Module]:
@@ -158,16 +184,27 @@ class H3StageModels:
         return PreviewMap.fit(self.stages.after.vae, self.stages.before.pixel_mean, self.stages.before.pixel_std)
 
     @torch.no_grad()
-    def decode(self, handoff: DecodeHandoff, output: str | None = None) -> GeneratedMedia | EncodedMedia:
-        """Both VAE decoders for one finished request; ``output`` "png"/"mp4": encoded here, None: the media."""
+    def decode(
+        self, handoff: DecodeHandoff, output: str | None = None, decode_tiles: TileRunner | None = None
+    ) -> GeneratedMedia | EncodedMedia:
+        """Both VAE decoders for one finished request; ``output`` "png"/"mp4": encoded here, None: the media.
+
+        ``decode_tiles``: who decodes the video VAE's tiles (``tiled_decode``; the same frames), while the audio
+        decoder runs beside them; None: this stage's VAE, tile after tile."""
         layout = PipelineState()
         for key, value in handoff.layout.items():
             layout.set(key, value)
         video_rows, audio_rows = handoff.video_rows.to(self.device), handoff.audio_rows.to(self.device)
-        frames, audio, sample_rate = self.stages.finish(layout, video_rows, audio_rows)
+        frames, audio, sample_rate = self.stages.finish(layout, video_rows, audio_rows, decode_tiles)
         media = GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
         if output is None:
             return media
         if output not in ("png", "mp4"):
             raise ValueError(f"output must be 'png', 'mp4' or None, got {output!r}")
         return EncodedMedia(output, media.png() if output == "png" else media.mp4())
+
+    def decode_tiles(self, tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A share of another decode's video VAE tiles (``tiled_decode.decode_tiles``), back on the host."""
+        if self.role != "decoder":
+            raise RuntimeError(f"a {self.role} stage does not decode")
+        return [tile.cpu() for tile in tiled_decode.decode_tiles(self.stages.after.vae, tiles)]

@@ -8,6 +8,7 @@ h3serve's engine steps many requests in shared packed forwards.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import tempfile
@@ -15,7 +16,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers.modular_pipelines import MiniMaxH3Blocks, PipelineState, SequentialPipelineBlocks
+from diffusers import AutoencoderKLMiniMaxH3
+from diffusers.modular_pipelines import (
+    MiniMaxH3Blocks,
+    MiniMaxH3ModularPipeline,
+    ModularPipelineBlocks,
+    PipelineState,
+    SequentialPipelineBlocks,
+)
 from diffusers.modular_pipelines.minimax_h3 import (
     MiniMaxH3AudioReference,
     MiniMaxH3ImageReference,
@@ -27,10 +35,13 @@ from diffusers.modular_pipelines.minimax_h3.decoders import (
     MiniMaxH3AudioDecodeStep,
     MiniMaxH3VideoDecodeStep,
 )
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam
 from PIL import Image
 
+from . import tiled_decode
 from .checkpoint import ImageOnlyQwen3VLProcessor
 from .request import GenerationRequest, ModelRules, Reference, RequestError
+from .tiled_decode import TileRunner
 from .uploads import image_problem
 
 # The loop and everything after it; each core denoise workflow (t2va, fl2va, ref2va) has both.
@@ -61,14 +72,82 @@ def _blocks_before_loop() -> MiniMaxH3Blocks:
     return blocks
 
 
-def _blocks_after_loop() -> SequentialPipelineBlocks:
-    return SequentialPipelineBlocks.from_blocks_dict(
-        {
-            "after_denoise": MiniMaxH3AfterDenoiseStep(),
-            "video": MiniMaxH3VideoDecodeStep(),
-            "audio": MiniMaxH3AudioDecodeStep(),
-        }
-    )
+def text_encoder_layers() -> int:
+    """How many Qwen3-VL decoder layers H3 reads: through diffusers' ``text_encoder_layer`` (50 as released), plus
+    one, since diffusers' encoder step refuses a stack of exactly that many (its last state is post-norm)."""
+    return int(MiniMaxH3ModularPipeline().text_encoder_layer) + 1
+
+
+class _WithVae:
+    """A pipeline's components with another ``vae`` (the rest read through)."""
+
+    def __init__(self, components: Any, vae: Any):
+        self._components, self.vae = components, vae
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._components, name)
+
+
+class _TiledVae:
+    """A video VAE whose ``decode`` sends its tiles to ``run_tiles`` (``tiled_decode.decode``); the rest reads
+    through to the VAE."""
+
+    def __init__(self, vae: Any, run_tiles: TileRunner):
+        self._vae, self._run_tiles = vae, run_tiles
+
+    def decode(self, latents: torch.Tensor, return_dict: bool = True):
+        assert not return_dict, "diffusers' decode step asks for a tuple"
+        return (tiled_decode.decode(self._vae, latents, self._run_tiles),)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vae, name)
+
+
+class TiledVideoDecodeStep(MiniMaxH3VideoDecodeStep):
+    """diffusers' video decode step; given ``decode_tiles`` (a ``tiled_decode.TileRunner``) the VAE's tiles are
+    decoded by it and blended by diffusers' own code (``tiled_decode``), the frames the same bits."""
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            *super().inputs,
+            InputParam(name="decode_tiles", default=None, description="decodes the VAE's tiles; None: the VAE"),
+        ]
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState):
+        run_tiles = self.get_block_state(state).decode_tiles
+        if run_tiles is None:
+            return super().__call__(components, state)
+        super().__call__(_WithVae(components, _TiledVae(components.vae, run_tiles)), state)
+        return components, state
+
+
+class _VideoVaeStep(ModularPipelineBlocks):
+    """Runs nothing: it declares the video VAE, whose latent channels after-denoise reads, in a pipeline that decodes
+    only the audio."""
+
+    model_name = "minimax-h3"
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [ComponentSpec("vae", AutoencoderKLMiniMaxH3)]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return []
+
+    def __call__(self, components, state: PipelineState):
+        return components, state
+
+
+def _blocks_after_loop(*parts: str) -> SequentialPipelineBlocks:
+    """After-denoise and the decoders in ``parts`` ("video", "audio"; none: both)."""
+    blocks = {"video": TiledVideoDecodeStep(), "audio": MiniMaxH3AudioDecodeStep()}
+    chosen = {name: block for name, block in blocks.items() if not parts or name in parts}
+    if "video" not in chosen:
+        chosen = {"video_vae": _VideoVaeStep(), **chosen}
+    return SequentialPipelineBlocks.from_blocks_dict({"after_denoise": MiniMaxH3AfterDenoiseStep(), **chosen})
 
 
 # The layout sizes the blocks after the loop read (besides the latents rows)
@@ -135,6 +214,11 @@ class H3Stages:
         self.before.update_components(**{k: v for k, v in components.items() if k in self.before.component_names})
         self.after = _blocks_after_loop().init_pipeline()
         self.after.update_components(vae=components["vae"], audio_vae=components["audio_vae"])
+        # a decode whose tiles go elsewhere runs the audio decoder beside them (``decode(decode_tiles=)``)
+        self._after_video = _blocks_after_loop("video").init_pipeline()
+        self._after_video.update_components(vae=components["vae"])
+        self._after_audio = _blocks_after_loop("audio").init_pipeline()
+        self._after_audio.update_components(vae=components["vae"], audio_vae=components["audio_vae"])
         # The layout and after-denoise blocks read the patch off a transformer they do not declare (the loop
         # does), so they fall back to the released (1, 2, 2); a checkpoint with another patch is refused.
         self.partitions = tuple(p for p in ("transformer", "transformer_ref") if p in components)
@@ -186,17 +270,36 @@ class H3Stages:
         except ValueError as e:  # the blocks' own input checks (reference limits, canvas of a keyframe...)
             raise RequestError(request.task, f"{request.task}: {e}") from None
 
-    def decode(self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> PipelineState:
-        """After the loop, by diffusers' blocks: latents, ``videos`` [1, F, 3, H, W] in [0, 1], ``audio`` [1, 2, S]."""
-        return self.after(
-            latents=video_rows, audio_latents=audio_rows, output_type="pt", **{k: state.get(k) for k in DECODE_KEYS}
-        )
+    def decode(
+        self,
+        state: PipelineState,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        decode_tiles: TileRunner | None = None,
+    ) -> PipelineState:
+        """After the loop, by diffusers' blocks: latents, ``videos`` [1, F, 3, H, W] in [0, 1], ``audio`` [1, 2, S].
+
+        ``decode_tiles``: the video VAE's tiles are decoded by it (``tiled_decode``: the same frames), while the
+        audio decoder runs beside it on a thread of its own."""
+        inputs = dict(latents=video_rows, audio_latents=audio_rows, **{k: state.get(k) for k in DECODE_KEYS})
+        if decode_tiles is None:
+            return self.after(output_type="pt", **inputs)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="audio-decode") as pool:
+            audio = pool.submit(self._after_audio, **inputs)
+            out = self._after_video(output_type="pt", decode_tiles=decode_tiles, **inputs)
+            for key in ("audio", "sampling_rate"):
+                out.set(key, audio.result().get(key))
+        return out
 
     def finish(
-        self, state: PipelineState, video_rows: torch.Tensor, audio_rows: torch.Tensor
+        self,
+        state: PipelineState,
+        video_rows: torch.Tensor,
+        audio_rows: torch.Tensor,
+        decode_tiles: TileRunner | None = None,
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """uint8 frames [F, H, W, 3], stereo audio [2, S] float32, and its sample rate."""
-        out = self.decode(state, video_rows, audio_rows)
+        out = self.decode(state, video_rows, audio_rows, decode_tiles)
         video = out.get("videos")[0]  # [F, 3, H, W]
         frames = (video.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu().numpy()  # as diffusers' numpy_to_pil
         return frames, out.get("audio")[0].float().cpu().numpy(), int(out.get("sampling_rate"))
