@@ -209,11 +209,11 @@ def test_on_a_real_engine_the_other_tenants_requests_finish_between_the_floods_a
     engine, order = run(fair_share=True)
     assert order == ["a0", "b0", "a1", "b1", "a2", "a3", "a4"], order
     assert engine.stats.preemptions == 0  # turns are taken at request boundaries: nothing paused
-    # the forwards' seconds by tenant: every second goes to someone, in proportion to rows x steps (same sizes here)
+    # the forwards' seconds by tenant: every second goes to someone (the split by rows is exact: the test below; the
+    # seconds themselves are wall-clock, so no ratio of them is asserted here)
     by_tenant = engine.stats.tenant_forward_s
-    assert set(by_tenant) == {"a", "b"}
+    assert set(by_tenant) == {"a", "b"} and min(by_tenant.values()) > 0
     assert sum(by_tenant.values()) == pytest.approx(engine.stats.forward_s)
-    assert 0.2 < by_tenant["b"] / engine.stats.forward_s < 0.45  # 2 of 7 equal requests (CPU timing noise)
 
     _, order = run(fair_share=False)
     assert order == ["a0", "a1", "a2", "a3", "a4", "b0", "b1"], order  # the policy alone: b behind a's backlog

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -11,10 +11,12 @@ from h3serve.attention import Platform, Resolution
 from h3serve.deploy.common.autoscaling import POLICY_PATH
 from h3serve.pipelines.h3 import AUTO, TransformerGeometry, default_dtype, default_vae_dtype, preset
 from h3serve.pipelines.h3.lora_spec import LoraSpec, LoraSpecs
-from h3serve.pipelines.h3.memory import MemoryPlan, planned_by_role
 from h3serve.pipelines.h3.step_cache_tiers import OFF, StepCacheTiers
 from h3serve.pipelines.h3.uploads import MAX_UPLOAD_PIXELS
 from h3serve.replicas import EngineLimits, ReplicaSpec
+
+if TYPE_CHECKING:  # memory imports torch: the ingress, which imports these args, starts without it
+    from h3serve.pipelines.h3.memory import MemoryPlan
 
 # graceful_shutdown_timeout_s beyond engine.drain_timeout_s, for the replica and the ingress: the replica's drain
 # poll, encoding the last MP4s, Serve's wait loop, and stopping the SP workers
@@ -631,6 +633,8 @@ class DeployArgs(BaseModel):
         """What every replica builds: these args with the driver's admitted backend and checkpoint geometry (None:
         the preset's, for callers that admitted nothing: tests and benchmarks; every rank checks it either way), and
         admission's memory plan, which the warm-up at the row budget is checked against (None: no check)."""
+        from h3serve.pipelines.h3.memory import planned_by_role  # torch: only the driver gets here, never the ingress
+
         geometry = geometry or preset(self.model).geometry()
         return ReplicaSpec(
             resolution=resolution,
