@@ -25,10 +25,6 @@ seconds per replica thread (step loop, stage worker, encoders, the rest: torch's
 process of this cluster (ingress, proxy, controller, raylet, GCS, the `h3serve serve` command, this client) from
 /proc. Per config: the median and the min-max of each over the runs. Against ``max_active=1`` (request-level):
 issue 44's targets, judged for ``default``.
-
-Over 600 lines: one scenario end to end (configs, the client side, CPU per thread from /proc, timelines, the
-queue model, tables and targets); nothing here is used elsewhere but the trace and the CPU accounting belong
-together.
 """
 
 from __future__ import annotations
