@@ -46,9 +46,8 @@ import threading
 import time
 
 import httpx
-import torch
 
-from .harness import cli, judge_targets, machine, now, percentile, say, table
+from .harness import cli, judge_targets, machine, now, percentile, say, table, torch_threads
 
 LOAD = 2.0  # the step's arrival rate, in one replica's capacity
 UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 2.0, 15.0  # Serve's delays, the same for both policies
@@ -121,9 +120,7 @@ def capacity(sizes: Sizes) -> dict:
     decode, PNG/MP4), one torch thread, best of two; requests per second for the mix's shares."""
     from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         pipe = H3Pipeline.load(None, "torch_sdpa")
         service = {}
         for cls in sizes.classes:
@@ -136,17 +133,10 @@ def capacity(sizes: Sizes) -> dict:
             best = math.inf
             for _ in range(2):
                 started = time.perf_counter()
-                state = pipe.prepare(request)
-                while not state.done:
-                    ((states, pack),) = pipe.packs([state])
-                    for s, (video, audio) in zip(states, pack.split(*pipe.forward(pack)), strict=True):
-                        s.advance(video, audio)
-                media = pipe.decode(state)
+                media = pipe.generate(request)
                 media.png() if cls.route == "images" else media.mp4()
                 best = min(best, time.perf_counter() - started)
             service[cls.name] = best
-    finally:
-        torch.set_num_threads(threads)
     mean = sum(cls.share * service[cls.name] for cls in sizes.classes)
     return {"service_s": service, "mean_service_s": mean, "requests_per_s": 1.0 / mean}
 

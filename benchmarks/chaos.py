@@ -224,14 +224,11 @@ def outcomes(videos: list[dict]) -> str:
 
 
 def run(args) -> dict:
-    config = default_config(0)
     from h3serve.replicas.worker_group import free_port
 
-    config["http_options"]["port"] = free_port()
-    app = config["applications"][0]["args"]
     store = f"/tmp/h3serve-chaos-{uuid.uuid4().hex}"
-    app["jobs"] = {"lease_s": LEASE_S, "store": store}
-    app["limits"]["max_steps"] = CLIP["num_inference_steps"]  # the default allows fewer
+    config = default_config(free_port(), {"limits": {"max_steps": CLIP["num_inference_steps"]}})  # default: fewer
+    config["applications"][0]["args"]["jobs"] = {"lease_s": LEASE_S, "store": store}
     results: dict[str, list[dict]] = {name: [] for name in (args.scenarios.split(",") if args.scenarios else SCENARIOS)}
     with ServedConfig(config) as served, httpx.Client(base_url=served.url, timeout=60) as http:
         say(f"h3serve serve: up in {served.startup_s:.0f} s")

@@ -25,8 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from h3serve.client import H3Client
 from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 from h3serve.pipelines.h3.checkpoint import resolve_checkpoint
@@ -44,6 +42,7 @@ from .harness import (
     served_checkpoint,
     smoke_main,
     table,
+    torch_threads,
 )
 
 PROMPT = "a red circle moving left with a high beep"
@@ -80,12 +79,8 @@ def cli(steps: int, out: Path, checkpoint: str | None, threads: int | None = Non
 
 def phases(steps: int, checkpoint: str | None, threads: int = 1) -> dict:
     """The same request in-process, timed per phase, on ``threads`` torch threads (a Serve replica's one)."""
-    own = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _phases(steps, checkpoint) | {"way": f"in-process phases ({threads} thread{'s' * (threads > 1)})"}
-    finally:
-        torch.set_num_threads(own)
 
 
 def _phases(steps: int, checkpoint: str | None) -> dict:

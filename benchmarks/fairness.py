@@ -23,11 +23,9 @@ import argparse
 import asyncio
 import sys
 
-import torch
-
 from h3serve.replicas import EngineLimits, WorkerGroup
 
-from .harness import cli, judge_targets, machine, median, percentile, say, table, tiny_spec
+from .harness import cli, judge_targets, machine, median, percentile, say, table, tiny_spec, torch_threads, worker_group
 from .packing import PROMPTS
 from .trace import TINY_CLASSES, Arrival, engine_replay, make_request
 
@@ -128,16 +126,10 @@ def options(ap: argparse.ArgumentParser) -> None:
 
 
 def run_args(args: argparse.Namespace) -> dict:
-    own_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    group = WorkerGroup.create(tiny_spec(sp=1))
-    try:
+    with torch_threads(1), worker_group(tiny_spec(sp=1)) as group:
         if args.smoke:
             return run(4, 2, 3, args.policy, 1, group)
         return run(args.flood, args.others, args.steps, args.policy, args.rounds, group)
-    finally:
-        group.shutdown()
-        torch.set_num_threads(own_threads)
 
 
 main = cli(__doc__, run_args, options)

@@ -8,9 +8,11 @@ Every benchmark is a plain module, ``python -m benchmarks.NAME [--smoke] [--json
 session cluster, instead of starting one), runs, stamps the result with the machine and the git commit
 (``stamp``), writes it to ``--json`` and exits 1 when ``result["ok"]`` is false (a refusal returns an int: 2).
 The shared pieces: ``table`` (``h3serve.pipelines.h3.meta.tables``, ``h3serve plan``'s too)/``say`` print,
-``percentile``/``median``/``time_ms``/``Phases`` time, ``ServedConfig``/``ServedDefault`` start ``h3serve serve``
-as a user does (or ``Attached`` to one already up, ``--url``), ``at_times`` replays a trace's arrivals; the API
-calls themselves are ``h3serve.client``'s.
+``percentile``/``median``/``time_ms``/``interleaved``/``Phases`` time, ``torch_threads``/``worker_group`` hold a
+thread count and a WorkerGroup for a block, ``default_config`` (the shipped config with an overlay) and
+``ServedConfig``/``ServedDefault`` start ``h3serve serve`` as a user does (or ``Attached`` to one already up,
+``--url``), ``by_shares``/``unit_gaps`` draw a trace and ``at_times`` replays its arrivals; the API calls
+themselves are ``h3serve.client``'s.
 
 The GPU scripts (gpu_kernels, gpu_pipeline, gpu_smoke) use only the torch-only helpers: nothing at module level here
 imports Ray, the deploy package or the model pipeline (gpu_session.sh carries only torch, diffusers and pydantic).
@@ -28,11 +30,12 @@ import functools
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +211,41 @@ def time_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]
         fn()
         out.append((now() - t0) * 1e3)
     return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` threads inside the block (a replica's count: steadier on a shared machine), then as before."""
+    own = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(own)
+
+
+@contextlib.contextmanager
+def worker_group(spec) -> Iterator[Any]:
+    """``WorkerGroup.create(spec)`` inside the block, shut down (its rank processes with it) after it."""
+    from h3serve.replicas import WorkerGroup
+
+    group = WorkerGroup.create(spec)
+    try:
+        yield group
+    finally:
+        group.shutdown()
+
+
+def interleaved(cases: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, list[float]]:
+    """Each case's wall milliseconds over ``rounds`` rounds, the cases taking turns in every round: load drift on a
+    shared machine hits them alike."""
+    times: dict[Any, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = now()
+            fn()
+            times[name].append((now() - t0) * 1e3)
+    return times
 
 
 class Phases:
@@ -396,20 +434,29 @@ def default_args():
     return DeployArgs.model_validate(args)
 
 
-def default_config(port: int) -> dict:
-    """h3serve/deploy/serve_config.yaml with only the HTTP port changed (127.0.0.1) and, in a checkout without the
-    shipped
-    demo checkpoint, the checkpoint set to ``served_checkpoint()``'s tiny preset with random weights."""
+def merged(base: dict, overlay: dict) -> dict:
+    """``base`` with ``overlay`` laid over it, nested dicts key by key (an empty dict replaces)."""
     import copy
 
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) and value else copy.deepcopy(value)
+    return out
+
+
+def default_config(port: int, overlay: dict | None = None) -> dict:
+    """h3serve/deploy/serve_config.yaml with only the HTTP port changed (127.0.0.1) and ``overlay`` laid over its H3
+    application's args; in a checkout without the shipped demo checkpoint (and no checkpoint in ``overlay``), the
+    checkpoint set to ``served_checkpoint()``'s tiny preset with random weights."""
     from h3serve.deploy.driver.cli import BUILDER, load_config
 
-    config, checkpoint = copy.deepcopy(load_config(None)), served_checkpoint()
-    config["http_options"].update(host="127.0.0.1", port=port)
-    if checkpoint is not None:  # no shipped demo checkpoint in this checkout
-        for app in config["applications"]:
-            if app.get("import_path") == BUILDER:
-                app["args"]["checkpoint"] = checkpoint
+    config = merged(load_config(None), {"http_options": {"host": "127.0.0.1", "port": port}})
+    overlay = overlay or {}
+    if "checkpoint" not in overlay and (checkpoint := served_checkpoint()) is not None:
+        overlay = {**overlay, "checkpoint": checkpoint}
+    for app in config["applications"]:
+        if app.get("import_path") == BUILDER:
+            app["args"] = merged(app["args"], overlay)
     return config
 
 
@@ -536,6 +583,21 @@ def served_default(url: str | None) -> ServedDefault | Attached:
 
 
 # -- a trace ----------------------------------------------------------------------------------------
+def by_shares(classes: Sequence[Any], n: int, rng: random.Random) -> list:
+    """``n`` of ``classes`` (each with a ``share``) in a shuffled order: the shares rounded, the remainder to the
+    first class."""
+    counts = [round(n * c.share) for c in classes]
+    counts[0] += n - sum(counts)
+    kinds = [c for c, count in zip(classes, counts, strict=True) for _ in range(count)]
+    rng.shuffle(kinds)
+    return kinds
+
+
+def unit_gaps(n: int, rng: random.Random) -> list[float]:
+    """Exponential gaps at one arrival a second (Poisson arrivals once scaled by 1/rate); the first opens the trace."""
+    return [0.0] + [rng.expovariate(1.0) for _ in range(n - 1)]
+
+
 async def at_times(arrivals: Iterable[tuple[float, Any]], send: Callable[[int, Any], Awaitable[dict]]) -> list[dict]:
     """Each ``(seconds after the start, item)`` sent at its time, all concurrently: ``send(index, item)``'s results,
     in the arrivals' order, each with its ``index`` and its ``arrival`` (``time.monotonic()``)."""

@@ -48,7 +48,6 @@ the peers' modes from the trace would scatter one comparison over two files.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import dataclasses
 import math
@@ -76,6 +75,7 @@ from h3serve.replicas.scheduler import POLICIES
 from .harness import (
     PEAK_TFLOPS,
     StepLog,
+    by_shares,
     cli,
     compare_media,
     judge_targets,
@@ -86,10 +86,13 @@ from .harness import (
     summarize_agreement,
     table,
     tiny_spec,
+    torch_threads,
+    unit_gaps,
+    worker_group,
 )
 from .lora_step import run as step_cost
 from .packing import PROMPTS
-from .trace import TINY_CLASSES, Arrival, RequestClass, at_rate, engine_replay, stats_of, summarize
+from .trace import TINY_CLASSES, Arrival, RequestClass, at_rate, engine_run, stats_of, summarize
 
 # ----------------------------------------------------------------------------- the co-batching trace (--trace)
 
@@ -194,19 +197,16 @@ def draw_lora_trace(sizes: TraceSizes, seed: int, rate: float) -> list[Arrival]:
     """The seeded trace at ``rate`` requests/s: classes by their shares, models in equal shares, both shuffled."""
     rng = random.Random(seed)
     n = sizes.requests
-    counts = [round(n * c.share) for c in sizes.classes]
-    counts[0] += n - sum(counts)
-    kinds = [c for c, count in zip(sizes.classes, counts, strict=True) for _ in range(count)]
-    rng.shuffle(kinds)
+    kinds: list[RequestClass] = by_shares(sizes.classes, n, rng)
     models = [MODELS[i % len(MODELS)] for i in range(n)]
     rng.shuffle(models)
     requests = [
         (cls, 0, trace_request(cls, model, sizes, 1000 + i, rng.choice(PROMPTS)))
         for i, (cls, model) in enumerate(zip(kinds, models, strict=True))
     ]
-    gaps = [0.0] + [rng.expovariate(1.0) for _ in range(n - 1)]  # the first request opens the trace
     return [
-        dataclasses.replace(a, adapter=model) for a, model in zip(at_rate(requests, gaps, rate), models, strict=True)
+        dataclasses.replace(a, adapter=model)
+        for a, model in zip(at_rate(requests, unit_gaps(n, rng), rate), models, strict=True)
     ]
 
 
@@ -355,25 +355,15 @@ def replay_lora(mode: str, group: WorkerGroup, trace: list[Arrival], limits: Eng
         return Engine(group, limits, observer, gate=gate)
 
     try:
-        engine, done, first, last = asyncio.run(engine_replay(group, trace, limits, make_engine))
+        _, out = engine_run(mode, group, trace, limits, make_engine)
     finally:
         restored = True
         if merge is not None:
             merge.swap_to(None)  # the base weights back for whatever runs next
             restored = merge.restored_exactly()
-    stats = engine.stats
     gated = gate if isinstance(gate, OneAdapterPerBatch) else None
     return {
-        "mode": mode,
-        "done": done,
-        "first": first,
-        "last": last,
-        "forward_s": stats.forward_s,
-        "busy_s": stats.busy_s,
-        "duty_cycle": stats.duty_cycle,
-        "preemptions": stats.preemptions,
-        "forwards": stats.forwards,
-        "rows": stats.rows,
+        **out,
         "models_per_step": gate.models_per_step,
         "batches": gated.batches if gated else None,
         "swaps": gated.swaps if gated else [],
@@ -547,11 +537,8 @@ def run_trace(sizes: TraceSizes, policy: str, seed: int = 0, aging_s: float | No
     with tempfile.TemporaryDirectory(prefix="h3serve-lora-bench-") as directory:
         loras = write_adapters(checkpoint, Path(directory), sizes.turbo_steps)
         spec = tiny_spec(sp=1, checkpoint=str(checkpoint)).model_copy(update={"loras": loras})
-        group = WorkerGroup.create(spec)
-        try:
+        with worker_group(spec) as group:
             return _run_trace(group, loras, sizes, policy, seed, aging_s)
-        finally:
-            group.shutdown()
 
 
 def _run_trace(
@@ -737,19 +724,15 @@ def run_args(args: argparse.Namespace) -> dict:
     trace_mode = args.trace or args.smoke
     if args.quick and trace_mode:
         raise SystemExit("lora: --quick sizes the per-step cost; the trace's small size is --smoke")
-    own_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        if trace_mode:
-            sizes = TRACE_SMOKE if args.smoke else TRACE_FULL
-            if args.requests:
-                sizes = dataclasses.replace(sizes, requests=args.requests)
-            if args.steps is not None:  # GenerationRequest refuses fewer than 2
-                sizes = dataclasses.replace(sizes, steps=args.steps)
-            return run_trace(sizes, args.policy, args.seed, args.aging_s)
-        return step_cost(args.quick)
-    finally:
-        torch.set_num_threads(own_threads)
+    with torch_threads(args.threads):
+        if not trace_mode:
+            return step_cost(args.quick)
+        sizes = TRACE_SMOKE if args.smoke else TRACE_FULL
+        if args.requests:
+            sizes = dataclasses.replace(sizes, requests=args.requests)
+        if args.steps is not None:  # GenerationRequest refuses fewer than 2
+            sizes = dataclasses.replace(sizes, steps=args.steps)
+        return run_trace(sizes, args.policy, args.seed, args.aging_s)
 
 
 main = cli(__doc__, run_args, options)

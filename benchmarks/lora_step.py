@@ -21,6 +21,7 @@ the median. Only h3serve/pipelines/ and torch are imported (no Ray): it runs on 
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -31,7 +32,7 @@ from h3serve.pipelines.h3.lora import BASE_SLOT, LoraAdapter, LoraLayer, LoraSpe
 from h3serve.pipelines.h3.packing import pack_documents
 from h3serve.pipelines.h3.shapes import Clip, build_transformer, clip_document, transformer_config
 
-from .harness import machine, median, now, say, table, width_main
+from .harness import interleaved, machine, median, say, table, width_main
 
 RANKS = (16, 64)
 ADAPTERS = 3  # documents 1..3 each on their own adapter, document 0 on the base model
@@ -125,14 +126,9 @@ def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
 
     cases: list[int | None] = [None, *RANKS]
     reps = 9
-    times: dict[int | None, list[float]] = {c: [] for c in cases}
     for c in cases:  # warm-up
         step(c)
-    for _ in range(reps):
-        for c in cases:  # interleaved: the same load on every case
-            t0 = now()
-            step(c)
-            times[c].append((now() - t0) * 1e3)
+    times = interleaved({c: functools.partial(step, c) for c in cases}, reps)
 
     base_ms, base_min = median(times[None]), min(times[None])
     released = transformer_config("full")

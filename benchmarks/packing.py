@@ -22,8 +22,6 @@ import concurrent.futures
 import random
 import sys
 
-import torch
-
 from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 from h3serve.replicas import Engine, EngineLimits, WorkerGroup
 
@@ -42,6 +40,7 @@ from .harness import (
     table,
     time_ms,
     tiny_spec,
+    torch_threads,
 )
 
 PROMPTS = [
@@ -312,12 +311,8 @@ def warm_up(pipe: H3Pipeline, work, smoke: bool) -> None:
 
 def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dict:
     rounds = rounds or (1 if smoke else 5)
-    own_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return measure(smoke, rounds)
-    finally:
-        torch.set_num_threads(own_threads)
 
 
 def measure(smoke: bool, rounds: int) -> dict:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.harness import cli, machine, say, tiny_spec
+from benchmarks.harness import cli, machine, say, tiny_spec, torch_threads, worker_group
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.pipelines.h3.checkpoint import BUILT_IN_TINY
 from h3serve.pipelines.h3.preview import PreviewLayout, clean_rows
@@ -120,10 +120,7 @@ def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dic
     """The benchmark on a new sp=1 group of the built-in tiny checkpoint."""
     rounds = rounds or (1 if smoke else 7)
     requests, steps = (2, 4) if smoke else (4, 16)
-    own_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=str(BUILT_IN_TINY)))
-    try:
+    with torch_threads(threads), worker_group(tiny_spec(sp=1, checkpoint=str(BUILT_IN_TINY))) as group:
         fit = group.pipeline.fit_preview()
         say(f"machine: {machine()}, torch threads {threads}")
         say(f"preview map: RMSE {fit.rmse:.1f} of 255 on {fit.samples} latent pixels")
@@ -134,9 +131,6 @@ def run(smoke: bool = False, rounds: int | None = None, threads: int = 1) -> dic
                 results[mode].append(asyncio.run(one_round(group, policy, requests, steps)))
             say(f"round {r + 1}: " + ", ".join(f"{m} {results[m][-1]['rows_per_s']:,.0f} rows/s" for m in MODES))
         cpu = cpu_costs(group, requests, steps, 3 if smoke else 20)
-    finally:
-        torch.set_num_threads(own_threads)
-        group.shutdown()
     median = {mode: statistics.median(x["rows_per_s"] for x in runs) for mode, runs in results.items()}
     # previews per step of the pack: each request shows one every ``every_steps`` (at least every step)
     per_preview = cpu["capture_cpu_s"] + cpu["render_cpu_s"]

@@ -25,10 +25,6 @@ seconds per replica thread (step loop, stage worker, encoders, the rest: torch's
 process of this cluster (ingress, proxy, controller, raylet, GCS, the `h3serve serve` command, this client) from
 /proc. Per config: the median and the min-max of each over the runs. Against ``max_active=1`` (request-level):
 issue 44's targets, judged for ``default``.
-
-Over 600 lines: one scenario end to end (configs, the client side, CPU per thread from /proc, timelines, the
-queue model, tables and targets); nothing here is used elsewhere but the trace and the CPU accounting belong
-together.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
@@ -54,20 +49,22 @@ import ray
 from ray import serve
 
 from h3serve.client import AsyncH3Client
-from h3serve.deploy.driver.cli import BUILDER, load_config
 from h3serve.replicas.worker_group import free_port
 
 from .harness import (
     Attached,
     ServedConfig,
     at_times,
+    by_shares,
     cli,
+    default_config,
     descendants,
+    judge_targets,
     machine,
     percentile,
     say,
-    served_checkpoint,
     table,
+    unit_gaps,
 )
 
 POLL_S = 0.1  # a video client's poll interval
@@ -109,35 +106,6 @@ class Kind:
 
 
 KINDS = (Kind("still", None, 1 / 2), Kind("clip5", 5.0, 1 / 4), Kind("clip10", 10.0, 1 / 4))
-
-
-def merged(base: dict, overlay: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in overlay.items():
-        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) and value else copy.deepcopy(value)
-    return out
-
-
-def serve_config(overlay: dict, port: int, checkpoint: str | None) -> dict:
-    """h3serve/deploy/serve_config.yaml with the overlay on its H3 application's args, on 127.0.0.1:port."""
-    config = copy.deepcopy(load_config(None))
-    config["http_options"].update(host="127.0.0.1", port=port)
-    for app in config["applications"]:
-        if app.get("import_path") == BUILDER:
-            app["args"] = merged(app["args"], overlay)
-            if checkpoint is not None:
-                app["args"]["checkpoint"] = checkpoint
-    return config
-
-
-def draw_trace(n: int, seed: int) -> tuple[list[Kind], list[float]]:
-    """The kinds in arrival order (shares rounded, the remainder to stills, shuffled) and unit-rate gaps."""
-    rng = random.Random(seed)
-    counts = [round(n * k.share) for k in KINDS]
-    counts[0] += n - sum(counts)
-    kinds = [k for k, c in zip(KINDS, counts, strict=True) for _ in range(c)]
-    rng.shuffle(kinds)
-    return kinds, [0.0] + [rng.expovariate(1.0) for _ in range(n - 1)]
 
 
 # -- the client -----------------------------------------------------------------------------------
@@ -252,10 +220,6 @@ def thread_cpu(replica: dict, tids: dict[int, float]) -> dict[str, float]:
     return out
 
 
-def loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
 # -- a run ----------------------------------------------------------------------------------------
 def timeline(client: dict, marks: dict[str, float]) -> dict[str, float]:
     """Where one request's latency went (seconds); ``http``: all of it outside the replica's marks."""
@@ -279,21 +243,19 @@ def serve_replica_threads() -> dict:
     return handle.threads.remote().result()
 
 
-def run_once(
-    name: str, overlay: dict, arrivals, checkpoint: str | None, tag: str, running: Attached | None = None
-) -> dict:
+def run_once(name: str, overlay: dict, arrivals, tag: str, running: Attached | None = None) -> dict:
     """One run of ``arrivals`` through a server of ``overlay``, started for it; ``running`` (a server of the default
     config already up, the caller's) serves the default config's run instead, without a start of its own."""
     shared = running is not None and not overlay
-    server = contextlib.nullcontext(running) if shared else ServedConfig(serve_config(overlay, free_port(), checkpoint))
+    server = contextlib.nullcontext(running) if shared else ServedConfig(default_config(free_port(), overlay))
     with server as served:
         replica = serve_replica_threads()
-        load0, (procs0, tids0) = loadavg(), cpu_snapshot(replica["pid"])
+        load0, (procs0, tids0) = os.getloadavg()[0], cpu_snapshot(replica["pid"])
         started = time.monotonic()
         done = asyncio.run(replay(served.url, arrivals, tag))
         wall = time.monotonic() - started
         # the executors start their threads on first use: name them as they are at the end
-        (procs1, tids1), load1 = cpu_snapshot(replica["pid"]), loadavg()
+        (procs1, tids1), load1 = cpu_snapshot(replica["pid"]), os.getloadavg()[0]
         replica = serve_replica_threads()
         cpu0, cpu1 = procs0 | thread_cpu(replica, tids0), procs1 | thread_cpu(replica, tids1)
         handle = serve.get_deployment_handle("H3Replica", app_name="h3serve")
@@ -327,11 +289,11 @@ def run_once(
     }
 
 
-def measure_service(checkpoint: str | None, steps: int | None) -> dict[str, float]:
+def measure_service(steps: int | None) -> dict[str, float]:
     """Each kind alone over HTTP (request-level config): a warm-up of each, then two of each, each kind's best."""
     port = free_port()
     best: dict[str, float] = {}
-    with ServedConfig(serve_config(CONFIGS[REQUEST_LEVEL], port, checkpoint)):
+    with ServedConfig(default_config(port, CONFIGS[REQUEST_LEVEL])):
 
         async def alone() -> None:
             async with AsyncH3Client(f"http://127.0.0.1:{port}", timeout=900) as http:
@@ -426,34 +388,25 @@ def summary(runs: list[dict]) -> dict:
     }
 
 
-def judge(summaries: dict[str, dict], candidate: str) -> list[dict]:
+def judge(summaries: dict[str, dict], candidate: str, load: float) -> list[dict]:
+    """Issue 44's targets for ``candidate`` against ``max_active=1`` (request-level), printed; none without both."""
     if REQUEST_LEVEL not in summaries or candidate not in summaries:
         return []
     base, new = summaries[REQUEST_LEVEL], summaries[candidate]
+
+    def ratio(key: str) -> float:
+        return new[key]["median"] / base[key]["median"]
+
     checks = [
-        ("median mean latency", new["mean_s"]["median"] / base["mean_s"]["median"], "<=", TARGETS["mean"]),
-        (
-            "median stills P99",
-            new["stills_p99_s"]["median"] / base["stills_p99_s"]["median"],
-            "<=",
-            TARGETS["stills_p99"],
-        ),
-        (
-            "median throughput",
-            new["throughput_rps"]["median"] / base["throughput_rps"]["median"],
-            ">=",
-            TARGETS["throughput"],
-        ),
+        ("median mean latency", ratio("mean_s"), "<=", TARGETS["mean"]),
+        ("median stills P99", ratio("stills_p99_s"), "<=", TARGETS["stills_p99"]),
+        ("median throughput", ratio("throughput_rps"), ">=", TARGETS["throughput"]),
         (f"spread (max/min mean latency) of {candidate}", new["spread"], "<=", TARGETS["spread"]),
     ]
-    out = []
-    for what, value, op, bound in checks:
-        met = value <= bound if op == "<=" else value >= bound
-        out.append({"target": what, "value": value, "op": op, "bound": bound, "met": met})
-    return out
+    return judge_targets(checks, load, f"issue 44's targets: {candidate} / {REQUEST_LEVEL}")
 
 
-def print_tables(summaries: dict[str, dict], judged: list[dict], candidate: str) -> None:
+def print_tables(summaries: dict[str, dict]) -> None:
     base = summaries.get(REQUEST_LEVEL)
 
     def ratio(name: str, key: str) -> float | None:
@@ -508,11 +461,6 @@ def print_tables(summaries: dict[str, dict], judged: list[dict], candidate: str)
         [[role, *(s["cpu_s"].get(role, 0.0) for s in summaries.values())] for role in roles],
         title="CPU seconds in a run by process and, in the replica, by thread (median over runs)",
     )
-    for j in judged:
-        say(
-            f"  target {j['target']} ({candidate} / {REQUEST_LEVEL}): {j['value']:.2f} {j['op']} {j['bound']}: "
-            f"{'met' if j['met'] else 'NOT met'}"
-        )
 
 
 def run(
@@ -527,19 +475,20 @@ def run(
     project: bool = True,
     running: Attached | None = None,
 ) -> dict:
-    checkpoint = served_checkpoint()
     own_ray = not ray.is_initialized()  # else the caller's session (in namespace "serve": ServedConfig checks)
     if own_ray:
         ray.init(
             num_cpus=2, namespace="serve", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
         )
     try:
-        say(f"machine: {machine()}; load average {loadavg():.2f}")
+        say(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}")
         if service is None:
-            service = measure_service(checkpoint, steps)
+            service = measure_service(steps)
         mean_service = sum(k.share * service[k.name] for k in KINDS)
         rate = load / mean_service
-        kinds, gaps = draw_trace(requests, seed)
+        rng = random.Random(seed)  # the kinds (half stills, a quarter each clip), shuffled, then Poisson gaps
+        kinds: list[Kind] = by_shares(KINDS, requests, rng)
+        gaps = unit_gaps(requests, rng)
         arrivals, t = [], 0.0
         for i, (kind, gap) in enumerate(zip(kinds, gaps, strict=True)):
             t += gap / rate
@@ -565,7 +514,7 @@ def run(
         for r in range(runs):
             for name in configs:
                 tag = f"r{r}-{re.sub('[^A-Za-z0-9]', '', name)}"
-                out = run_once(name, CONFIGS[name], arrivals, checkpoint, tag, running)
+                out = run_once(name, CONFIGS[name], arrivals, tag, running)
                 results[name].append(out)
                 say(
                     f"  run {r + 1} {name}: mean {out['mean_s']:.2f} s, P99 {out['p99_s']:.2f} s, stills P99 "
@@ -577,9 +526,9 @@ def run(
         if own_ray:
             ray.shutdown()
     summaries = {name: summary(rs) for name, rs in results.items()}
-    judged = judge(summaries, candidate)
     say()
-    print_tables(summaries, judged, candidate)
+    print_tables(summaries)
+    judged = judge(summaries, candidate, load)
     complete = all(not r["timelines_missing"] for rs in results.values() for r in rs)
     return {
         "benchmark": "served_trace",

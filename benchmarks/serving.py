@@ -35,7 +35,19 @@ from h3serve.pipelines.h3.checkpoint import resolve_checkpoint
 from h3serve.pipelines.h3.media import probe_media
 from h3serve.replicas import Engine, WorkerGroup
 
-from .harness import cli, default_args, machine, median, now, percentile, say, served_default, startup, table, tiny_spec
+from .harness import (
+    cli,
+    default_args,
+    interleaved,
+    machine,
+    median,
+    percentile,
+    say,
+    served_default,
+    startup,
+    table,
+    tiny_spec,
+)
 
 TARGET = 1.2
 
@@ -108,12 +120,7 @@ def run(smoke: bool = False, url: str | None = None) -> dict:
             "ping: handle -> replica.diagnostics": ping_handle,
             "ping: HTTP GET /v1/models": ping_ingress,
         }
-        times = {k: [] for k in paths}
-        for _ in range(1 + reps):  # interleaved; the first round warms every path up (its times are kept apart)
-            for name, fn in paths.items():
-                t0 = now()
-                fn()
-                times[name].append((now() - t0) * 1e3)
+        times = interleaved(paths, 1 + reps)  # the first round warms every path up (its times are kept apart)
         middle = out["media"].frames[len(out["media"].frames) // 2].astype(int)
         diffs = {
             k: int(np.abs(np.asarray(Image.open(io.BytesIO(out[k]))).astype(int) - middle).max())

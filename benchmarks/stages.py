@@ -54,7 +54,19 @@ from typing import Any
 
 import torch
 
-from .harness import cli, judge_targets, machine, now, percentile, say, table, tiny_spec
+from .harness import (
+    cli,
+    default_config,
+    judge_targets,
+    machine,
+    now,
+    percentile,
+    say,
+    table,
+    tiny_spec,
+    torch_threads,
+    worker_group,
+)
 from .trace import GPU as TRACE_GPU
 from .trace import TINY_CLASSES, Arrival, RequestClass, Sizes, at_rate, capacity, draw_trace, warm_up
 
@@ -85,19 +97,16 @@ def prepared_bytes_by_key(prepared) -> dict[str, int]:
 def apps_config(checkpoint: str, sizes: Sizes, port: int, gpu: bool) -> dict:
     """h3serve/deploy/serve_config.yaml with two H3 applications, "solo" and "staged", on ``port``; one H3Replica
     each."""
-    from h3serve.deploy.driver.cli import BUILDER, load_config
+    from h3serve.deploy.driver.cli import BUILDER
 
-    base = copy.deepcopy(load_config(None))
-    base["http_options"].update(host="127.0.0.1", port=port)
-    ((template,),) = ([a for a in base["applications"] if a.get("import_path") == BUILDER],)
     engine = dict(max_active=8, max_queue=max(64, sizes.requests), max_rows_per_step=sizes.rows_per_step)
-    template["args"].update(checkpoint=checkpoint, engine={**template["args"].get("engine", {}), **engine})
     if gpu:
-        template["args"].update(model="full", device="cuda", rank_resources={"CPU": 4, "GPU": 1})
+        where: dict[str, Any] = dict(model="full", device="cuda", rank_resources={"CPU": 4, "GPU": 1})
         stage_options: dict[str, Any] = {"num_cpus": 4, "num_gpus": 1}
     else:
-        template["args"].update(rank_resources={"CPU": 0.5})
-        stage_options = {"num_cpus": 0.2}
+        where, stage_options = dict(rank_resources={"CPU": 0.5}), {"num_cpus": 0.2}
+    base = default_config(port, {"checkpoint": checkpoint, "engine": engine, **where})
+    ((template,),) = ([a for a in base["applications"] if a.get("import_path") == BUILDER],)
 
     def app(name: str, extra: dict) -> dict:
         new = copy.deepcopy(template)
@@ -221,7 +230,7 @@ def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None =
     from h3serve.pipelines.h3 import PreparedState
     from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
     from h3serve.pipelines.h3.shapes import handoff_bytes, released_bytes
-    from h3serve.replicas import EngineLimits, WorkerGroup
+    from h3serve.replicas import EngineLimits
     from h3serve.replicas.worker_group import free_port
 
     checkpoint = checkpoint or str(random_tiny_checkpoint())
@@ -237,10 +246,8 @@ def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None =
     formula_ok = True
     cap = None
     if not gpu:  # in this process, on the same checkpoint: the capacity, and each request's hand-off bytes
-        own_threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a replica's (Ray sets OMP_NUM_THREADS from its fractional CPUs), as benchmarks.trace
-        group = WorkerGroup.create(tiny_spec(sp=1, checkpoint=checkpoint))
-        try:
+        # one torch thread: a replica's (Ray sets OMP_NUM_THREADS from its fractional CPUs), as benchmarks.trace
+        with torch_threads(1), worker_group(tiny_spec(sp=1, checkpoint=checkpoint)) as group:
             pipe = group.pipeline
             config = json.loads((Path(checkpoint) / "transformer" / "config.json").read_text())  # the checkpoint's
             warm_up(pipe, sizes)
@@ -255,9 +262,6 @@ def run(sizes: Sizes, seed: int = 0, gpu: bool = False, checkpoint: str | None =
                 formula_ok &= all(formula[k] == v for k, v in measured.items())
                 formula_ok &= pipe.decode_handoff(state).nbytes == formula["handoff latents"]
                 expected.append({**measured, "handoff latents": pipe.decode_handoff(state).nbytes})
-        finally:
-            group.shutdown()
-            torch.set_num_threads(own_threads)
         rate = sizes.loads[0] * cap["requests_per_s"] if rate is None else rate
         say(
             "capacity (request-level FCFS in this process, two of each class back to back, best of two rounds): "

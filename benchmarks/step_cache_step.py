@@ -19,6 +19,7 @@ machine.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from h3serve.pipelines.h3.forward import packed_forward
 from h3serve.pipelines.h3.step_cache import DocumentCache, PackCache, StepCachePolicy
 
-from .harness import machine, median, now, say, table, width_main
+from .harness import interleaved, machine, median, say, table, width_main
 from .lora_step import model_and_pack
 
 BLOCKS, RELEASED_BLOCKS = 4, 50
@@ -46,23 +47,21 @@ def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
         name: [DocumentCache(policy) for policy in policies] if policies else None for name, policies in CASES.items()
     }
 
-    def step(name: str) -> list[bool]:
+    decisions: dict[str, list[bool]] = {}
+
+    def step(name: str) -> None:
         """One forward of the pack in case ``name``; each document's decision (skipped) for the caching cases."""
         states = caches[name]
         with torch.no_grad():
             packed_forward(model, pack, cache=PackCache(states) if states else None)
         if gpu:
             torch.cuda.synchronize()  # the step's kernels are done before the clock stops
-        return [state.skipped[-1] for state in states] if states else []
+        decisions[name] = [state.skipped[-1] for state in states] if states else []
 
-    decisions = {name: step(name) for name in CASES}  # warm-up: every caching document computes and keeps residuals
+    for name in CASES:  # warm-up: every caching document computes and keeps residuals
+        step(name)
     reps = 2 if smoke else 9
-    times: dict[str, list[float]] = {name: [] for name in CASES}
-    for _ in range(reps):
-        for name in CASES:  # interleaved: the same load on every case
-            t0 = now()
-            decisions[name] = step(name)
-            times[name].append((now() - t0) * 1e3)
+    times = interleaved({name: functools.partial(step, name) for name in CASES}, reps)
 
     ms = {name: median(v) for name, v in times.items()}
     block = (ms["off"] - ms["cached, 4 skip"]) / (BLOCKS - 1)  # a whole pack's block: what skipping every middle saves

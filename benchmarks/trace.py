@@ -53,6 +53,7 @@ from h3serve.replicas import Engine, EngineLimits, WorkerGroup
 
 from .harness import (
     StepLog,
+    by_shares,
     cli,
     compare_media,
     judge_targets,
@@ -63,6 +64,9 @@ from .harness import (
     summarize_agreement,
     table,
     tiny_spec,
+    torch_threads,
+    unit_gaps,
+    worker_group,
 )
 from .packing import PROMPTS, sequential
 
@@ -143,17 +147,13 @@ def draw_trace(sizes: Sizes, seed: int) -> tuple[list[tuple[RequestClass, int, G
     round(N / 10) requests (at least one) get the high priority."""
     rng = random.Random(seed)
     n = sizes.requests
-    counts = [round(n * c.share) for c in sizes.classes]
-    counts[0] += n - sum(counts)
-    kinds = [c for c, count in zip(sizes.classes, counts, strict=True) for _ in range(count)]
-    rng.shuffle(kinds)
+    kinds: list[RequestClass] = by_shares(sizes.classes, n, rng)
     high = set(rng.sample(range(n), max(1, round(n * HIGH_SHARE))))
     requests = [
         (cls, HIGH_PRIORITY if i in high else 0, make_request(cls, sizes.steps, 1000 + i, rng.choice(PROMPTS)))
         for i, cls in enumerate(kinds)
     ]
-    gaps = [0.0] + [rng.expovariate(1.0) for _ in range(n - 1)]  # the first request opens the trace
-    return requests, gaps
+    return requests, unit_gaps(n, rng)
 
 
 def at_rate(requests, gaps: list[float], rate: float) -> list[Arrival]:
@@ -213,35 +213,40 @@ async def engine_replay(
     return engine, done, first, last
 
 
+def engine_run(
+    mode: str,
+    group: WorkerGroup,
+    trace: list[Arrival],
+    limits: EngineLimits,
+    make_engine: Callable[[WorkerGroup, EngineLimits, StepLog], Engine] = Engine,
+) -> tuple[Engine, dict]:
+    """``engine_replay`` as one mode's numbers: completion and step times, forward and busy seconds, preemptions."""
+    engine, done, first, last = asyncio.run(engine_replay(group, trace, limits, make_engine))
+    stats = engine.stats
+    numbers = dict(forward_s=stats.forward_s, busy_s=stats.busy_s, duty_cycle=stats.duty_cycle)
+    numbers.update(preemptions=stats.preemptions, forwards=stats.forwards, rows=stats.rows)
+    return engine, {"mode": mode, "done": done, "first": first, "last": last, **numbers}
+
+
 def replay(mode: str, pipe: H3Pipeline, group: WorkerGroup, trace: list[Arrival], limits: EngineLimits) -> dict:
     """One mode through the trace: completion and first-step times, forward seconds, busy seconds, preemptions."""
-    if mode == REQUEST_LEVEL:
-        done: dict[int, tuple] = {}
-        first: dict[int, float] = {}
-        last: dict[int, float] = {}  # not recorded: one request's steps run back to back, then its decode
-        scheduler = asyncio.run(sequential(pipe, [(a.at, a.request) for a in trace], done, first))
-        busy = busy_seconds([(a.at, done[a.index][1]) for a in trace])
-        forward_s, duty, preemptions, forwards = scheduler.forward_s, scheduler.forward_s / busy, 0, scheduler.forwards
-        rows = scheduler.rows
-    else:
-        policy = mode.removeprefix("engine ")
-        engine, done, first, last = asyncio.run(
-            engine_replay(group, trace, limits.model_copy(update={"policy": policy}))
-        )
-        stats = engine.stats
-        forward_s, busy, duty = stats.forward_s, stats.busy_s, stats.duty_cycle
-        preemptions, forwards, rows = stats.preemptions, stats.forwards, stats.rows
+    if mode != REQUEST_LEVEL:
+        return engine_run(mode, group, trace, limits.model_copy(update={"policy": mode.removeprefix("engine ")}))[1]
+    done: dict[int, tuple] = {}
+    first: dict[int, float] = {}
+    scheduler = asyncio.run(sequential(pipe, [(a.at, a.request) for a in trace], done, first))
+    busy = busy_seconds([(a.at, done[a.index][1]) for a in trace])
     return {
         "mode": mode,
         "done": done,
         "first": first,
-        "last": last,
-        "forward_s": forward_s,
+        "last": {},  # not recorded: one request's steps run back to back, then its decode
+        "forward_s": scheduler.forward_s,
         "busy_s": busy,
-        "duty_cycle": duty,
-        "preemptions": preemptions,
-        "forwards": forwards,
-        "rows": rows,
+        "duty_cycle": scheduler.forward_s / busy,
+        "preemptions": 0,
+        "forwards": scheduler.forwards,
+        "rows": scheduler.rows,
     }
 
 
@@ -540,7 +545,7 @@ def run(sizes: Sizes, group: WorkerGroup, seed: int = 0) -> dict:
     }
 
 
-def gpu_group(checkpoint: str) -> WorkerGroup:
+def gpu_spec(checkpoint: str):
     """The released model on this node's first CUDA device, sp=1, with the backend admission picks here."""
     from h3serve.attention import probe_platform
     from h3serve.deploy.common.args import DeployArgs
@@ -556,7 +561,7 @@ def gpu_group(checkpoint: str) -> WorkerGroup:
         dtype="bfloat16",
     )
     args = DeployArgs(model="full", checkpoint=checkpoint, device="cuda", sp_degree=1)
-    return WorkerGroup.create(args.replica_spec(resolution))
+    return args.replica_spec(resolution)
 
 
 def options(ap: argparse.ArgumentParser) -> None:
@@ -597,14 +602,8 @@ def run_args(args: argparse.Namespace) -> dict | int:
         rows_per_step=args.rows or sizes.rows_per_step,
         loads=tuple(float(x) for x in args.loads.split(",")) if args.loads else sizes.loads,
     )
-    own_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    group = gpu_group(args.checkpoint) if args.gpu else WorkerGroup.create(tiny_spec(sp=1))
-    try:
+    with torch_threads(args.threads), worker_group(gpu_spec(args.checkpoint) if args.gpu else tiny_spec(sp=1)) as group:
         return run(sizes, group, args.seed)
-    finally:
-        group.shutdown()
-        torch.set_num_threads(own_threads)
 
 
 main = cli(__doc__, run_args, options)
