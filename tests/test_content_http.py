@@ -76,7 +76,7 @@ def decoded(mp4: bytes) -> list[np.ndarray]:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
-def test_the_thumbnail_and_spritesheet_are_the_clips_frames(server, clip):
+def test_the_thumbnail_and_spritesheet_are_the_clips_frames(server, clip, tmp_path):
     video_id, mp4 = clip
     frames = decoded(mp4)
     with H3Client(server.url) as api:
@@ -87,6 +87,10 @@ def test_the_thumbnail_and_spritesheet_are_the_clips_frames(server, clip):
         again = api.http.get(f"/v1/videos/{video_id}/content?variant=thumbnail", headers={"Range": "bytes=0-9"})
         assert again.status_code == 206 and again.content == thumb.content[:10]  # made once, the same bytes
         assert again.headers["etag"] == thumb.headers["etag"] != f'"{hashlib.sha256(mp4).hexdigest()}"'
+
+        out = tmp_path / "thumb.png"  # the client's download, a variant of the clip
+        assert api.download(video_id, out, variant="thumbnail") == len(thumb.content)
+        assert out.read_bytes() == thumb.content
 
         sheet = api.http.get(f"/v1/videos/{video_id}/content?variant=spritesheet")
         assert sheet.status_code == 200 and sheet.headers["content-type"] == "image/jpeg"

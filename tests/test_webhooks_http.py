@@ -6,13 +6,15 @@ tests/test_webhooks.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from h3serve.client import H3Client, WebhookVerificationError, verify_webhook
-from tests.harness import scrape, wait_for
+from tests.harness import H3SERVE, scrape, wait_for
 from tests.served_apps import WEBHOOK_SECRET
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -63,8 +65,17 @@ def test_a_webhook_is_retried_signed_and_carries_the_final_job(server):
     receiver = Receiver(fail_first=2)
     before = attempts(server)
     try:
+        created = subprocess.run(  # `h3serve video create --webhook`, as a user runs it
+            [*H3SERVE, "video", "create", "--prompt", "a bell", "--steps", "2", "--webhook", receiver.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "H3SERVE_SERVER": server.url},
+            check=False,
+        )
+        assert created.returncode == 0, created.stderr[-2000:]
+        job = {"id": created.stdout.strip()}
         with H3Client(server.url) as api:
-            job = api.create_video({"prompt": "a bell", "num_inference_steps": 2, "webhook": receiver.url})
             final = api.wait_video(job["id"])
             assert final["status"] == "completed", final
             wait_for(lambda: len(receiver.received) >= 3, timeout=60, interval=0.2, what="three webhook attempts")
