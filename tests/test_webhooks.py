@@ -172,3 +172,20 @@ def test_a_target_that_never_answers_2xx_gives_up_within_retry_for_s(tmp_path):
     assert asyncio.run(deliver()) < 5
     outcome = store.webhook(job_id)
     assert not outcome["delivered"] and outcome["attempts"] >= 3 and "no answer" in outcome["error"]
+
+
+def test_a_requests_webhook_needs_a_secret_and_the_default_is_the_configs():
+    from h3serve.deploy.common.errors import APIError
+    from h3serve.deploy.jobs.webhooks import job_webhook
+
+    config = WebhookArgs(secret_env="H3_SECRET", url="https://93.184.216.34/default")
+    assert asyncio.run(job_webhook(None, config, True)) == "https://93.184.216.34/default"
+    assert asyncio.run(job_webhook(None, WebhookArgs(), False)) is None
+    with pytest.raises(APIError) as refused:
+        asyncio.run(job_webhook("https://93.184.216.34/hook", WebhookArgs(), False))  # never sent unsigned
+    assert refused.value.status == 400 and refused.value.param == "webhook"
+    with pytest.raises(APIError) as refused:
+        asyncio.run(job_webhook("https://169.254.169.254/", config, True))
+    assert (
+        refused.value.status == 400 and refused.value.param == "webhook" and "169.254.169.254" in refused.value.message
+    )

@@ -20,10 +20,11 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,8 +50,6 @@ class DeliveryFailed(RuntimeError):
 
 def resolve_secret(config: WebhookArgs) -> str | None:
     """The signing secret, or None when webhooks are off; a configured but empty variable refuses to start."""
-    import os
-
     if config.secret_env is None:
         return None
     secret = os.environ.get(config.secret_env, "")
@@ -124,14 +123,28 @@ class WebhookSender:
         self.backoff = Backoff(first_s=config.first_retry_s, max_s=config.max_retry_s, for_s=config.retry_for_s)
         self.tasks: set[asyncio.Task] = set()
 
-    def start(self, url: str, video: dict, claim: Callable[[], bool], record: Callable[[dict], None], io) -> None:
+    def start(
+        self,
+        url: str,
+        video: dict,
+        claim: Callable[[], bool],
+        record: Callable[[dict], None],
+        io: Callable[..., Awaitable[Any]],
+    ) -> None:
         """Deliver ``video`` to ``url`` in the background, if ``claim()`` (run on ``io``, a store write) says this
         ingress is the one to; ``record(outcome)`` keeps the outcome in the store."""
         task = asyncio.get_running_loop().create_task(self._deliver(url, video, claim, record, io))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _deliver(self, url: str, video: dict, claim, record, io) -> None:
+    async def _deliver(
+        self,
+        url: str,
+        video: dict,
+        claim: Callable[[], bool],
+        record: Callable[[dict], None],
+        io: Callable[..., Awaitable[Any]],
+    ) -> None:
         job_id = video["id"]
         try:
             if not await io(claim):
