@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -113,3 +114,23 @@ def test_a_target_outside_the_allow_list_is_a_400_naming_webhook(server, url):
         answer = api.http.post("/v1/videos", json={"prompt": "a bell", "num_inference_steps": 2, "webhook": url})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "webhook", answer.json()
+
+
+def test_a_cancelled_job_sends_its_final_object_once(server):
+    """Cancelled at once (a 50-step job), or completed first when the cancel lost the race: either way the one
+    webhook carries the final object the API reads."""
+    receiver = Receiver(fail_first=0)
+    try:
+        with H3Client(server.url) as api:
+            job = api.create_video({"prompt": "a bell", "num_inference_steps": 50, "webhook": receiver.url})
+            api.http.post(f"/v1/videos/{job['id']}/cancel")  # 200 cancelled, or 409 when it completed first
+            final = api.wait_video(job["id"])
+            assert final["status"] in ("cancelled", "completed"), final
+            wait_for(lambda: receiver.received, timeout=60, interval=0.2, what="the webhook")
+            time.sleep(1.0)  # no second delivery follows
+            assert len(receiver.received) == 1
+            headers, body = receiver.received[0]
+            assert verify_webhook(WEBHOOK_SECRET, headers, body) == final
+            api.delete(job["id"])
+    finally:
+        receiver.close()
