@@ -175,6 +175,26 @@ def _cli_apps(inputs: Inputs) -> list[dict]:
     return [cli]
 
 
+# test_webhooks_http's: webhooks signed with WEBHOOK_SECRET, allowed to 127.0.0.1 over http (the test's receiver),
+# retried fast
+WEBHOOK_SECRET = "whsec_" + "aDNzZXJ2ZS13ZWJob29rLXRlc3Qtc2VjcmV0"  # base64 of "h3serve-webhook-test-secret"
+WEBHOOKS = {
+    "secret_env": "H3_WEBHOOK_SECRET",
+    "allow": ["127.0.0.1/32"],
+    "allow_http": True,
+    "first_retry_s": 0.3,
+    "max_retry_s": 1.0,
+    "retry_for_s": 60,
+}
+
+
+def _webhook_apps(inputs: Inputs) -> list[dict]:
+    app = _app(inputs, "webhooks", "/webhooks")
+    app["args"]["jobs"]["webhooks"] = WEBHOOKS
+    app["runtime_env"] = {"env_vars": {"H3_WEBHOOK_SECRET": WEBHOOK_SECRET}}
+    return [app]
+
+
 CLI_STEPS = 2000  # ~100 s of the tiny model's steps on 2 cores: the Ctrl-C test cancels it within the first seconds
 
 
@@ -182,6 +202,7 @@ CLI_STEPS = 2000  # ~100 s of the tiny model's steps on 2 cores: the Ctrl-C test
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
     "test_client_cli": _cli_apps,
+    "test_content_http": lambda inputs: [_app(inputs, "content", "/content")],
     "test_api_http": _http_apps,
     "test_deploy_checkpoint": lambda inputs: [
         _app(inputs, "foreign", "/foreign", checkpoint=str(library_checkpoint(inputs)), model="auto")
@@ -191,6 +212,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
     "test_scale_from_zero": _cold_apps,
     "test_tenants_http": _tenant_apps,
+    "test_webhooks_http": _webhook_apps,
 }
 
 

@@ -181,18 +181,36 @@ class H3Client:
         return self.http.get(self.routes.video(video_id, "content")).raise_for_status().content
 
     def download(
-        self, video_id: str, path: str | Path, on_bytes: Callable[[int, int | None], None] | None = None
+        self,
+        video_id: str,
+        path: str | Path,
+        on_bytes: Callable[[int, int | None], None] | None = None,
+        variant: str = "video",
     ) -> int:
-        """The MP4 streamed into ``path`` (written beside it, then renamed: a failed download leaves no partial
-        file under that name); its size. ``on_bytes(received, total)`` sees each chunk (total None when unknown)."""
+        """The MP4 streamed into ``path`` (written beside it as ``<path>.part``, then renamed: a failed download leaves
+        no file under that name); its size. A ``.part`` left by an earlier try is resumed with a Range request (a
+        finished clip never changes; the server answers 206 from where it stopped, or 200 and it starts over).
+        ``on_bytes(received, total)`` sees each chunk (total None when unknown). ``variant``: the MP4 (``video``), or
+        ``thumbnail`` (PNG) or ``spritesheet`` (JPEG) made from its frames."""
         path = Path(path)
         part = path.with_name(path.name + ".part")
-        received = 0
-        with self.http.stream("GET", self.routes.video(video_id, "content")) as response:
+        offset = part.stat().st_size if part.exists() else 0
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        params = {} if variant == "video" else {"variant": variant}
+        url = self.routes.video(video_id, "content")
+        with self.http.stream("GET", url, headers=headers, params=params) as response:
+            if response.status_code == 416:  # the part is not a prefix of this clip (or all of it): start over
+                part.unlink()
+                return self.download(video_id, path, on_bytes, variant)
             response.raise_for_status()
-            length = response.headers.get("content-length")
-            total = int(length) if length and length.isdigit() else None
-            with part.open("wb") as out:
+            resumed = response.status_code == 206
+            received = offset if resumed else 0
+            if resumed:  # Content-Range: bytes first-last/size
+                total: int | None = int(response.headers["content-range"].rsplit("/", 1)[1])
+            else:
+                length = response.headers.get("content-length")
+                total = int(length) if length and length.isdigit() else None
+            with part.open("ab" if resumed else "wb") as out:
                 for chunk in response.iter_bytes():
                     out.write(chunk)
                     received += len(chunk)

@@ -103,7 +103,7 @@ def watch(api: H3Client, video_id: str, output: str | None, out: TextIO) -> int:
     return 0
 
 
-def download(api: H3Client, video_id: str, output: str, out: TextIO) -> None:
+def download(api: H3Client, video_id: str, output: str, out: TextIO, variant: str = "video") -> None:
     with tqdm(desc="download", unit="B", unit_scale=True, file=out, dynamic_ncols=True) as bar:
 
         def on_bytes(received: int, total: int | None) -> None:
@@ -111,7 +111,7 @@ def download(api: H3Client, video_id: str, output: str, out: TextIO) -> None:
                 bar.reset(total=total)
             bar.update(received - bar.n)
 
-        size = api.download(video_id, output, on_bytes)
+        size = api.download(video_id, output, on_bytes, variant)
     print(f"{output}: {size} bytes", file=out)
 
 
@@ -127,6 +127,7 @@ def request_body(ns: argparse.Namespace) -> dict[str, Any]:
         "priority": ns.priority,
         "timeout_s": ns.timeout,
         "model": ns.model,
+        "webhook": ns.webhook,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -175,7 +176,7 @@ def dispatch(api: H3Client, ns: argparse.Namespace, out: TextIO) -> int:
         print(json.dumps(api.cancel(ns.id), indent=2))
         return 0
     if ns.action == "download":
-        download(api, ns.id, ns.output, out)
+        download(api, ns.id, ns.output, out, ns.variant)
         return 0
     if ns.action == "wait":
         return watch(api, ns.id, ns.output, out)
@@ -205,6 +206,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", type=int)
     p.add_argument("--model", help="the model id, or MODEL:ADAPTER for a LoRA adapter (`GET /v1/models` lists them)")
     p.add_argument("--timeout", type=float, help="the job's deadline, seconds from now")
+    p.add_argument("--webhook", help="a URL the server POSTs the finished job to, signed (see verify_webhook)")
     p.add_argument("--watch", action="store_true", help="follow it with a progress bar until it ends")
     p.add_argument("-o", "--output", help="with --watch: write the finished MP4 here")
     p = action("ls", "list video jobs, newest first")
@@ -215,6 +217,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = action("wait", "follow a job with a progress bar until it ends")
     p.add_argument("id")
     p.add_argument("-o", "--output", help="write the finished MP4 here")
-    p = action("download", "download a finished job's MP4")
+    p = action("download", "download a finished job's MP4 (or an image of it), resuming a <output>.part")
     p.add_argument("id")
     p.add_argument("-o", "--output", required=True)
+    p.add_argument("--variant", default="video", choices=("video", "thumbnail", "spritesheet"))

@@ -141,6 +141,63 @@ class IngressArgs(BaseModel):
     )
 
 
+class WebhookArgs(BaseModel):
+    """Signed POSTs of a finished video job to a URL (``h3serve.deploy.jobs.webhooks``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    secret_env: str | None = Field(
+        default=None,
+        description="environment variable holding the signing secret (Standard Webhooks: a 'whsec_' + base64 key, or "
+        "any other string, used as its UTF-8 bytes); an empty or unset variable refuses to start. null (the default): "
+        "no webhooks, and a request's webhook field is a 400",
+    )
+    url: str | None = Field(
+        default=None,
+        description="the webhook of every video job whose request names none (needs secret_env); checked against "
+        "allow at each delivery",
+    )
+    allow: list[str] = Field(
+        default_factory=list,
+        description="networks (CIDR, e.g. 10.0.0.0/8, 127.0.0.1/32) a webhook may reach although they are loopback, "
+        "link-local, private, reserved or a cloud metadata address: every address the host resolves to must be "
+        "public or in one of these, else the request is a 400 naming webhook",
+    )
+    allow_http: bool = Field(
+        default=False, description="also accept http:// webhooks (default: https only: the job object is sent)"
+    )
+    timeout_s: float = Field(default=10.0, gt=0, description="one delivery attempt's timeout")
+    first_retry_s: float = Field(
+        default=1.0, gt=0, description="the first wait after a failed attempt; it doubles up to max_retry_s"
+    )
+    max_retry_s: float = Field(default=60.0, gt=0, description="the longest wait between two attempts")
+    retry_for_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="attempts stop once the next would start more than this long after the first (a non-2xx answer or "
+        "no answer is retried; the ingress that finished the job delivers it, and a delivery is recorded in the store "
+        "first, so it is attempted by one ingress only)",
+    )
+
+    @field_validator("allow")
+    @classmethod
+    def _networks(cls, allow: list[str]) -> list[str]:
+        import ipaddress
+
+        for network in allow:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError as e:
+                raise ValueError(f"jobs.webhooks.allow: {network!r} is not a network (CIDR): {e}") from None
+        return allow
+
+    @model_validator(mode="after")
+    def _url_needs_secret(self) -> WebhookArgs:
+        if self.url is not None and self.secret_env is None:
+            raise ValueError("jobs.webhooks.url needs jobs.webhooks.secret_env: webhooks are always signed")
+        return self
+
+
 class JobStoreArgs(BaseModel):
     """Where video jobs and their MP4s live, and for how long. Every ingress replica must see the same store."""
 
@@ -194,6 +251,11 @@ class JobStoreArgs(BaseModel):
         gt=0,
         description="a POST with an Idempotency-Key answers its retries (same key, same body) with the first "
         "request's answer (a video: the same job) for this long",
+    )
+    webhooks: WebhookArgs = Field(
+        default_factory=WebhookArgs,
+        description="signed POSTs of each finished job (completed, failed, cancelled) to its request's webhook URL "
+        "(or url here): {secret_env, url, allow, allow_http, timeout_s, first_retry_s, max_retry_s, retry_for_s}",
     )
 
 

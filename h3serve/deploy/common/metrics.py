@@ -221,6 +221,14 @@ TENANT_GPU_SECONDS = MetricDef(
     "not counted.",
     ("tenant",),
 )
+WEBHOOK_OUTCOMES = ("delivered", "rejected", "no_answer", "refused")
+WEBHOOK_ATTEMPTS = MetricDef(
+    "h3serve_webhook_attempts",
+    "counter",
+    "Webhook delivery attempts by outcome: delivered (2xx), rejected (another status), no_answer (timeout, connection "
+    "refused...), refused (the target no longer passes jobs.webhooks.allow).",
+    ("outcome",),
+)
 # a replica exports at most this many tenants (the ingress names them from its key file): a bug that sends more
 # is an error logged by the engine's observer, never an unbounded set of series
 MAX_TENANT_SERIES = 1000
@@ -253,6 +261,7 @@ ALL_METRICS = (
     TENANT_REJECTIONS,
     TENANT_ROW_STEPS,
     TENANT_GPU_SECONDS,
+    WEBHOOK_ATTEMPTS,
 )
 
 
@@ -450,3 +459,13 @@ class TenantMetrics:
     def admitted(self, tenant: str, row_steps: int) -> None:
         if row_steps > 0:  # Ray's counters refuse an increment of 0
             self.row_steps.inc(row_steps, tags={"tenant": tenant})
+
+
+class WebhookMetrics:
+    """Webhook delivery attempts by outcome (the ingress's)."""
+
+    def __init__(self):
+        self.attempts = make(WEBHOOK_ATTEMPTS)
+
+    def attempt(self, outcome: str) -> None:
+        self.attempts.inc(1, tags={"outcome": checked(outcome, WEBHOOK_OUTCOMES, "outcome")})

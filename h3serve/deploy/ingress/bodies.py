@@ -182,6 +182,7 @@ class VideosBody(Body):
     input_reference: bytes | None = None  # the first frame (FL2VA)
     last_reference: bytes | None = None  # the last frame (FL2VA)
     references: list[Reference] = Field(default_factory=list)  # ordered references (Ref2VA)
+    webhook: str | None = Field(default=None, max_length=2048)  # a signed POST of the finished job (jobs.webhooks)
 
     @field_validator("seconds")
     @classmethod

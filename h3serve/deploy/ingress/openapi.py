@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from h3serve.deploy.common.args import RequestLimits
 from h3serve.deploy.jobs.idempotency import KEY
 from h3serve.deploy.jobs.store import JOB_ID
+from h3serve.deploy.jobs.variants import SPRITE_COLUMNS, SPRITE_ROWS, SPRITE_TILE_WIDTH, VARIANTS
 from h3serve.pipelines.h3 import ModelRules
 from h3serve.replicas import MAX_PRIORITY, MIN_PRIORITY
 
@@ -51,6 +52,52 @@ LAST_EVENT_ID = {
     "required": False,
     "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
     "description": "resume after this event of the stream (an EventSource sends it when it reconnects)",
+}
+CONTENT_PARAMETERS = [
+    {
+        "name": "variant",
+        "in": "query",
+        "required": False,
+        "schema": {"enum": list(VARIANTS), "default": "video"},
+        "description": "video: the MP4 (H.264 + AAC); thumbnail: its middle frame, full size, PNG; spritesheet: "
+        f"{SPRITE_COLUMNS * SPRITE_ROWS} evenly spaced frames (first to last), a {SPRITE_COLUMNS}x{SPRITE_ROWS} grid, "
+        f"row-major, each {SPRITE_TILE_WIDTH} px wide (a narrower clip: its width), JPEG. Images are made on first "
+        "request and kept as long as the clip",
+    },
+    {
+        "name": "Range",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "pattern": "^bytes=[0-9]*-[0-9]*$"},
+        "description": "one byte range (bytes=first-last, bytes=first-, bytes=-suffix): 206 with Content-Range; "
+        "past the end: 416; several ranges or another unit: the whole file",
+    },
+    {
+        "name": "If-Range",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "the ETag a partial download began with: the Range is honoured only while it still matches",
+    },
+    {
+        "name": "If-None-Match",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "ETags the caller holds: 304 without a body when one is this content's",
+    },
+]
+CONTENT_RESPONSES = {
+    "200": {
+        "description": "the whole file; ETag (strong: its sha256) and Accept-Ranges: bytes",
+        "content": {
+            media_type: {"schema": {"type": "string", "format": "binary"}}
+            for media_type in dict.fromkeys(media for _, media in VARIANTS.values())
+        },
+    },
+    "206": {"description": "the asked byte range, with Content-Range: bytes first-last/size"},
+    "304": {"description": "If-None-Match named this content's ETag: no body"},
+    "416": {"description": "the Range starts past the end; Content-Range: bytes */size"},
 }
 SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
 SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
@@ -152,6 +199,16 @@ def field_docs(
         "fps": {"type": "integer", "description": "the model's own frame rate, or omitted"}
         if rules is None
         else {"enum": [rules.fps], "description": "the model's own frame rate, or omitted"},
+        "webhook": {
+            "type": "string",
+            "format": "uri",
+            "maxLength": 2048,
+            "description": "a URL the finished job's object (completed, failed or cancelled) is POSTed to, signed "
+            "(Standard Webhooks: webhook-id, webhook-timestamp, webhook-signature; h3serve.client.verify_webhook "
+            "checks one) and retried with backoff; https, and a host whose every address is public unless the "
+            "deployment's jobs.webhooks.allow names its network (else HTTP 400). Default: jobs.webhooks.url. A "
+            "deployment without jobs.webhooks.secret_env refuses it",
+        },
         "timeout_s": {
             "type": "number",
             "exclusiveMinimum": 0,
@@ -256,6 +313,10 @@ def document(
                 "cancelled (the stream ends there); each data line is JSON",
             }
         }
+    download = doc["paths"].get("/v1/videos/{video_id}/content", {}).get("get")
+    if download is not None:
+        download["parameters"][1:1] = copy.deepcopy(CONTENT_PARAMETERS)  # after video_id
+        download["responses"].update(copy.deepcopy(CONTENT_RESPONSES))
     page = doc["paths"].get("/", {}).get("get")
     if page is not None:
         page["responses"]["200"]["content"] = {"text/html": {"schema": {"type": "string"}}}

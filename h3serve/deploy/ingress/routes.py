@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.config import BackpressureConfig
@@ -53,6 +53,7 @@ from h3serve.deploy.common.errors import (
 from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, TenantMetrics, admission_recorder
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
+from h3serve.deploy.ingress import content
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
@@ -63,6 +64,7 @@ from h3serve.deploy.jobs.events import last_event_id
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
 from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
+from h3serve.deploy.jobs.webhooks import WebhookSender, job_webhook, resolve_secret
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules
 from h3serve.pipelines.h3.lora_spec import asked_steps, check_request_steps
 from h3serve.pipelines.h3.paths import cache_dir
@@ -214,7 +216,10 @@ class H3Ingress:
             max_attempts=args.jobs.max_attempts,
             idempotency_window_s=args.jobs.idempotency_window_s,
         )
-        self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics)
+        self.webhooks = args.jobs.webhooks
+        secret = resolve_secret(self.webhooks)  # an empty secret_env refuses to start
+        sender = None if secret is None else WebhookSender(self.webhooks, secret)
+        self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics, sender)
         self.generation_slots, self.generations = args.generation_slots, 0
         self.event_streams, self.streams = args.ingress.event_streams, 0  # at most, and open now
         self._rules: ModelRules | None = rules
@@ -512,6 +517,7 @@ class H3Ingress:
             "error": None,
         }
         deadline_s = self._deadline_s(request, body.timeout_s)
+        webhook = await job_webhook(body.webhook, self.webhooks, self.videos.webhooks is not None)
         tenant: Tenant | None = request.state.tenant
         row_steps = rules.rows(generation_request, 0) * generation_request.num_inference_steps
         async with self.quotas.hold(tenant, row_steps, lambda: self._usage(tenant), job=True):  # type: ignore[arg-type]
@@ -527,6 +533,7 @@ class H3Ingress:
                     not cold,
                     tenant=generation_request.tenant,
                     row_steps=row_steps,
+                    webhook=webhook,
                 )
         if accepted and tenant is not None:
             self.tenant_metrics.admitted(tenant.name, row_steps)
@@ -581,13 +588,15 @@ class H3Ingress:
     @app.get("/v1/videos/{video_id}/content")
     @route("/v1/videos/{id}/content")
     async def video_content(self, request: Request, video_id: str):
+        """The MP4 or an image of it (``?variant=``), with ETag and Range (``h3serve.deploy.ingress.content``)."""
+        variant = content.variant_of(request)
         video = await self._job(request, video_id)
         if video["status"] != "completed":
             raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
-        content = await self.videos.content(video_id)
-        if content is None:  # removed (TTL, byte cap, DELETE) since the record was read
+        media = await self.videos.media(video_id, variant)
+        if media is None:  # removed (TTL, byte cap, DELETE) since the record was read
             raise APIError(404, f"video {video_id} has expired", "video_id")
-        return Response(content, media_type="video/mp4")
+        return content.answer(request, *media, variant)
 
     @app.delete("/v1/videos/{video_id}")
     @route("/v1/videos/{id}:delete")

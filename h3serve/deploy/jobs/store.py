@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.variants import MAKERS, VARIANTS
 
 logger = logging.getLogger(__name__)
 FINISHED = ("completed", "failed", "cancelled")
@@ -181,6 +183,7 @@ class JobStore:
         job: bytes | None = None,
         tenant: str | None = None,
         row_steps: int = 0,
+        webhook: str | None = None,
     ) -> JobRunner | None:
         """Store a new job and return its runner; None when ``max_unfinished`` unfinished jobs exist (answer 429).
 
@@ -190,7 +193,7 @@ class JobStore:
         every submission carries. ``job``: what another ingress needs to run it again (``video_jobs``), stored as
         ``<id>.request`` before the record, so a job acknowledged can always be taken over. ``tenant``: who owns it
         (None: no tenants, open to every caller); ``row_steps``: its work as admitted (rows x steps), counted against
-        its tenant's quota while it is unfinished."""
+        its tenant's quota while it is unfinished. ``webhook``: the URL its final object is POSTed to (``webhooks``)."""
         if self.unfinished() >= self.policy.max_unfinished:
             return None
         if job is not None:
@@ -209,6 +212,7 @@ class JobStore:
             "event_id": 0,  # the last event id its runner had published at its last write
             "tenant": tenant,
             "row_steps": row_steps,
+            "webhook": webhook,
         }
         runner = JobRunner(self, record)
         self._write(record)
@@ -226,6 +230,29 @@ class JobStore:
 
     def content(self, job_id: str) -> bytes | None:
         return self.store.get(f"{job_id}.mp4") if JOB_ID.fullmatch(job_id) else None
+
+    def media(self, job_id: str, variant: str = "video") -> tuple[bytes, str] | None:
+        """A finished job's ``variant`` (``variants.VARIANTS``) and its sha256 (hex); None when its MP4 is gone. The
+        MP4's digest is the record's (written at completion); an image variant is made from the MP4 on its first
+        request and stored beside it (``<id>.thumbnail.png``...), outside the byte cap's count (a few percent of it)."""
+        if not JOB_ID.fullmatch(job_id):
+            return None
+        if variant == "video":
+            mp4 = self.store.get(f"{job_id}.mp4")
+            if mp4 is None:
+                return None
+            record = self._read(job_id)
+            digest = record.get("sha256") if record is not None else None
+            return mp4, digest or hashlib.sha256(mp4).hexdigest()  # a record written before digests were kept
+        name = f"{job_id}{VARIANTS[variant][0]}"
+        data = self.store.get(name)
+        if data is None:
+            mp4 = self.store.get(f"{job_id}.mp4")
+            if mp4 is None:
+                return None
+            data = MAKERS[variant](mp4)
+            self.store.put(name, data)  # a racing maker writes the same bytes
+        return data, hashlib.sha256(data).hexdigest()
 
     def events(self, job_id: str) -> bytes | None:
         """The job's stored event log (``events.dump_log``), as its runner last wrote it; None before the first."""
@@ -247,6 +274,20 @@ class JobStore:
             self.store.put(f"{job_id}.deleted", json.dumps({"deleted_at": self.clock()}).encode())
         return True
 
+    def claim_webhook(self, job_id: str) -> bool:
+        """True for the one caller that creates ``<id>.webhook``: it delivers the job's webhook (``webhooks``)."""
+        return self.store.put_new(f"{job_id}.webhook", json.dumps({"claimed_at": self.clock()}).encode())
+
+    def record_webhook(self, job_id: str, outcome: dict) -> None:
+        """The webhook's outcome (delivered or not, attempts) in ``<id>.webhook``, while the job is still there."""
+        if self.store.exists(f"{job_id}.json"):
+            self.store.put(f"{job_id}.webhook", json.dumps(outcome).encode())
+
+    def webhook(self, job_id: str) -> dict | None:
+        """The job's webhook delivery record: claimed, then its outcome; None before any."""
+        raw = self.store.get(f"{job_id}.webhook") if JOB_ID.fullmatch(job_id) else None
+        return None if raw is None else json.loads(raw)
+
     def request_cancel(self, job_id: str) -> None:
         """Ask the job's runner, wherever it runs, to cancel it (it sees this at its next write)."""
         self.store.put(f"{job_id}.cancel", json.dumps({"cancelled_at": self.clock()}).encode())
@@ -256,8 +297,10 @@ class JobStore:
         # the record first: 404 at once
         self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted", f"{job_id}.cancel")
         self.store.delete(
+            *(f"{job_id}{suffix}" for suffix, _ in VARIANTS.values() if suffix != ".mp4"),
             f"{job_id}.request",
             f"{job_id}.events",
+            f"{job_id}.webhook",
             *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)),
         )
 
@@ -386,7 +429,7 @@ class JobStore:
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
         # a stored request without a record alike (create died between the two writes), and an event log (a deleted
         # job's runner writes its last one after removing the record)
-        suffixes = (".mp4", ".request", ".events")
+        suffixes = (".request", ".events", ".webhook", *(suffix for suffix, _ in VARIANTS.values()))
         mp4s = {found for n in names for s in suffixes if (found := job_id_of(n, s)) is not None}
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:
@@ -501,7 +544,7 @@ class JobRunner:
             if self.record["video"]["status"] in FINISHED:
                 return
             self.jobs.store.put(f"{self.job_id}.mp4", mp4)
-            self.record = {**self.record, "bytes": len(mp4)}
+            self.record = {**self.record, "bytes": len(mp4), "sha256": hashlib.sha256(mp4).hexdigest()}  # the ETag
             now = int(self.jobs.clock())
             self.update(
                 final=True,

@@ -38,6 +38,7 @@ from h3serve.deploy.jobs.store import (
     JobStore,
     LeaseLost,
 )
+from h3serve.deploy.jobs.webhooks import WebhookSender
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import DeadlineExceeded, EngineDraining
 
@@ -98,8 +99,11 @@ def caused_by(error: BaseException, kinds) -> bool:
 
 
 class VideoJobs:
-    def __init__(self, store: JobStore, replica: DeploymentHandle, metrics: RequestMetrics):
+    def __init__(
+        self, store: JobStore, replica: DeploymentHandle, metrics: RequestMetrics, webhooks: WebhookSender | None = None
+    ):
         self.store, self.replica, self.metrics = store, replica, metrics
+        self.webhooks = webhooks  # None: this deployment sends none (no jobs.webhooks.secret_env)
         self.io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="h3serve-jobs")
         self.tasks: dict[str, asyncio.Task] = {}  # video id -> its job, for the jobs this replica runs
         self.runners: dict[str, JobRunner] = {}
@@ -128,13 +132,14 @@ class VideoJobs:
         queue_now: bool = True,
         tenant: str | None = None,
         row_steps: int = 0,
+        webhook: str | None = None,
     ) -> bool:
         """Queue ``request`` on a replica, then record ``video`` as queued and follow it; False when the store
         holds too many unfinished jobs. ``queue_now`` False (no replica runs: they scaled to zero): record it as
         queued at once, and queue it on a replica once one serves (waiting at the handle starts one). ``priority``
         goes with it to every replica it is submitted to (a re-submission after a drain keeps it) and is kept in the
         record; so does ``adapter`` (the LoRA adapter it runs on, None: the base model). ``tenant`` owns it and
-        ``row_steps`` counts against its quota (``JobStore.create``).
+        ``row_steps`` counts against its quota (``JobStore.create``); ``webhook``: where its final object is POSTed.
 
         The replica's first event says its engine accepted the request, so QueueFull, EngineDraining,
         DeploymentUnavailableError... raise here, before any record exists: the route answers 503, never a
@@ -149,7 +154,7 @@ class VideoJobs:
             request, request_id=request_id, deadline=deadline, priority=priority, adapter=adapter, model=video["model"]
         )
         try:
-            runner = await self._io(self.store.create, video, request_id, priority, job, tenant, row_steps)
+            runner = await self._io(self.store.create, video, request_id, priority, job, tenant, row_steps, webhook)
         except BaseException:
             if stream is not None:
                 stream.cancel()
@@ -279,8 +284,9 @@ class VideoJobs:
         """(unfinished jobs, their row-steps) of ``tenant``, across every ingress."""
         return await self._io(self.store.usage, tenant)
 
-    async def content(self, video_id: str) -> bytes | None:
-        return await self._io(self.store.content, video_id)
+    async def media(self, video_id: str, variant: str = "video") -> tuple[bytes, str] | None:
+        """(bytes, sha256) of the finished job's ``variant``, made on first request (``store.JobStore.media``)."""
+        return await self._io(self.store.media, video_id, variant)
 
     async def delete(self, video_id: str, tenant: str | None = None) -> bool:
         """Remove the job (False: none of ``tenant``'s); if it runs here, stop it now (elsewhere its runner sees the
@@ -426,6 +432,7 @@ class VideoJobs:
             finally:  # even when a cancel interrupts that write
                 self.tasks.pop(runner.job_id, None)
                 self.runners.pop(runner.job_id, None)
+                self._notify(runner)
                 self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
                 outcome = runner.record["video"]["status"] if code != 499 else runner.stopping or "stopped"
                 audit(runner.record.get("tenant"), runner.job_id, "run", outcome, request_id)
@@ -568,6 +575,15 @@ class VideoJobs:
             if interrupted:
                 raise asyncio.CancelledError
 
+    def _notify(self, runner: JobRunner) -> None:
+        """The job's webhook, when it has one and this runner wrote its final status (``webhooks``)."""
+        url, video = runner.record.get("webhook"), runner.record["video"]
+        if self.webhooks is None or url is None or video["status"] not in FINISHED:
+            return
+        job_id = runner.job_id
+        claim = functools.partial(self.store.claim_webhook, job_id)
+        self.webhooks.start(url, video, claim, functools.partial(self.store.record_webhook, job_id), self._io)
+
     def _finished(self, runner: JobRunner) -> None:
         """The job's final event: its record's final status (the first one written wins a race with a cancel)."""
         video = runner.record["video"]
@@ -641,4 +657,6 @@ class VideoJobs:
                 runner.stopping = "shutdown"
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self.webhooks is not None:  # deliveries still retrying end with this ingress (at most once)
+            await self.webhooks.close()
         self.io.shutdown(wait=False)
