@@ -4,34 +4,40 @@
     python -m benchmarks.gpu_kernels --quick --out /tmp/gk.json    # small sizes, seconds
     python -m benchmarks.gpu_kernels --cpu-dry-run --out /tmp/gk.json  # same code paths, tiny, CPU
 
-Part 1 checks and times each backend's own ``forward_varlen`` on packs of mixed-size
-documents and on one long document, and ranks the backends that passed (fastest first) into a
-ranking file for this platform (``--ranking-out``; see h3serve/attention/ranking.py for how ``auto``
-uses it). Part 2 times one diffusers ``MiniMaxH3TransformerBlock`` at the released dimensions
-(hidden 5376, 56 heads x 128, SwiGLU 14336) through h3serve's attention processor, over packs of
-T2VA requests laid out by diffusers' layout builders. Needs torch, diffusers and pydantic plus this
+Part 1 is ``h3serve.attention.measure`` (what ``h3serve rank-attention`` runs): it checks and times each
+backend's own ``forward_varlen`` on packs of mixed-size documents and on one long document, and ranks the
+backends that passed (fastest first) into a ranking file for this platform (``--ranking-out``; see
+h3serve/attention/ranking.py for how ``auto`` uses it). Part 2 times one diffusers ``MiniMaxH3TransformerBlock``
+at the released dimensions (hidden 5376, 56 heads x 128, SwiGLU 14336) through h3serve's attention processor, over
+packs of T2VA requests laid out by diffusers' layout builders. Needs torch, diffusers and pydantic plus this
 repo's ``attention`` and ``pipelines`` packages (no Ray).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
-import random
 import sys
-import warnings
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.transformers.transformer_minimax_h3 import (
     MINIMAX_H3_MODALITY_NUM,
     MiniMaxH3RotaryPosEmbed,
     MiniMaxH3TransformerBlock,
 )
 
-from h3serve.attention import Ranking, get_backend, probe_platform
+from h3serve.attention import get_backend, probe_platform
+from h3serve.attention.measure import (
+    BACKENDS,
+    dtype_name,
+    environment,
+    matmul_tflops,
+    measured_ranking,
+    part1_varlen,
+    sdpa_fused_backends,
+    tflops,
+)
+from h3serve.attention.measure import SIZES as MEASURE_SIZES
 from h3serve.attention.ranking import save as save_ranking
 from h3serve.pipelines.h3.attention_processor import Documents, H3VarlenAttnProcessor, attending
 from h3serve.pipelines.h3.packing import pack_documents
@@ -39,7 +45,6 @@ from h3serve.pipelines.h3.shapes import Clip, block_flops, clip_document, transf
 
 from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
 
-BACKENDS = ("flash_attn", "torch_varlen", "torch_sdpa", "flex_attn")  # Part 2 builds its block with the first
 NOTES = [
     "Attention FLOPs = sum over real documents of 4 * len^2 * H * D; the trailing padding "
     "segment is computed by the kernels but not counted.",
@@ -48,255 +53,16 @@ NOTES = [
     "Anchors: FlashAttention-2 forward reaches ~35% of H100 bf16 peak, FlashAttention-3 ~75%.",
 ]
 # Part 2's packs: T2VA requests as "WIDTHxHEIGHTxFRAMES"; 1344x768x124 is the released default (~38k rows).
-SIZES = {  # totals: pack sizes of Part 1; block_packs: the requests packed for Part 2
+BLOCK = {  # block_packs: the requests packed for Part 2 (Part 1's sizes: h3serve.attention.measure.SIZES)
     "full": dict(
-        totals=[4096, 8192, 16384, 32768, 65536],
-        check_total=8192,
-        doc_range=(256, 16384),
-        heads=56,
-        head_dim=128,
         preset="full",
         text_tokens=256,
         block_packs=[["896x512x124"], ["1344x768x124"], ["896x512x124", "896x512x141"]],
-        warmup=2,
-        reps=5,
-        matmul_n=8192,
     ),
-    "quick": dict(
-        totals=[4096, 8192],
-        check_total=4096,
-        doc_range=(256, 16384),
-        heads=56,
-        head_dim=128,
-        preset="full",
-        text_tokens=256,
-        block_packs=[["512x288x124"]],
-        warmup=1,
-        reps=3,
-        matmul_n=4096,
-    ),
-    "cpu": dict(
-        totals=[256, 512],
-        check_total=512,
-        doc_range=(16, 256),
-        heads=2,
-        head_dim=32,
-        preset="tiny",
-        text_tokens=32,
-        block_packs=[["128x64x124"], ["64x64x124", "96x64x141"]],
-        warmup=1,
-        reps=2,
-        matmul_n=256,
-    ),
+    "quick": dict(preset="full", text_tokens=256, block_packs=[["512x288x124"]]),
+    "cpu": dict(preset="tiny", text_tokens=32, block_packs=[["128x64x124"], ["64x64x124", "96x64x141"]]),
 }
-PACK_ALIGN = 1  # packs for one rank carry no padding; Ulysses pads only to T % sp_degree
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12
-
-
-def matmul_tflops(device: str, dtype: torch.dtype, n: int, warmup: int, reps: int) -> float:
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    return tflops(2 * n**3, median_ms(lambda: a @ b, device, warmup, 2 * reps))
-
-
-def sdpa_fused_backends(device: str, dtype: torch.dtype, head_dim: int) -> list[str]:
-    """Which fused SDPA kernels accept the torch_sdpa loop's per-document [1, H, L, D] slices."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    x = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
-    usable = []
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        try:
-            with warnings.catch_warnings(), sdpa_kernel([backend]):
-                warnings.simplefilter("ignore")
-                F.scaled_dot_product_attention(x, x, x)
-            usable.append(backend.name.lower())
-        except RuntimeError:
-            pass
-    return usable
-
-
-def environment(platform) -> dict:
-    return {
-        "device": platform.device_name,
-        "compute_capability": platform.compute_capability,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "flash_attn": platform.kernel_libraries.get("flash_attn"),
-        "kernel_libraries": dict(platform.kernel_libraries),
-        "platform": platform.describe(),
-    }
-
-
-# -- Part 1: packed varlen attention ------------------------------------------------------------
-
-
-def mixed_lengths(total: int, rng: random.Random, lo: int, hi: int) -> list[int]:
-    """Log-uniform document lengths in [lo, hi] (H3 serves short clips to long videos),
-    drawn until the next document would not fit in ``total`` rows."""
-    lengths, left = [], total
-    while left >= lo:
-        lengths.append(int(math.exp(rng.uniform(math.log(lo), math.log(min(hi, left))))))
-        left -= lengths[-1]
-    return lengths
-
-
-def make_pack(lengths, heads, head_dim, dtype, device, align, seed) -> dict:
-    """q, k, v [T, H, D] laid out as the packer does: documents back to back, then one
-    padding segment up to a multiple of ``align`` rows."""
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    padded = -(-bounds[-1] // align) * align
-    if padded > bounds[-1]:
-        bounds.append(padded)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q, k, v = (torch.randn(padded, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    max_len = max(b - a for a, b in itertools.pairwise(bounds))
-    return dict(q=q, k=k, v=v, cu=cu, max_len=max_len, bounds=bounds, lengths=lengths)
-
-
-def attention_flops(lengths, heads, head_dim) -> int:
-    return 4 * sum(n * n for n in lengths) * heads * head_dim
-
-
-def run_varlen(impl, p):
-    return impl.forward_varlen(p["q"], p["k"], p["v"], cu_seqlens=p["cu"], max_seqlen=p["max_len"])
-
-
-def reference_fp32(p, head_chunk: int = 8) -> torch.Tensor:
-    """fp32 attention per segment (padding segment too, as the kernels do), in plain matmuls."""
-    q, k, v = p["q"], p["k"], p["v"]
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    scale = q.shape[-1] ** -0.5
-    for a, b in itertools.pairwise(p["bounds"]):
-        for h in range(0, q.shape[1], head_chunk):  # chunks of heads bound the L x L scores' memory
-            qs, ks, vs = (t[a:b, h : h + head_chunk].float().transpose(0, 1) for t in (q, k, v))
-            probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
-            out[a:b, h : h + head_chunk] = (probs @ vs).transpose(0, 1)
-    return out
-
-
-def part1_varlen(s, device, dtype, platform, budget, res) -> dict:
-    H, D, lo, hi = s["heads"], s["head_dim"], *s["doc_range"]
-    align, mm = PACK_ALIGN, res["matmul_tflops"]
-    say(f"\n== Part 1: varlen attention, {H} heads x head_dim {D}, {dtype_name(dtype)}, {device}")
-    impls = {}
-    for name in BACKENDS:
-        backend = get_backend(name)
-        ok = backend.availability(platform, dtype=dtype, head_dim=D)
-        reason = ok.reason or ("" if backend.supports_packed_varlen() else "no forward_varlen")
-        res["availability"][name] = {"ok": not reason, "reason": reason}
-        say(f"  {name:13s} {'SKIP: ' + reason if reason else 'available'}")
-        if not reason:
-            impls[name] = backend.make_impl()
-
-    # Correctness against fp32, on one mixed pack; the bf16 sdpa loop's error sets the bar.
-    p = make_pack(mixed_lengths(s["check_total"], random.Random(0), lo, hi), H, D, dtype, device, align, 0)
-    ref = reference_fp32(p)
-    base = (run_varlen(get_backend("torch_sdpa").make_impl(), p).float() - ref).abs().max().item()
-    limit, status, rows = 2 * base + 1e-3, {}, []
-    for name, impl in impls.items():
-        out, error = attempt(lambda impl=impl, p=p: run_varlen(impl, p))
-        err = None if out is None else (out.float() - ref).abs().max().item()
-        status[name] = error or ("PASS" if err <= limit else "FAIL")
-        res["correctness"].append(
-            {
-                "backend": name,
-                "rows": p["bounds"][-1],
-                "docs": len(p["lengths"]),
-                "max_abs_err": err,
-                "sdpa_loop_err": base,
-                "limit": limit,
-                "result": status[name],
-            }
-        )
-        rows.append([name, p["bounds"][-1], len(p["lengths"]), err, limit, status[name]])
-        del out
-    say(f"\n  correctness vs fp32 reference (torch_sdpa loop in {dtype_name(dtype)}: max abs err {base:.3g})")
-    table(["backend", "rows", "docs", "max_abs_err", "limit", "result"], rows)
-    del p, ref
-
-    rows = []
-    for total in s["totals"]:
-        for case, lengths in (("mixed", mixed_lengths(total, random.Random(total), lo, hi)), ("single", [total])):
-            if budget.over(f"varlen {case} {total}"):
-                continue
-            p = make_pack(lengths, H, D, dtype, device, align, total)
-            flops = attention_flops(lengths, H, D)
-            for name, impl in impls.items():
-                if budget.over(f"varlen {case} {total} {name}"):
-                    continue
-
-                def varlen(impl=impl, p=p):
-                    return run_varlen(impl, p)
-
-                ms, error = attempt(lambda varlen=varlen: median_ms(varlen, device, s["warmup"], s["reps"]))
-                tf = None if ms is None else tflops(flops, ms)
-                r = {
-                    "case": case,
-                    "rows": p["bounds"][-1],
-                    "docs": len(lengths),
-                    "max_len": max(lengths),
-                    "backend": name,
-                    "flops": flops,
-                    "ms": ms,
-                    "tflops": tf,
-                    "error": error,
-                    "pct_peak": tf and 100 * tf / PEAK_TFLOPS,
-                    "pct_matmul": tf and 100 * tf / mm,
-                }
-                res["varlen"].append(r)
-                rows.append(
-                    [
-                        r[c]
-                        for c in (
-                            "case",
-                            "rows",
-                            "docs",
-                            "max_len",
-                            "backend",
-                            "ms",
-                            "tflops",
-                            "pct_peak",
-                            "pct_matmul",
-                        )
-                    ]
-                    + [error or status.get(name, "")]
-                )
-            del p
-    say("")
-    table(["case", "rows", "docs", "max_len", "backend", "ms", "TFLOP/s", "% peak", "% matmul", "note"], rows)
-    return status
-
-
-def measured_ranking(res, status, platform, dtype, s, mode) -> Ranking | None:
-    """Part 1's backends that passed the check and ran every pack without error, fastest first.
-
-    One that failed or errored is left out: auto then tries it after the ranked ones, in declared order.
-    """
-    failed = {r["backend"] for r in res["varlen"] if r["error"]}
-    ranked = [n for n in BACKENDS if status.get(n) == "PASS" and n not in failed]
-    times: dict[tuple, dict[str, float]] = {}  # (case, rows) -> backend -> ms
-    for r in res["varlen"]:
-        if r["backend"] in ranked:
-            times.setdefault((r["case"], r["rows"]), {})[r["backend"]] = r["ms"]
-    left_out = sorted(set(status) - set(ranked))
-    return Ranking.from_times(
-        platform,
-        times,
-        dtype=dtype,
-        head_dim=s["head_dim"],
-        measured=f"benchmarks.gpu_kernels {mode}, forward_varlen, {s['heads']} heads"
-        + (f", left out (failed or errored): {', '.join(left_out)}" if left_out else ""),
-    )
+SIZES = {mode: {**MEASURE_SIZES[mode], **block} for mode, block in BLOCK.items()}
 
 
 # -- Part 2: one H3 block --------------------------------------------------------------------------
@@ -470,8 +236,10 @@ def run(args: argparse.Namespace) -> dict:
                 )
                 for note in NOTES + (["CPU dry run: % of H200 peak is meaningless here."] if device == "cpu" else []):
                     say(f"note: {note}")
-                status, res["error"] = attempt(lambda: part1_varlen(s, device, dtype, platform, budget, res))
-                ranking = measured_ranking(res, status or {}, platform, dtype, s, mode)
+                status, res["error"] = attempt(
+                    lambda: part1_varlen(s, device, dtype, platform, budget, res, peak_tflops=PEAK_TFLOPS, table=table)
+                )
+                ranking = measured_ranking(res, status or {}, platform, dtype, s, mode, "benchmarks.gpu_kernels")
                 res["ranking"] = ranking and ranking.model_dump(mode="json")
                 say("\nranking: " + (ranking.describe() if ranking else "none (no backend passed every pack)"))
                 if ranking and args.ranking_out:

@@ -42,6 +42,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from h3serve.attention.measure import Budget as Budget  # the GPU scripts' timing, re-exported: one definition
+from h3serve.attention.measure import attempt as attempt
+from h3serve.attention.measure import median_ms as median_ms
 from h3serve.pipelines.h3.meta.hardware import BF16_DENSE_TFLOPS
 from h3serve.pipelines.h3.meta.tables import table
 
@@ -613,58 +616,3 @@ async def at_times(arrivals: Iterable[tuple[float, Any]], send: Callable[[int, A
 # -- GPU scripts ----------------------------------------------------------------------------------
 
 PEAK_TFLOPS = BF16_DENSE_TFLOPS  # H200 SXM bf16 dense, NVIDIA spec (h3serve plan projects with the same)
-
-
-class Budget:
-    """Wall-clock budget: once spent, remaining cases are skipped and listed.
-
-    ``checkpoint`` (when set) runs before each case is weighed: the numbers so far reach their JSON before the next
-    case starts, so a step killed at its hard timeout loses only the case it was in.
-    """
-
-    def __init__(self, seconds: float, checkpoint: Callable[[], None] | None = None):
-        self.t0, self.seconds, self.skipped = time.monotonic(), seconds, []
-        self.checkpoint = checkpoint
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def over(self, what: str) -> bool:
-        if self.checkpoint is not None:
-            self.checkpoint()
-        if self.elapsed() <= self.seconds:
-            return False
-        self.skipped.append(what)
-        say(f"  SKIPPED {what}: over the {self.seconds:.0f} s budget")
-        return True
-
-
-def attempt(fn):
-    """(fn(), None), or (None, error) when a kernel fails or runs out of memory: never crash."""
-    try:
-        return fn(), None
-    except Exception as e:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        return None, f"{type(e).__name__}: {first}"
-
-
-def median_ms(fn, device: str, warmup: int, reps: int) -> float:
-    """Median wall ms of ``fn``; on CUDA timed with events around it, so the time covers its kernels."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)

@@ -1,7 +1,8 @@
-"""Measured auto order: backends ranked by time on one platform, written by a benchmark.
+"""Measured auto order: backends ranked by time on one platform, written by ``h3serve rank-attention``.
 
-``python -m benchmarks.gpu_kernels --ranking-out PATH`` times every backend's ``forward_varlen``
-and writes the ones that ran correctly, fastest first, with the platform it measured on.
+``h3serve rank-attention --out PATH`` (``.measure``; also ``benchmarks.gpu_kernels --ranking-out``) checks and
+times every backend's ``forward_varlen`` and writes the ones that ran correctly, fastest first, with the platform
+it measured on.
 ``resolve(requirements, "auto", ...)`` takes its order from a ranking found this way:
 
 1. ``resolve(..., ranking=PATH or Ranking)`` when the caller passes one;

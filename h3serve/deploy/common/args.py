@@ -469,7 +469,7 @@ class DeployArgs(BaseModel):
     )
     attention_ranking: str | None = Field(
         default=None,
-        description="a measured attention ranking file (`benchmarks.gpu_kernels --ranking-out`) that "
+        description="a measured attention ranking file (`h3serve rank-attention --out PATH` on a replica node) that "
         "orders 'auto' when it was measured on the replicas' platform; read by the driver. None: "
         "$H3SERVE_ATTENTION_RANKING if set, else the backends' declared order",
     )

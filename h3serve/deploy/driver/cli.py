@@ -1,4 +1,4 @@
-"""The ``h3serve`` command: serve, admit, plan, generate, eval, weights, probe.
+"""The ``h3serve`` command: serve, admit, plan, generate, eval, weights, probe, rank-attention.
 
 h3serve serve [CONFIG]            admission pre-flight of every application, then run the config like `serve run`
 h3serve admit CONFIG              the pre-flight alone; optional Prometheus textfile / Pushgateway
@@ -9,6 +9,7 @@ h3serve eval [--checkpoint DIR]   held-out scenes of the demo world through the 
                                   colour, shape, motion and sound judged per clip; accuracy table, --json
 h3serve weights                   create the built-in tiny weights (deterministic, cached)
 h3serve probe                     this node's platform as JSON (for `admit --platform`)
+h3serve rank-attention --out PATH check and time every attention backend here; the ranking file auto reads
 h3serve video create|ls|get|wait|cancel|download   video jobs on a running server (``h3serve.client.video_cli``)
 """
 
@@ -424,6 +425,28 @@ def cmd_probe(ns: argparse.Namespace) -> None:
     print(json.dumps(json.loads(probe_platform(ns.device).model_dump_json()), indent=2))
 
 
+def cmd_rank_attention(ns: argparse.Namespace) -> None:
+    import torch
+
+    from h3serve.attention import probe_platform
+    from h3serve.attention.measure import rank
+    from h3serve.attention.ranking import ENV_VAR, save
+    from h3serve.pipelines.h3.meta.hardware import BF16_DENSE_TFLOPS
+    from h3serve.pipelines.h3.meta.tables import table
+
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        fail(EXIT_REFUSED, "--device cuda: no CUDA device here (rank on the replicas' nodes, or pass --device cpu)")
+    dtype = getattr(torch, ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32"))
+    mode = "cpu" if ns.device == "cpu" else "quick" if ns.quick else "full"  # cpu: small sizes, --quick or not
+    platform = probe_platform(ns.device)
+    print(f"platform: {platform.describe()}; torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    ranking, _ = rank(platform, ns.device, dtype, mode, peak_tflops=BF16_DENSE_TFLOPS, table=table)
+    if ranking is None:
+        fail(EXIT_FAILED, "no attention backend passed the check and ran every pack: no ranking written")
+    else:
+        print(f"\nranking: {ranking.describe()}\nwrote {save(ranking, ns.out)} (point {ENV_VAR} at it)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="h3serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -510,6 +533,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("probe", help="print this node's attention platform as JSON")
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("rank-attention", help="check and time this node's attention backends; write the ranking file")
+    p.add_argument("--out", required=True, help="the ranking file to write (H3SERVE_ATTENTION_RANKING reads it)")
+    p.add_argument("--quick", action="store_true", help="CUDA: smaller packs, seconds (CPU always runs small ones)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bfloat16 on CUDA, else fp32")
+    p.set_defaults(func=cmd_rank_attention)
 
     from h3serve.client.video_cli import add_commands
 
