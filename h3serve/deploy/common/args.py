@@ -1,4 +1,9 @@
-"""The typed arguments of the application builder, as written under ``args:`` in a serve config."""
+"""The typed arguments of the application builder, as written under ``args:`` in a serve config.
+
+Over 600 lines on purpose: one schema, every section of ``args`` (engine, limits, jobs and webhooks, auth, ingress,
+stages, autoscaling, LoRA) a pydantic model beside the checks that tie sections together; docs/CONFIG.md is
+generated from it (``config_reference``), so a reader finds every setting, its default and its bounds in one place.
+"""
 
 from __future__ import annotations
 
