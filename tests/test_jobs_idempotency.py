@@ -17,6 +17,7 @@ from h3serve.deploy.ingress.bodies import ImagesBody, VideosBody, parse_body
 from h3serve.deploy.jobs.idempotency import PENDING_S, Idempotency, fingerprint, key_of
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.model_server.h3_replica import unique_id
+from tests.test_jobs_store import Clock  # a clock the test moves
 
 WINDOW_S = 3600
 UPLOADS = ("input_reference", "last_reference")
@@ -36,14 +37,6 @@ def png(color: str) -> bytes:
     out = bytes_io.BytesIO()
     Image.new("RGB", (32, 32), color).save(out, "PNG")
     return out.getvalue()
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(params=["dir", "memory"])

@@ -5,7 +5,6 @@ import asyncio
 import hashlib
 import os
 import time
-import uuid
 
 import pytest
 import yaml
@@ -15,6 +14,7 @@ from h3serve.deploy.ingress.quotas import Quotas
 from h3serve.deploy.ingress.tenants import ADMIN, Tenant, Tenants, TokenBuckets, read_keys
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.store import JobPolicy, JobStore
+from tests.test_jobs_store import video  # a queued video object, as the store records it
 
 ALPHA = "alpha-0123456789abcdef"
 BETA = "beta-0123456789abcdef0"
@@ -212,18 +212,6 @@ def test_concurrent_admissions_of_one_tenant_share_its_free_slot():
 
     asyncio.run(both())
     assert sorted(outcomes) == ["admitted", "max_jobs"]
-
-
-def video(created_at: int) -> dict:
-    return {
-        "id": f"video_{uuid.uuid4().hex}",
-        "object": "video",
-        "status": "queued",
-        "progress": 0,
-        "created_at": created_at,
-        "completed_at": None,
-        "error": None,
-    }
 
 
 def test_the_store_keeps_each_jobs_tenant_and_shows_it_to_it_alone(tmp_path):

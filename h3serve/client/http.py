@@ -112,9 +112,12 @@ class _Routes:
         return f"{self.prefix}/v1/videos/{video_id}" + (f"/{what}" if what else "")
 
 
-class H3Client:
-    """The API over one ``httpx.Client``; a context manager that closes it. ``retries=0`` sends each call once (a
-    benchmark counting refusals)."""
+class _Client:
+    """What both clients are made of: an httpx client of ``HTTPX`` (sync or async) with the bearer token, the headers
+    and the retrying transport (``client_options``), and the routes under ``prefix``. ``retries=0`` sends each call
+    once (a benchmark counting refusals)."""
+
+    HTTPX: type[httpx.Client] | type[httpx.AsyncClient]
 
     def __init__(
         self,
@@ -126,9 +129,17 @@ class H3Client:
         retries: int = RETRIES,
         **httpx_options: Any,
     ):
-        options = client_options(api_key, headers, retries, False, httpx_options)
-        self.http = httpx.Client(base_url=url, timeout=timeout, **options)
+        asynchronous = self.HTTPX is httpx.AsyncClient
+        options = client_options(api_key, headers, retries, asynchronous, httpx_options)
+        self.http = self.HTTPX(base_url=url, timeout=timeout, **options)
         self.routes = _Routes(prefix)
+
+
+class H3Client(_Client):
+    """The API over one ``httpx.Client``; a context manager that closes it."""
+
+    HTTPX = httpx.Client
+    http: httpx.Client
 
     def __enter__(self) -> H3Client:
         return self
@@ -271,22 +282,11 @@ class H3Client:
         return job, mp4
 
 
-class AsyncH3Client:
+class AsyncH3Client(_Client):
     """``H3Client``'s calls over one ``httpx.AsyncClient``; an async context manager that closes it."""
 
-    def __init__(
-        self,
-        url: str,
-        timeout: float = 600.0,
-        headers: dict | None = None,
-        prefix: str = "",
-        api_key: str | None = None,
-        retries: int = RETRIES,
-        **httpx_options: Any,
-    ):
-        options = client_options(api_key, headers, retries, True, httpx_options)
-        self.http = httpx.AsyncClient(base_url=url, timeout=timeout, **options)
-        self.routes = _Routes(prefix)
+    HTTPX = httpx.AsyncClient
+    http: httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncH3Client:
         return self
