@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # log files its CPU was 3.6 s a minute before, 1.2 s after (tests/README.md). Every cluster the tests start reads it.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """torch's thread count as it was before each test: a test that runs a CLI or the training recipe in process sets
+    it for the whole worker, and a CPU kernel's sums depend on it (the audio VAE's last bits differ between 1 and 2
+    threads), so a later test comparing its decode with a one-thread replica's failed depending on the test order."""
+    torch = sys.modules.get("torch")  # never imported here: the ingress tests check that torch stays out
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if before is None:  # torch loaded during the test: the count it started with, from OMP_NUM_THREADS above
+        before = int(os.environ["OMP_NUM_THREADS"])
+    if torch is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
