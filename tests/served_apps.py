@@ -195,6 +195,23 @@ def _webhook_apps(inputs: Inputs) -> list[dict]:
     return [app]
 
 
+# test_derived_http's: two tenants (alpha, beta), one request in the pack at a time and in arrival order, so a derived
+# clip and the same request sent to POST /v1/videos each run alone and compare frame for frame
+DERIVED_KEYS = {"alpha": "alpha-derived-0123456789abcdef", "beta": "beta-derived-0123456789abcdef0"}
+
+
+def _derived_apps(inputs: Inputs) -> list[dict]:
+    import yaml
+
+    path = inputs.tmp / "derived" / "keys.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = [{"key": key, "tenant": name, "role": "user"} for name, key in DERIVED_KEYS.items()]
+    path.write_text(yaml.safe_dump({"keys": entries}))
+    app = _app(inputs, "derived", "/derived", api_key_env=None, auth={"keys_file": str(path)})
+    app["args"]["engine"] = {**app["args"]["engine"], **TENANT_ENGINE}
+    return [app]
+
+
 CLI_STEPS = 2000  # ~100 s of the tiny model's steps on 2 cores: the Ctrl-C test cancels it within the first seconds
 
 
@@ -207,6 +224,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_deploy_checkpoint": lambda inputs: [
         _app(inputs, "foreign", "/foreign", checkpoint=str(library_checkpoint(inputs)), model="auto")
     ],
+    "test_derived_http": _derived_apps,
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
     "test_events_http": _events_apps,
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],

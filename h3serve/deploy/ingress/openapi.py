@@ -44,7 +44,12 @@ IDEMPOTENCY_KEY = {
     "jobs.idempotency_window_s answers with the first request's answer (a video: the same job, as it reads now), "
     "never a second generation; the same key with another body is a 422 naming this header",
 }
-IDEMPOTENT_POSTS = ("/v1/videos", "/v1/images/generations")
+IDEMPOTENT_POSTS = (
+    "/v1/videos",
+    "/v1/images/generations",
+    "/v1/videos/{video_id}/remix",
+    "/v1/videos/{video_id}/extend",
+)
 BEARER = {"type": "http", "scheme": "bearer"}
 LAST_EVENT_ID = {
     "name": "Last-Event-ID",
@@ -143,6 +148,15 @@ VIDEO = {
         "size": {"type": "string"},
         "prompt": {"type": "string"},
         "error": {"type": ["object", "null"]},
+        "remixed_from_video_id": {
+            "type": "string",
+            "description": "a remix's source job (POST /v1/videos/{id}/remix); absent on other jobs",
+        },
+        "extended_from_video_id": {
+            "type": "string",
+            "description": "an extension's source job, whose last frame this clip starts from (POST "
+            "/v1/videos/{id}/extend); absent on other jobs",
+        },
     },
 }
 VIDEO_ID = {"type": "string", "pattern": f"^{JOB_ID.pattern}$", "description": "as returned by POST /v1/videos"}
@@ -243,10 +257,12 @@ def field_docs(
 
 
 def properties(model: type[BaseModel], docs: dict[str, dict]) -> dict:
+    """The body's fields: all of them, or those it declares it takes (``documented``: remix's and extend's)."""
+    names = getattr(model, "documented", None) or tuple(model.model_fields)
     return {
         "type": "object",
-        "required": [n for n, f in model.model_fields.items() if f.is_required()],
-        "properties": {name: docs[name] for name in model.model_fields},
+        "required": [n for n in names if model.model_fields[n].is_required()],
+        "properties": {name: docs[name] for name in names},
     }
 
 
@@ -294,7 +310,13 @@ def document(
         post = doc["paths"].get(path, {}).get("post")
         if post is not None:
             post["parameters"].insert(0, IDEMPOTENCY_KEY)
-    for path, method in (("/v1/videos", "post"), ("/v1/videos/{video_id}", "get")):
+    video_answers = (
+        ("/v1/videos", "post"),
+        ("/v1/videos/{video_id}", "get"),
+        ("/v1/videos/{video_id}/remix", "post"),
+        ("/v1/videos/{video_id}/extend", "post"),
+    )
+    for path, method in video_answers:
         if method in doc["paths"].get(path, {}):
             doc["paths"][path][method]["responses"]["200"]["content"] = {
                 "application/json": {"schema": {"$ref": "#/components/schemas/Video"}}

@@ -24,7 +24,6 @@ replicas' handle); split, a route would live apart from the ``_call`` that autho
 import asyncio
 import base64
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -53,12 +52,13 @@ from h3serve.deploy.common.errors import (
 from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, TenantMetrics, admission_recorder
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
-from h3serve.deploy.ingress import content
+from h3serve.deploy.ingress import content, derived
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
 from h3serve.deploy.ingress.playground import playground_page
 from h3serve.deploy.ingress.quotas import Quotas
+from h3serve.deploy.ingress.routing import route
 from h3serve.deploy.ingress.tenants import Tenant, Tenants
 from h3serve.deploy.jobs.events import last_event_id
 from h3serve.deploy.jobs.media_store import MediaStore
@@ -176,22 +176,12 @@ def ingress_options(args: DeployArgs) -> dict[str, Any]:
     )
 
 
-def route(name: str):
-    """A route method run by ``H3Ingress._call`` (auth, error mapping, timing, counting), counted as ``name``."""
-
-    def wrap(handler: Callable[..., Awaitable[Any]]):
-        @functools.wraps(handler)  # Serve and FastAPI read the handler's name and parameters through this
-        async def endpoint(self, request: Request, **params):
-            return await self._call(name, request, lambda: handler(self, request, **params))
-
-        return endpoint
-
-    return wrap
+app.include_router(derived.router)  # remix and extend: DerivedVideos's methods, bound to H3Ingress by Serve
 
 
 @serve.deployment(name="H3Ingress")
 @serve.ingress(app)
-class H3Ingress:
+class H3Ingress(derived.DerivedVideos):
     def __init__(self, replica: DeploymentHandle, args: DeployArgs, rules: ModelRules | None = None):
         """``rules``: the checkpoint's, read by the driver (given when the replicas scale to zero, so that a video job
         is checked and accepted while none runs); None: asked of a replica when first needed."""
@@ -477,12 +467,17 @@ class H3Ingress:
             once.response = await self._create_video(request, body)
         return once.response
 
-    async def _create_video(self, request: Request, body: VideosBody) -> dict:
-        cold = await self._scaled_to_zero()  # then the job is accepted now, and runs once a replica serves
+    async def _video_rules(self) -> tuple[bool, ModelRules]:
+        """Whether the replicas are at zero (then a job is accepted now, and runs once a replica serves), and the
+        model's rules (without the driver's, waking a replica and waiting for its)."""
+        cold = await self._scaled_to_zero()
         if cold and self._rules is None:
             assert self.cold is not None
             self.cold.wake()  # no rules from the driver: this request waits for the first replica's
-        rules = await self.rules()
+        return cold, await self.rules()
+
+    async def _create_video(self, request: Request, body: VideosBody) -> dict:
+        cold, rules = await self._video_rules()
         if body.fps is not None and body.fps != rules.fps:
             raise APIError(400, f"fps: MiniMax-H3 generates at a fixed {rules.fps} fps", "fps")
         adapter = self._adapter(request, body)
@@ -496,6 +491,20 @@ class H3Ingress:
             references=tuple(body.references),
             tenant=None if request.state.tenant is None else request.state.tenant.name,
         )
+        return await self._queue_video(request, body, generation_request, adapter, cold, rules)
+
+    async def _queue_video(
+        self,
+        request: Request,
+        body: VideosBody | derived.DerivedBody,
+        generation_request: GenerationRequest,
+        adapter: str | None,
+        cold: bool,
+        rules: ModelRules,
+        links: dict[str, str] | None = None,
+    ) -> dict:
+        """Check ``generation_request``, record it as a queued job under the tenant's quota and queue it; its video
+        object (with ``links``: remix's and extend's source job)."""
         if not cold:  # refuse now, not in a failed job later (cold: the replica refuses it, and the job fails as 400)
             await self.replica.validate.remote(generation_request, adapter)
         num_frames = generation_request.num_frames or rules.min_frames
@@ -515,6 +524,7 @@ class H3Ingress:
             "size": f"{width}x{height}",
             "prompt": body.prompt,
             "error": None,
+            **(links or {}),
         }
         deadline_s = self._deadline_s(request, body.timeout_s)
         webhook = await job_webhook(body.webhook, self.webhooks, self.videos.webhooks is not None)
@@ -762,6 +772,7 @@ class H3Ingress:
             bodies: dict[str, type[BaseModel]] = {
                 "POST /v1/images/generations": ImagesBody,
                 "POST /v1/videos": VideosBody,
+                **derived.BODIES,
             }
             public = PUBLIC_ROUTES if self.tenants.enabled else None
             self._openapi = document(

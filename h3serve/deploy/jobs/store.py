@@ -254,6 +254,11 @@ class JobStore:
             self.store.put(name, data)  # a racing maker writes the same bytes
         return data, hashlib.sha256(data).hexdigest()
 
+    def settings(self, job_id: str) -> bytes | None:
+        """A completed job's stored request (``<id>.settings``: its ``<id>.request`` as it ran, uploads included), kept
+        with its clip for ``POST /v1/videos/{id}/remix`` and ``/extend``; None for any other job."""
+        return self.store.get(f"{job_id}.settings") if JOB_ID.fullmatch(job_id) else None
+
     def events(self, job_id: str) -> bytes | None:
         """The job's stored event log (``events.dump_log``), as its runner last wrote it; None before the first."""
         return self.store.get(f"{job_id}.events") if JOB_ID.fullmatch(job_id) else None
@@ -299,6 +304,7 @@ class JobStore:
         self.store.delete(
             *(f"{job_id}{suffix}" for suffix, _ in VARIANTS.values() if suffix != ".mp4"),
             f"{job_id}.request",
+            f"{job_id}.settings",
             f"{job_id}.events",
             f"{job_id}.webhook",
             *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)),
@@ -429,7 +435,7 @@ class JobStore:
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
         # a stored request without a record alike (create died between the two writes), and an event log (a deleted
         # job's runner writes its last one after removing the record)
-        suffixes = (".request", ".events", ".webhook", *(suffix for suffix, _ in VARIANTS.values()))
+        suffixes = (".request", ".settings", ".events", ".webhook", *(suffix for suffix, _ in VARIANTS.values()))
         mp4s = {found for n in names for s in suffixes if (found := job_id_of(n, s)) is not None}
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:
@@ -555,6 +561,9 @@ class JobRunner:
                 queue_position=None,
                 eta_seconds=None,
             )
+            request = self.jobs.store.get(f"{self.job_id}.request")
+            if request is not None:  # what remix and extend start from, kept as long as the clip (``settings``)
+                self.jobs.store.put(f"{self.job_id}.settings", request)
             self.jobs.store.delete(f"{self.job_id}.request")  # final: it never runs again
 
     def cancel(self) -> None:

@@ -284,6 +284,11 @@ class VideoJobs:
         """(unfinished jobs, their row-steps) of ``tenant``, across every ingress."""
         return await self._io(self.store.usage, tenant)
 
+    async def settings(self, video_id: str) -> dict | None:
+        """A completed job's request and run settings as ``load_job`` reads them (``store.JobStore.settings``)."""
+        raw = await self._io(self.store.settings, video_id)
+        return None if raw is None else load_job(raw)
+
     async def media(self, video_id: str, variant: str = "video") -> tuple[bytes, str] | None:
         """(bytes, sha256) of the finished job's ``variant``, made on first request (``store.JobStore.media``)."""
         return await self._io(self.store.media, video_id, variant)
