@@ -243,6 +243,17 @@ def test_every_route_needs_the_token_but_health(server):
             ("GET", "/v1/videos/{video_id}/content"): (f"/v1/videos/{video_id}/content", {}, 200),
             ("GET", "/v1/videos/{video_id}/events"): (f"/v1/videos/{video_id}/events", {}, 200),
             ("POST", "/v1/videos/{video_id}/cancel"): (f"/v1/videos/{video_id}/cancel", {}, 409),  # it completed
+            # a setting the source fixed: refused before any job is made
+            ("POST", "/v1/videos/{video_id}/remix"): (
+                f"/v1/videos/{video_id}/remix",
+                {"json": {"prompt": "x", "seed": 1}},
+                400,
+            ),
+            ("POST", "/v1/videos/{video_id}/extend"): (
+                f"/v1/videos/{video_id}/extend",
+                {"json": {"prompt": "x", "size": "64x64"}},
+                400,
+            ),
             ("DELETE", "/v1/videos/{video_id}"): (f"/v1/videos/{video_id}", {}, 200),
             ("GET", "/v1/models"): ("/v1/models", {}, 200),
             ("GET", "/v1/me"): ("/v1/me", {}, 200),  # api_key_env's key: tenant admin
@@ -498,7 +509,8 @@ def test_the_docs_pages_carry_the_document_so_they_work_with_auth_on(server):
     assert not without
     # the generating POSTs take an Idempotency-Key header (Stripe's), nothing else does
     keyed = {key for key, op in operations.items() if "Idempotency-Key" in {p["name"] for p in op["parameters"]}}
-    assert keyed == {("post", "/v1/videos"), ("post", "/v1/images/generations")}, keyed
+    derived = {("post", f"/v1/videos/{{video_id}}/{action}") for action in ("remix", "extend")}
+    assert keyed == {("post", "/v1/videos"), ("post", "/v1/images/generations"), *derived}, keyed
     key = next(p for p in operations["post", "/v1/videos"]["parameters"] if p["name"] == "Idempotency-Key")
     assert key["in"] == "header" and not key["required"] and key["schema"]["type"] == "string"
     body = locked["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
