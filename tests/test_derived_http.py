@@ -3,14 +3,17 @@ and beta, one request in the pack at a time). A derived clip is compared frame f
 for sent to POST /v1/videos: extend is FL2VA from the source's last frame (decoded here with PyAV from the source's
 MP4, independently of the server), remix the source's seed and settings with the new prompt."""
 
+import asyncio
 import io
+import os
+import subprocess
 
 import av
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.harness import client, error_of, wait_video
+from tests.harness import H3SERVE, client, error_of, wait_video
 from tests.served_apps import DERIVED_KEYS
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -154,3 +157,50 @@ def test_the_openapi_document_lists_both_routes_with_their_bodies(server):
     }
     assert any(p["name"] == "Idempotency-Key" for p in remix["parameters"])
     assert "remixed_from_video_id" in doc["components"]["schemas"]["Video"]["properties"]
+
+
+def test_the_client_and_the_cli_remix_and_extend(server, source, tmp_path):
+    from h3serve.client import AsyncH3Client, H3Client
+
+    with H3Client(server.url, api_key=DERIVED_KEYS["alpha"]) as api:
+        remix = api.remix_video(source["id"], {"prompt": "a green star"})
+        assert remix["remixed_from_video_id"] == source["id"]
+        assert api.wait_video(remix["id"], timeout_s=180)["status"] == "completed"
+
+    async def extend() -> dict:
+        async with AsyncH3Client(server.url, api_key=DERIVED_KEYS["alpha"]) as api:
+            return await api.extend_video(remix["id"], {"prompt": "it fades", "seed": 3})
+
+    extension = asyncio.run(extend())
+    assert extension["extended_from_video_id"] == remix["id"]
+    out = tmp_path / "more.mp4"
+    env = {**os.environ, "H3SERVE_SERVER": server.url, "H3SERVE_API_KEY": DERIVED_KEYS["alpha"]}
+    run = subprocess.run(
+        [*H3SERVE, "video", "extend", source["id"], "--prompt", "and again", "--watch", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    video_id = run.stdout.strip()
+    with client(server.root) as http:
+        job = http.get(f"{P}/v1/videos/{video_id}", headers=auth("alpha")).json()
+        assert job["extended_from_video_id"] == source["id"] and job["status"] == "completed"
+        assert np.array_equal(frames(http, video_id), np.stack(list(decode(out))))
+    refused = subprocess.run(
+        [*H3SERVE, "video", "remix", f"video_{'0' * 32}", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert refused.returncode == 1 and "HTTP 404" in refused.stderr and "(video_id)" in refused.stderr, refused
+
+
+def decode(path):
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            yield frame.to_ndarray(format="rgb24")

@@ -160,6 +160,25 @@ class H3Client(_Client):
         headers = with_idempotency_key(headers, idempotency_key)
         return self.http.post(self.routes.videos(), json=body, headers=headers).raise_for_status().json()
 
+    def remix_video(
+        self, video_id: str, body: dict, headers: dict | None = None, idempotency_key: str | None = None
+    ) -> dict:
+        """``POST /v1/videos/{id}/remix``: a new job, the completed source's seed and settings with ``body``'s prompt
+        (its object's ``remixed_from_video_id`` names the source)."""
+        headers = with_idempotency_key(headers, idempotency_key)
+        return (
+            self.http.post(self.routes.video(video_id, "remix"), json=body, headers=headers).raise_for_status().json()
+        )
+
+    def extend_video(
+        self, video_id: str, body: dict, headers: dict | None = None, idempotency_key: str | None = None
+    ) -> dict:
+        """``POST /v1/videos/{id}/extend``: a new job starting from the completed source's last frame (FL2VA) with
+        ``body``'s prompt (its object's ``extended_from_video_id`` names the source)."""
+        headers = with_idempotency_key(headers, idempotency_key)
+        url = self.routes.video(video_id, "extend")
+        return self.http.post(url, json=body, headers=headers).raise_for_status().json()
+
     def list_videos(self, limit: int = 20, after: str | None = None) -> dict:
         """``GET /v1/videos``: one page, newest first (``data``, ``has_more``, ``last_id`` for the next ``after``)."""
         params: dict[str, Any] = {"limit": limit, **({"after": after} if after else {})}
@@ -301,6 +320,20 @@ class AsyncH3Client(_Client):
     async def create_video(self, body: dict, headers: dict | None = None, idempotency_key: str | None = None) -> dict:
         headers = with_idempotency_key(headers, idempotency_key)
         return (await self.http.post(self.routes.videos(), json=body, headers=headers)).raise_for_status().json()
+
+    async def remix_video(
+        self, video_id: str, body: dict, headers: dict | None = None, idempotency_key: str | None = None
+    ) -> dict:
+        headers = with_idempotency_key(headers, idempotency_key)
+        url = self.routes.video(video_id, "remix")
+        return (await self.http.post(url, json=body, headers=headers)).raise_for_status().json()
+
+    async def extend_video(
+        self, video_id: str, body: dict, headers: dict | None = None, idempotency_key: str | None = None
+    ) -> dict:
+        headers = with_idempotency_key(headers, idempotency_key)
+        url = self.routes.video(video_id, "extend")
+        return (await self.http.post(url, json=body, headers=headers)).raise_for_status().json()
 
     async def video(self, video_id: str) -> dict:
         return (await self.http.get(self.routes.video(video_id))).raise_for_status().json()

@@ -2,6 +2,7 @@
 
 h3serve video create --server URL --prompt TEXT [--watch] [-o clip.mp4]   submit; --watch: a live progress bar
 h3serve video ls | get ID | wait ID | cancel ID | download ID -o FILE      the job's other calls
+h3serve video remix ID --prompt TEXT | extend ID --prompt TEXT [--watch]   a new job from a completed one
 
 The server is ``--server`` or ``$H3SERVE_SERVER``; its key, when it has one, ``$H3SERVE_API_KEY`` (or the variable
 ``--api-key-env`` names: a key is never a command-line argument, where ``ps`` shows it to everyone). ``--watch`` draws
@@ -162,6 +163,16 @@ def dispatch(api: H3Client, ns: argparse.Namespace, out: TextIO) -> int:
         print(job["id"])  # stdout: the id alone, for scripts (`id=$(h3serve video create ...)`)
         sys.stdout.flush()
         return watch(api, job["id"], ns.output, out) if ns.watch else 0
+    if ns.action in ("remix", "extend"):
+        fields = {"prompt": ns.prompt, "priority": ns.priority, "webhook": ns.webhook}
+        if ns.action == "extend":
+            fields.update(seconds=ns.seconds, seed=ns.seed, num_inference_steps=ns.steps)
+        body = {name: value for name, value in fields.items() if value is not None}
+        derive = api.remix_video if ns.action == "remix" else api.extend_video
+        job = derive(ns.id, body)
+        print(job["id"])
+        sys.stdout.flush()
+        return watch(api, job["id"], ns.output, out) if ns.watch else 0
     if ns.action == "ls":
         page = api.list_videos(limit=ns.limit, after=ns.after)
         for job in page["data"]:
@@ -209,6 +220,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--webhook", help="a URL the server POSTs the finished job to, signed (see verify_webhook)")
     p.add_argument("--watch", action="store_true", help="follow it with a progress bar until it ends")
     p.add_argument("-o", "--output", help="with --watch: write the finished MP4 here")
+    for name, help in (
+        ("remix", "a new job: a completed one's seed and settings with a new prompt; its id on stdout"),
+        ("extend", "a new job starting from a completed one's last frame, with a new prompt; its id on stdout"),
+    ):
+        p = action(name, help)
+        p.add_argument("id", help="the completed source job")
+        p.add_argument("--prompt", required=True)
+        if name == "extend":
+            p.add_argument("--seconds", type=float, help="the new clip's length (default: the source's)")
+            p.add_argument("--seed", type=int, help="default: the source's")
+            p.add_argument("--steps", type=int, help="num_inference_steps (default: the source's)")
+        p.add_argument("--priority", type=int)
+        p.add_argument("--webhook", help="a URL the server POSTs the finished job to, signed (see verify_webhook)")
+        p.add_argument("--watch", action="store_true", help="follow it with a progress bar until it ends")
+        p.add_argument("-o", "--output", help="with --watch: write the finished MP4 here")
     p = action("ls", "list video jobs, newest first")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--after", help="the last id of the previous page")
