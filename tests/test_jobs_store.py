@@ -423,3 +423,18 @@ def test_a_cancel_asked_while_a_job_had_no_runner_ends_it_at_the_take_over(url):
     b.request_cancel(runner.job_id)
     assert b.take_over(runner.job_id) is None  # not run again: recorded cancelled
     assert b.get(runner.job_id)["status"] == "cancelled" and b.takeable() == []
+
+
+def test_a_completed_job_keeps_its_request_as_settings_until_it_goes(url):
+    """What remix and extend start from: a completed job's stored request, readable on every replica, removed with
+    the job; a failed or cancelled job keeps none."""
+    _, (a, b) = replicas(url)
+    done = a.create(video(), "req-done", job=b'{"request": "as it ran"}')
+    assert b.settings(done.job_id) is None  # not before it completes
+    done.complete(b"mp4")
+    assert b.settings(done.job_id) == b'{"request": "as it ran"}'
+    assert not MediaStore(url).exists(f"{done.job_id}.request")  # never taken over again
+    failed = a.create(video(), "req-failed", job=b"{}")
+    failed.fail("500", "internal error")
+    assert b.settings(failed.job_id) is None and b.settings("../etc/passwd") is None
+    assert b.delete(done.job_id) and b.settings(done.job_id) is None

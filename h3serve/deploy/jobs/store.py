@@ -20,7 +20,8 @@ record with its request and attempts left does not read failed: any ingress's sw
 by creating ``<id>.lease<epoch + 1>`` (exclusive: one ingress wins), writes the record with that epoch and runs the
 job again. Every runner write first reads the stored epoch and refuses (LeaseLost) when it is past its own, so a
 runner that lost its lease never overwrites its successor. An ingress that stops cleanly dates its jobs' records
-back past their lease (``hand_over``) so that the next sweep anywhere takes them over.
+back past their lease (``hand_over``) so that the next sweep anywhere takes them over. A completed job's request is
+kept as ``<id>.settings`` until the job goes (``settings``): remix and extend start from it.
 """
 
 from __future__ import annotations
