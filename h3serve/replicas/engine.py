@@ -67,7 +67,7 @@ class Engine:
         self.stage_worker = StageWorker(self.executor.device, self.limits.stage_nice)
         self.progress = Progress(self.requests, self.limits, self.pipeline, observer, self.stage_worker.run)
         self.stages: Stages = (
-            LocalStages(self.pipeline, self.stage_worker)
+            LocalStages(self.pipeline, self.stage_worker, lambda: self.executor.group.tile_runner())
             if remote is None
             else RemoteStages(self.pipeline, self.stage_worker, remote, self.stats.handoff_bytes)
         )

@@ -50,6 +50,7 @@ exchange (``StepOrder``, ``RankOutcome``) and how rank 0 classifies outcomes cha
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import gc
@@ -65,10 +66,12 @@ from typing import Any, TypeVar
 import ray
 import torch
 
-from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline
+from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline, tiled_decode
 from h3serve.pipelines.h3.memory import MeasuredUse
 from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack, pack_layout
+from h3serve.pipelines.h3.stage_models import load_tile_decoder
 from h3serve.pipelines.h3.step_cache import CachedPack, CacheMirror, CacheMirrorWriter, RankCaches
+from h3serve.pipelines.h3.tiled_decode import TileRunner
 
 from . import nccl
 from .allocator import cuda_allocator_defaults, measure_device, reset_peak
@@ -244,11 +247,12 @@ def init_distributed(
     return UlyssesGroup(spec.sp_degree, rank, spec.num_heads, device=device)
 
 
-@ray.remote(concurrency_groups={"step": 1, "control": 1})
+@ray.remote(concurrency_groups={"step": 1, "control": 1, "decode": 1})
 class SPWorker:
     """Ranks 1..W-1. Model work runs in the "step" group, one call at a time, so two forwards never
     interleave their collectives; ``ping``, ``abort`` and ``arm`` have their own group and answer while a
-    forward runs (or is stuck)."""
+    forward runs (or is stuck). A share of rank 0's decode (``spec.decode_on_ranks``) has its own "decode" group:
+    it never queues a step behind it (the step's bound keeps running), as rank 0's decode runs beside its steps."""
 
     def __init__(self, spec: ReplicaSpec, rank: int):
         self.spec, self.rank = spec, rank
@@ -257,6 +261,8 @@ class SPWorker:
         self.master: str | None = None  # the rendezvous of ``sp``: names the communicator an abort is meant for
         self.step_caches = RankCaches()  # this rank's copy of each caching request's state, by key
         self.join_faults = FaultInjector(rank)  # tests only: faults armed for this process's next join
+        self.vae: torch.nn.Module | None = None  # the video VAE, for tiles of rank 0's decodes (decode_on_ranks)
+        self.decode_stream: torch.cuda.Stream | None = None  # on CUDA: tiles decode beside the steps' stream
 
     @ray.method(concurrency_group="step")
     def build(self, requested: float) -> LoadReport:
@@ -264,7 +270,22 @@ class SPWorker:
         finished."""
         started = time.time()
         self.denoiser = build_worker(self.spec)
+        if self.spec.decode_on_ranks:
+            self.vae = load_tile_decoder(self.spec.checkpoint, self.spec.device, self.spec.vae_dtype)
+            if self.spec.device == "cuda":
+                self.decode_stream = torch.cuda.Stream(device=torch.device("cuda", 0))
         return LoadReport(self.rank, requested, started, time.time())
+
+    @ray.method(concurrency_group="decode")
+    def decode_tiles(self, tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A run of rank 0's clip tiles [1, C, t, h, w] (host), decoded as diffusers' tiled decode does each
+        (``tiled_decode.decode_tiles``), back on the host."""
+        assert self.vae is not None, "this worker holds no VAE: decode_on_ranks is off"
+        if self.decode_stream is None:
+            return [tile.cpu() for tile in tiled_decode.decode_tiles(self.vae, tiles)]
+        with torch.cuda.stream(self.decode_stream):
+            decoded = [tile.cpu() for tile in tiled_decode.decode_tiles(self.vae, tiles)]
+        return decoded
 
     @ray.method(concurrency_group="step")
     def join(self, master: str) -> tuple[int, str]:
@@ -377,6 +398,8 @@ class WorkerGroup:
         self.master = ""  # the rendezvous address of this group's communicator
         self.processes: dict[int, tuple[int, str]] = {}  # worker rank -> its process id and node
         self.loads: dict[int, LoadReport] = {}  # the loads that built this group (a kept worker's is not here)
+        # tiles of rank 0's decodes (decode_on_ranks), by who decoded them: "own", "workers", "taken_back"
+        self.tiles_decoded: collections.Counter[str] = collections.Counter()
         self._blocking: concurrent.futures.ThreadPoolExecutor | None = None  # rank 0's thread for ``__call__``
         # packs are now aligned for, and run on, the whole group
         pipeline.row_multiple = spec.sp_degree
@@ -469,6 +492,40 @@ class WorkerGroup:
         group.processes = dict(zip(range(1, spec.sp_degree), processes, strict=True))
         group.loads = dict(loads)
         return group
+
+    # -- a decode split over the ranks -------------------------------------------------------------
+    tile_timeout_s = 600.0  # how long rank 0 waits for a worker's run of tiles before decoding it itself
+
+    def tile_runner(self) -> TileRunner | None:
+        """With ``spec.decode_on_ranks``: a ``tiled_decode.TileRunner`` for one of rank 0's decodes (it runs on the
+        decode's thread) that splits the clip's tiles in ``sp_degree`` runs, the first decoded by rank 0's VAE while
+        each worker decodes one of the others; a run a worker does not return (lost, failed, past
+        ``tile_timeout_s``) is decoded by rank 0 all the same. None: rank 0 decodes alone (off, one rank, or the
+        group is broken: its workers are being replaced)."""
+        if not self.spec.decode_on_ranks or not self.workers or self.broken_reason:
+            return None
+        vae, workers = self.pipeline.stages.after.vae, list(self.workers)
+
+        def run_tiles(tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+            own, *others = tiled_decode.split(tiles, len(workers) + 1)
+            calls = [
+                (run, w.decode_tiles.remote([t.cpu() for t in run]))
+                for w, run in zip(workers, others, strict=True)
+                if run
+            ]
+            decoded = tiled_decode.decode_tiles(vae, own)
+            self.tiles_decoded["own"] += len(own)
+            for run, call in calls:
+                try:
+                    decoded.extend(ray.get(call, timeout=self.tile_timeout_s))
+                    self.tiles_decoded["workers"] += len(run)
+                except Exception as e:  # the worker died or failed under it: its tiles are decoded here all the same
+                    logger.warning("a worker's run of %d tiles failed (%s): decoding them on rank 0", len(run), e)
+                    decoded.extend(tiled_decode.decode_tiles(vae, run))
+                    self.tiles_decoded["taken_back"] += len(run)
+            return decoded
+
+        return run_tiles
 
     # -- one step -----------------------------------------------------------------------------
     def launch(self, pack: Pack, bound_s: float) -> list[ray.ObjectRef]:

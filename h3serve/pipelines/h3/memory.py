@@ -547,6 +547,7 @@ def memory_plan(
     steps: int = 50,
     late_decisions: bool = True,
     vae_dtype: str = "float32",
+    decode_on_ranks: bool = False,
 ) -> MemoryPlan:
     """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
 
@@ -562,6 +563,7 @@ def memory_plan(
     one). ``requests``: the prepared requests rank 0 holds at most (``max_active + max_prepared``), each at the
     row budget with requests of up to ``steps`` steps (``REQUEST_FORMULA``). ``late_decisions``: the offered tiers
     differ in ``fn_blocks`` (``activation_row_cost``). ``vae_dtype``: the VAEs' served dtype (``args.vae_dtype``).
+    ``decode_on_ranks``: the worker ranks also hold the video VAE (they decode shares of rank 0's clips' tiles).
     """
     if stages not in ("local", "remote"):
         raise ValueError(f"stages must be 'local' or 'remote', got {stages!r}")
@@ -606,7 +608,8 @@ def memory_plan(
         reserve_bytes,
         requests=requests,
     )
-    ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", transformers, activations, reserve_bytes))
+    workers = {**transformers, "vae": weights["vae"]} if decode_on_ranks else transformers
+    ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", workers, activations, reserve_bytes))
     stage_plans: tuple[RankPlan, ...] = ()
     if stages == "remote":
         stage_plans = (
