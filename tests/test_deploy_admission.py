@@ -541,7 +541,10 @@ def test_a_stopped_replica_releases_its_sp_workers(ray_cluster):
     address = ray_cluster.address
     app, name = replica_app(spec_for("torch_sdpa", sp_degree=2), "sp-teardown")
     handle = serve.run(app, name=name, route_prefix=None)
-    assert handle.diagnostics.remote().result()["sp_degree"] == 2
+    diagnostics = handle.diagnostics.remote().result()
+    assert diagnostics["sp_degree"] == 2
+    loads = diagnostics["rank_loads"]  # the replica's start: its worker's load asked for before rank 0 began its own
+    assert sorted(loads) == [0, 1] and loads[1]["requested"] <= loads[0]["started"] < loads[0]["finished"]
 
     def workers(state: str):
         return [
