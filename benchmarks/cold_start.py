@@ -198,7 +198,9 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-served", dest="served", action="store_false", help="only the phases, no `h3serve serve`")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group", action="store_true", help="an sp=2 replica's start on a several-GiB checkpoint")
-    ap.add_argument("--layers", type=int, default=40, help="--group: the synthetic transformer's blocks (default 40)")
+    ap.add_argument(
+        "--layers", type=int, default=48, help="--group: the synthetic transformer's blocks (default 48: 3.3 GiB)"
+    )
 
 
 if __name__ == "__main__" and "--child" in sys.argv:  # before any import below: the child times its own imports
