@@ -1,6 +1,7 @@
 """Cold start on the CPU default, per phase: what a replica does before its first step and its first finished clip.
 
     python -m benchmarks.cold_start [--smoke] [--steps N] [--no-served] [--json PATH]
+    python -m benchmarks.cold_start --group [--layers N] [--json PATH]   # an sp=2 replica's start, large checkpoint
     PYTHONPATH=<another checkout> python benchmarks/cold_start.py ...   # the same phases with that checkout's h3serve
 
 Two measurements, one after the other:
@@ -11,6 +12,11 @@ Two measurements, one after the other:
           the first request (prepare, first step, the other steps, decode) and the same request again, warm;
   served  `h3serve serve` of the default config (``harness.ServedDefault``): until it serves, then the first video
           job (POST to MP4) and a second one, warm.
+  group   (``--group``) an sp=2 replica's worker group started on a synthetic checkpoint of the released layout
+          whose transformer is several GiB (the tiny preset's VAEs and text encoder, a transformer of hidden 1024 and
+          ``--layers`` blocks, fp32, random weights, written once into /tmp): ``WorkerGroup.create`` from its call
+          to the group up, and each rank's load (when it was asked for, began and ended: ``LoadReport``; a checkout
+          before it reports none, only the whole start). The page cache holds the checkpoint (just written or read).
 Run it under another checkout's PYTHONPATH (a ``git archive`` of the commit before) for the "before" column: the
 child, the command and the Ray workers all import that checkout's h3serve.
 """
@@ -107,8 +113,72 @@ def served(steps: int) -> dict[str, float]:
     return out
 
 
+def synthetic_checkpoint(layers: int) -> tuple[str, dict]:
+    """The released layout with a transformer of hidden 1024 (32 heads of 32, SwiGLU 4096) and ``layers`` blocks:
+    ~17.5M parameters a block, fp32 (written once; a later run reads it again)."""
+    from pathlib import Path
+
+    from h3serve.pipelines.h3 import checkpoint as ckpt
+
+    dims = {"num_attention_heads": 32, "attention_head_dim": 32, "hidden_size": 1024, "ffn_dim": 4096}
+    dims["num_layers"] = layers
+    directory = Path(f"/tmp/h3serve-cold-start-h1024-l{layers}")
+    if not (directory / ckpt.INDEX_FILE).is_file():
+        ckpt.write_tiny_checkpoint(directory, seed=0, transformer=dims)
+    return str(directory), dims
+
+
+def group_start(layers: int) -> dict:
+    """``WorkerGroup.create`` of an sp=2 replica on the synthetic checkpoint, on a local Ray cluster of its own."""
+    import pathlib
+
+    import ray
+
+    from h3serve.attention import Platform, resolve
+    from h3serve.pipelines.h3 import REQUIREMENTS
+    from h3serve.replicas import ReplicaSpec, WorkerGroup
+
+    checkpoint, dims = synthetic_checkpoint(layers)
+    nbytes = sum(f.stat().st_size for f in pathlib.Path(checkpoint, "transformer").glob("*.safetensors"))
+    for f in pathlib.Path(checkpoint).rglob("*.safetensors"):  # into the page cache, as a second start finds it
+        f.read_bytes()
+    resolution = resolve(REQUIREMENTS, "auto", Platform.cpu(), model="minimax-h3-tiny", head_dim=32)
+    spec = ReplicaSpec(
+        resolution=resolution,
+        checkpoint=checkpoint,
+        model_name="cold-start",
+        num_heads=dims["num_attention_heads"],
+        head_dim=dims["attention_head_dim"],
+        num_layers=dims["num_layers"],
+        hidden_size=dims["hidden_size"],
+        sp_degree=2,
+        collective_timeout_s=120.0,
+        rank_resources={"CPU": 0.5},
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        started = time.time()
+        group = WorkerGroup.create(spec)
+        up = time.time()
+        loads = {
+            rank: {k: round(getattr(load, k) - started, 3) for k in ("requested", "started", "finished")}
+            for rank, load in getattr(group, "loads", {}).items()  # none before LoadReport
+        }
+        group.shutdown()
+    finally:
+        ray.shutdown()
+    return {"transformer_gib": nbytes / 2**30, "layers": layers, "create_s": up - started, "loads": loads}
+
+
 def run(args: argparse.Namespace) -> dict:
     from benchmarks.harness import say, served_checkpoint, table
+
+    if args.group:
+        result = group_start(args.layers)
+        say(f"transformer {result['transformer_gib']:.2f} GiB; sp=2 group up in {result['create_s']:.2f} s")
+        rows = [[rank, t["requested"], t["started"], t["finished"]] for rank, t in sorted(result["loads"].items())]
+        table(["rank", "asked (s)", "load began (s)", "load ended (s)"], rows, "from WorkerGroup.create's call")
+        return result
 
     steps = 2 if args.smoke else args.steps
     import h3serve
@@ -127,6 +197,10 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=8, help="steps of each request (default 8)")
     ap.add_argument("--no-served", dest="served", action="store_false", help="only the phases, no `h3serve serve`")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--group", action="store_true", help="an sp=2 replica's start on a several-GiB checkpoint")
+    ap.add_argument(
+        "--layers", type=int, default=48, help="--group: the synthetic transformer's blocks (default 48: 3.3 GiB)"
+    )
 
 
 if __name__ == "__main__" and "--child" in sys.argv:  # before any import below: the child times its own imports

@@ -194,7 +194,7 @@ def test_admit_passes_both_shipped_configs():
     for role in ("rank 0", "worker ranks", "conditioner", "decoder"):  # every role's memory plan
         assert any(line.startswith(f"{role} ") for line in lines), (role, given.stdout)
     assert "weights: transformer 61.7 GiB\n" in given.stdout  # the denoiser's ranks: no Qwen3-VL, no VAEs
-    assert "weights: text_encoder 50.3 GiB, vae 9.7 GiB, audio_vae 577.2 MiB" in given.stdout
+    assert "weights: text_encoder 50.3 GiB, vae 5.2 GiB, audio_vae 577.2 MiB" in given.stdout
     assert "stage conditioner: 1 replica(s)" in given.stdout and "stage decoder: 2 replica(s)" in given.stdout
 
 
@@ -250,6 +250,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
         text_rows=engine.max_text_rows_per_step,
         requests=engine.max_active + engine.max_prepared,
         steps=args["limits"]["max_steps"],
+        vae_dtype="bfloat16",  # the GPU default (args.vae_dtype on cuda): the VAEs as released
     )
     rank0, workers = plan.ranks
     assert rank0.weights == workers.weights and set(rank0.weights) == {"transformer", "transformer_ref"}
@@ -280,6 +281,7 @@ def test_admit_sizes_the_h200_config_for_the_released_checkpoint(tmp_path):
         text_rows=engine.max_text_rows_per_step,
         requests=engine.max_active + engine.max_prepared,
         steps=args["limits"]["max_steps"],
+        vae_dtype="bfloat16",
     )
     assert local.ranks[0].weight_bytes > h200_bytes  # no row budget can help
     unstaged = h3serve_inline(
@@ -302,8 +304,8 @@ def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_p
     for role in ("rank 0", "worker ranks", "conditioner", "decoder"):
         assert any(line.startswith(f"{role} ") for line in lines), (role, staged.stdout)
     assert "weights: transformer 61.7 GiB\n" in staged.stdout  # rank 0 and the workers: nothing else
-    assert "weights: text_encoder 50.3 GiB, vae 9.7 GiB, audio_vae 577.2 MiB" in staged.stdout  # the conditioner
-    assert "weights: vae 9.7 GiB, audio_vae 577.2 MiB" in staged.stdout  # the decoder
+    assert "weights: text_encoder 50.3 GiB, vae 5.2 GiB, audio_vae 577.2 MiB" in staged.stdout  # the conditioner
+    assert "weights: vae 5.2 GiB, audio_vae 577.2 MiB" in staged.stdout  # the decoder
     assert "stage conditioner: 1 replica(s)" in staged.stdout and "stage decoder: 2 replica(s)" in staged.stdout
     config = yaml.safe_load((REPO / "h3serve" / "deploy" / "serve_config.h100.yaml").read_text())
     del config["applications"][0]["args"]["stages"]
@@ -312,7 +314,7 @@ def test_admit_passes_the_staged_h100_config_and_refuses_it_without_stages(tmp_p
     )
     assert unstaged.returncode == 2, unstaged.stdout
     assert "admission refused application 'h3serve': rank 0 needs" in unstaged.stderr
-    for number in ("transformer 61.7 GiB", "text_encoder 50.3 GiB", "vae 9.7 GiB", "has 79.6 GiB"):
+    for number in ("transformer 61.7 GiB", "text_encoder 50.3 GiB", "vae 5.2 GiB", "has 79.6 GiB"):
         assert number in unstaged.stderr
     assert "stage conditioner" not in unstaged.stdout
 
@@ -539,7 +541,10 @@ def test_a_stopped_replica_releases_its_sp_workers(ray_cluster):
     address = ray_cluster.address
     app, name = replica_app(spec_for("torch_sdpa", sp_degree=2), "sp-teardown")
     handle = serve.run(app, name=name, route_prefix=None)
-    assert handle.diagnostics.remote().result()["sp_degree"] == 2
+    diagnostics = handle.diagnostics.remote().result()
+    assert diagnostics["sp_degree"] == 2
+    loads = diagnostics["rank_loads"]  # the replica's start: its worker's load asked for before rank 0 began its own
+    assert sorted(loads) == [0, 1] and loads[1]["requested"] <= loads[0]["started"] < loads[0]["finished"]
 
     def workers(state: str):
         return [

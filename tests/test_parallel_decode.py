@@ -14,6 +14,7 @@ from h3serve.deploy.common.args import DeployArgs, StagesArgs
 from h3serve.deploy.model_server.stage_deployments import H3Decoder
 from h3serve.pipelines.h3 import GenerationRequest, H3StageModels, tiled_decode
 from h3serve.pipelines.h3 import checkpoint as ckpt
+from h3serve.replicas import ReplicaSpec
 
 
 def two_way(vae):
@@ -131,3 +132,76 @@ def reports(handle) -> dict[str, dict[str, int]]:
         if len(seen) == 2:
             return seen
     raise AssertionError(f"only {len(seen)} replica(s) answered")
+
+
+@pytest.mark.ray
+def test_a_replicas_own_ranks_split_its_decode_and_make_the_serial_frames_bit_for_bit(ray_cluster, tiny_checkpoint):
+    """No decoder stage: with ``decode_on_ranks`` an sp=2 replica's worker also holds the video VAE and decodes a share
+    of rank 0's clip tiles (7 tiles: 4 on rank 0, 3 on the worker), through the engine too; the frames and audio equal
+    rank 0's serial decode bit for bit."""
+    import asyncio
+
+    from h3serve.replicas import Engine, WorkerGroup
+    from tests.test_replicas import spec
+
+    torch.set_num_threads(1)  # as the worker (one CPU's share): the same kernels, so the same bits (conftest restores)
+    group = WorkerGroup.create(spec(2, tiny_checkpoint).model_copy(update={"decode_on_ranks": True}))
+    try:
+        pipeline = group.pipeline
+        request = GenerationRequest(prompt="a red circle moving left", num_inference_steps=2, seed=4)
+        state = pipeline.prepare(request)
+        while not state.done:
+            pipeline.step([state])
+        serial = pipeline.decode(state)
+        assert group.tiles_decoded == {}  # no runner given: rank 0 alone
+        split = pipeline.decode(state, group.tile_runner())
+        assert group.tiles_decoded == {"own": 4, "workers": 3}
+        assert np.array_equal(split.frames, serial.frames)  # bit for bit
+        assert np.array_equal(split.audio, serial.audio) and split.sample_rate == serial.sample_rate
+
+        async def served():
+            engine = Engine(group)
+            try:
+                return await engine.generate(request)
+            finally:
+                await engine.close()
+
+        media = asyncio.run(served())
+        assert group.tiles_decoded == {"own": 8, "workers": 6}  # the engine's decode was split as well
+        assert np.array_equal(media.frames, serial.frames)
+    finally:
+        group.shutdown()
+
+
+def test_decode_on_ranks_needs_the_vae_on_rank0():
+    from tests.test_replicas import RESOLUTION
+
+    with pytest.raises(ValueError, match="decode_on_ranks splits rank 0's own decode"):
+        ReplicaSpec(
+            resolution=RESOLUTION,
+            checkpoint=None,
+            model_name="x",
+            num_heads=4,
+            head_dim=32,
+            num_layers=4,
+            hidden_size=96,
+            sp_degree=2,
+            stages="remote",
+            decode_on_ranks=True,
+        )
+
+
+def test_decode_on_ranks_is_refused_where_nothing_splits_and_the_workers_plan_hold_the_vae(tiny_checkpoint):
+    from pydantic import ValidationError
+
+    from h3serve.pipelines.h3.memory import memory_plan
+
+    for fields in ({}, {"sp_degree": 2, "stages": {}}):  # one rank; or a decoder stage decodes
+        with pytest.raises(ValidationError, match="decode_on_ranks splits rank 0's decode over its SP workers"):
+            DeployArgs(decode_on_ranks=True, **fields)
+    assert DeployArgs(decode_on_ranks=True, sp_degree=2).decode_on_ranks
+    plan = memory_plan(
+        model="tiny", checkpoint=str(tiny_checkpoint), dtype="float32", sp_degree=2, max_rows=1024, decode_on_ranks=True
+    )
+    rank0, workers = plan.ranks
+    assert set(workers.weights) == {"transformer", "vae"} and workers.weights["vae"] == rank0.weights["vae"]

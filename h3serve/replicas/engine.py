@@ -67,7 +67,7 @@ class Engine:
         self.stage_worker = StageWorker(self.executor.device, self.limits.stage_nice)
         self.progress = Progress(self.requests, self.limits, self.pipeline, observer, self.stage_worker.run)
         self.stages: Stages = (
-            LocalStages(self.pipeline, self.stage_worker)
+            LocalStages(self.pipeline, self.stage_worker, lambda: self.executor.group.tile_runner())
             if remote is None
             else RemoteStages(self.pipeline, self.stage_worker, remote, self.stats.handoff_bytes)
         )
@@ -284,7 +284,9 @@ class Engine:
         # A stage replica that Serve is replacing can take minutes to load (Qwen3-VL): with a call to it in flight
         # and nothing to step here, the stage's own health check covers it
         awaiting_stages = self.stages.calls > 0 and not self.requests.live(Stage.RESIDENT)
-        if self._busy and not awaiting_stages:
+        # a replacement SP group loading (minutes on a GPU) is no stall: the supervisor bounds it by its startup timeout
+        replacing = self.supervisor.replacing_since is not None
+        if self._busy and not awaiting_stages and not replacing:
             quiet = time.monotonic() - max(self._progress_at, self.executor.progress_at, self.stage_loop.progress_at)
             if quiet > self.stall_window_s:
                 message = (

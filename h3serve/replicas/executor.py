@@ -297,7 +297,7 @@ class Executor:
         outcome.failed_steps.append("worker_group")
         if not broken.recoverable:  # rank 0's thread is stuck in the step: the model thread will not take the work
             self.supervisor.fail(broken)
-        await self.run_blocking(self.supervisor.replace, broken)
+        await self.supervisor.recover(broken, self.run_blocking)  # its loads hold no thread: only its rendezvous
         # The lost communicator's ranks held every caching request's residuals too; the new ones start without:
         # each caching request computes its next step in full (no request is ever fed a residual one rank lacks).
         for ticket in holders():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from h3serve.attention import Resolution
 from h3serve.pipelines.h3 import TransformerGeometry
@@ -41,9 +41,20 @@ class ReplicaSpec(BaseModel):
     # where conditioning and decoding run: "local" on rank 0 (it loads the text encoder and both VAEs), "remote"
     # in stage deployments of their own (DeployArgs.stages; rank 0 holds only the transformer partitions)
     stages: StagePlacement = "local"
+    # with stages "local" and sp_degree > 1: each clip's video decode is split by whole tiles over every rank of the
+    # replica (each worker also holds the video VAE: its bytes more on every worker's device); False: rank 0 alone
+    decode_on_ranks: bool = False
     # each rank role's planned device bytes by part (memory.planned_by_role of admission's plan): the warm-up at the
     # row budget is checked against it on every rank (CUDA); None: admitted without a plan (tests, benchmarks)
     memory_plan: dict[str, dict[str, int]] | None = None
+
+    @model_validator(mode="after")
+    def _decode_where_the_vae_is(self) -> ReplicaSpec:
+        if self.decode_on_ranks and self.stages != "local":
+            raise ValueError(
+                "decode_on_ranks splits rank 0's own decode: with stages 'remote' the decoder stage decodes"
+            )
+        return self
 
     @property
     def geometry(self) -> TransformerGeometry:

@@ -36,6 +36,7 @@ from h3serve.pipelines.h3 import (
 )
 from h3serve.pipelines.h3.handoff import payload_bytes
 from h3serve.pipelines.h3.pipeline import H3Pipeline
+from h3serve.pipelines.h3.tiled_decode import TileRunner
 
 from . import scheduler
 from .contract import EngineLimits
@@ -119,14 +120,17 @@ class LocalStages:
 
     calls = 0
 
-    def __init__(self, pipeline: H3Pipeline, worker: StageWorker):
-        self.pipeline, self.worker = pipeline, worker
+    def __init__(self, pipeline: H3Pipeline, worker: StageWorker, tiles: Callable[[], TileRunner | None] | None = None):
+        """``tiles``: at each decode, who decodes its video tiles (the SP group's ranks: ``WorkerGroup.tile_runner``);
+        None, or it gives None: rank 0's VAE alone."""
+        self.pipeline, self.worker, self.tiles = pipeline, worker, tiles
 
     async def prepare(self, ticket: Ticket) -> RequestState:
         return await self.worker.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
 
     async def decode(self, ticket: Ticket) -> GeneratedMedia | EncodedMedia:
-        return await self.worker.run(self.pipeline.decode, ticket.prepared)
+        runner = self.tiles() if self.tiles is not None else None  # the current group's (a replaced one's too)
+        return await self.worker.run(self.pipeline.decode, ticket.prepared, runner)
 
 
 class RemoteStages:

@@ -4,20 +4,25 @@ A step that breaks the group (``WorkerGroupBroken``) has already aborted every r
 every rank's side of the step; ``replace`` builds the next group: the workers whose step came back are kept (their
 models stay loaded: on a GPU that saves reloading the transformer; they only join a new communicator), the lost ones
 (dead, or stuck past the abort) are killed and new actors start in their bundles, and every rank meets on a new port.
-Rank 0's pipeline (its models, its requests' states) stays. A group whose rank 0 did not come back cannot be replaced
-here, nor one whose replacement fails to build: the engine then stops, health fails and Serve replaces the replica.
+The new actors load in their own processes while rank 0 waits for them without holding a thread (``recover``): its
+model thread, the event loop, health checks and the queue go on. Rank 0's pipeline (its models, its requests' states)
+stays. A group whose rank 0 did not come back cannot be replaced here, nor one whose replacement fails to build: the
+engine then stops, health fails and Serve replaces the replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from typing import NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
 
 import ray
 
-from .worker_group import WorkerGroup, WorkerGroupBroken, describe
+from .worker_group import LoadReport, WorkerGroup, WorkerGroupBroken, describe, run_sync
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +51,16 @@ class GroupSupervisor:
         self.failed: str | None = None  # why the last broken group could not be replaced
 
     def replace(self, broken: WorkerGroupBroken) -> WorkerGroup:
-        """The next group (blocking: builds actors and rendezvous); WorkerGroupBroken when it cannot be built."""
+        """``recover``, blocking (tests, tools): the rendezvous on a thread of its own."""
+        return run_sync(self.recover(broken))
+
+    async def recover(
+        self, broken: WorkerGroupBroken, run_blocking: Callable[..., Awaitable[Any]] | None = None
+    ) -> WorkerGroup:
+        """The next group; WorkerGroupBroken when it cannot be built. The aborts and kills run on a thread of their
+        own, the new workers' loads (a GPU's transformer: minutes) are awaited on the event loop, holding no thread,
+        and only the rendezvous runs on ``run_blocking`` (the engine's model thread; None: a thread of its own): the
+        replica answers health, reports and new requests while a replacement loads."""
         old = self.group
         if not broken.recoverable or old.placement is None:
             self.fail(broken)
@@ -54,20 +68,29 @@ class GroupSupervisor:
         self.replacing_since = started
         placement, old.placement = old.placement, None  # the new group owns it from here
         # a step that broke it aborted it already (each abort runs once); a group a health check broke is aborted here
-        aborted, aborts = old.abort()
+        aborted, aborts = await asyncio.to_thread(old.abort)
         if not aborted:  # rank 0's communicator may still be live in this process: no new one beside it
             placement.release()
             self.fail(WorkerGroupBroken(f"{broken.reason}; rank 0's abort did not return", lost=broken.lost))
+        kept: dict[int, Any] = {}
+        launched: dict[int, tuple[Any, ray.ObjectRef]] = {}
         try:
-            lost = set(broken.lost) | self._stuck(aborts, old.abort_grace_s) | self._unreachable(old, broken.lost)
+            lost = await asyncio.to_thread(self._lost, old, broken, aborts)
             for rank in sorted(lost):
                 old.kill(rank)
             kept = {rank: w for rank, w in enumerate(old.workers, start=1) if rank not in lost}
             old.workers = []
-            new = WorkerGroup.start(old.spec, old.pipeline, placement, self.startup_timeout_s, kept, old.steps)
+            launched = WorkerGroup.spawn(old.spec, placement, sorted(lost))
+            loads = await self._loads(launched)
+            workers = {**kept, **{rank: actor for rank, (actor, _) in launched.items()}}
+            join = functools.partial(WorkerGroup.join, kept=len(kept), steps=old.steps)
+            args = (old.spec, old.pipeline, placement, workers, loads)
+            new = await (run_blocking(join, *args) if run_blocking is not None else asyncio.to_thread(join, *args))
             new.abort_grace_s = old.abort_grace_s
             self.group = new  # before the replacement ends: a health check never sees the old group unattended
         except Exception as e:
+            for actor in [*kept.values(), *(actor for actor, _ in launched.values())]:
+                ray.kill(actor, no_restart=True)
             placement.release()
             self.failed = f"{broken.reason}; building its replacement failed: {describe(e)}"
             raise WorkerGroupBroken(self.failed) from None
@@ -86,6 +109,21 @@ class GroupSupervisor:
             broken.reason,
         )
         return new
+
+    def _lost(self, old: WorkerGroup, broken: WorkerGroupBroken, aborts: dict[int, ray.ObjectRef]) -> set[int]:
+        """The worker ranks to replace: lost in the step, stuck in their abort, or not answering a ping."""
+        return set(broken.lost) | self._stuck(aborts, old.abort_grace_s) | self._unreachable(old, broken.lost)
+
+    async def _loads(self, launched: dict[int, tuple[Any, ray.ObjectRef]]) -> dict[int, LoadReport]:
+        """The new workers' loads, awaited without a thread, within ``startup_timeout_s``; raises a load's error."""
+        if not launched:
+            return {}
+        futures = {asyncio.wrap_future(ref.future()): rank for rank, (_, ref) in launched.items()}
+        done, pending = await asyncio.wait(futures, timeout=self.startup_timeout_s)
+        if pending:
+            ranks = sorted(futures[f] for f in pending)
+            raise TimeoutError(f"worker rank(s) {ranks} did not load within {self.startup_timeout_s:g} s")
+        return {futures[f]: f.result() for f in done}
 
     def fail(self, broken: WorkerGroupBroken) -> NoReturn:
         """``broken`` cannot be replaced in this process (rank 0's own side of the step is stuck): health fails from

@@ -4,7 +4,9 @@ The actors are placed in the replica's own placement group (bundle i for rank i)
 LLM places multi-GPU engines; outside Serve the group reserves one. torch.distributed runs nccl on
 CUDA and gloo on CPU, rendezvousing at rank 0. Rank 0 holds the whole pipeline (conditioning and
 decoding run there), unless ``spec.stages`` is "remote" (stage deployments of their own condition and decode):
-then rank 0, like the other ranks, holds only the transformer partitions (and the tokenizer).
+then rank 0, like the other ranks, holds only the transformer partitions (and the tokenizer). Rank 0 loads while its
+workers load in their own processes (``create``; each rank's ``LoadReport`` says when): a start costs the slowest
+rank's load, not the sum.
 
 One step (``forward_async``). Rank 0 built the pack on its model thread; the workers get only its host metadata
 through Ray (a ``StepOrder``: document lengths and counts, adapter slots, the step-cache mirror, the step's bound:
@@ -48,6 +50,7 @@ exchange (``StepOrder``, ``RankOutcome``) and how rank 0 classifies outcomes cha
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import gc
@@ -57,16 +60,18 @@ import pickle
 import signal
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 import ray
 import torch
 
-from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline
+from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline, tiled_decode
 from h3serve.pipelines.h3.memory import MeasuredUse
 from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack, pack_layout
+from h3serve.pipelines.h3.stage_models import load_tile_decoder
 from h3serve.pipelines.h3.step_cache import CachedPack, CacheMirror, CacheMirrorWriter, RankCaches
+from h3serve.pipelines.h3.tiled_decode import TileRunner
 
 from . import nccl
 from .allocator import cuda_allocator_defaults, measure_device, reset_peak
@@ -182,6 +187,21 @@ class StepOrder:
         return len(pickle.dumps(self, protocol=5))
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """One rank's checkpoint load, on the wall clock (``time.time()``: the ranks are processes of one node's clock, or
+    of nodes kept in sync): rank 0 loads while its workers load, never before them."""
+
+    rank: int
+    requested: float  # when rank 0 asked for it (rank 0's own: when it began); a worker's process starts in between
+    started: float
+    finished: float
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
+
+
 def _load_kwargs(spec: ReplicaSpec) -> dict:
     return dict(
         device=spec.device,
@@ -227,11 +247,12 @@ def init_distributed(
     return UlyssesGroup(spec.sp_degree, rank, spec.num_heads, device=device)
 
 
-@ray.remote(concurrency_groups={"step": 1, "control": 1})
+@ray.remote(concurrency_groups={"step": 1, "control": 1, "decode": 1})
 class SPWorker:
     """Ranks 1..W-1. Model work runs in the "step" group, one call at a time, so two forwards never
     interleave their collectives; ``ping``, ``abort`` and ``arm`` have their own group and answer while a
-    forward runs (or is stuck)."""
+    forward runs (or is stuck). A share of rank 0's decode (``spec.decode_on_ranks``) has its own "decode" group:
+    it never queues a step behind it (the step's bound keeps running), as rank 0's decode runs beside its steps."""
 
     def __init__(self, spec: ReplicaSpec, rank: int):
         self.spec, self.rank = spec, rank
@@ -240,11 +261,31 @@ class SPWorker:
         self.master: str | None = None  # the rendezvous of ``sp``: names the communicator an abort is meant for
         self.step_caches = RankCaches()  # this rank's copy of each caching request's state, by key
         self.join_faults = FaultInjector(rank)  # tests only: faults armed for this process's next join
+        self.vae: torch.nn.Module | None = None  # the video VAE, for tiles of rank 0's decodes (decode_on_ranks)
+        self.decode_stream: torch.cuda.Stream | None = None  # on CUDA: tiles decode beside the steps' stream
 
     @ray.method(concurrency_group="step")
-    def build(self) -> str:
+    def build(self, requested: float) -> LoadReport:
+        """Load this rank's model (``requested``: when rank 0 asked, on its clock); when the load started and
+        finished."""
+        started = time.time()
         self.denoiser = build_worker(self.spec)
-        return ray.util.get_node_ip_address()
+        if self.spec.decode_on_ranks:
+            self.vae = load_tile_decoder(self.spec.checkpoint, self.spec.device, self.spec.vae_dtype)
+            if self.spec.device == "cuda":
+                self.decode_stream = torch.cuda.Stream(device=torch.device("cuda", 0))
+        return LoadReport(self.rank, requested, started, time.time())
+
+    @ray.method(concurrency_group="decode")
+    def decode_tiles(self, tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A run of rank 0's clip tiles [1, C, t, h, w] (host), decoded as diffusers' tiled decode does each
+        (``tiled_decode.decode_tiles``), back on the host."""
+        assert self.vae is not None, "this worker holds no VAE: decode_on_ranks is off"
+        if self.decode_stream is None:
+            return [tile.cpu() for tile in tiled_decode.decode_tiles(self.vae, tiles)]
+        with torch.cuda.stream(self.decode_stream):
+            decoded = [tile.cpu() for tile in tiled_decode.decode_tiles(self.vae, tiles)]
+        return decoded
 
     @ray.method(concurrency_group="step")
     def join(self, master: str) -> tuple[int, str]:
@@ -356,6 +397,9 @@ class WorkerGroup:
         self.step_cache_mirror = CacheMirrorWriter()  # what the workers hold of the requests' step caches
         self.master = ""  # the rendezvous address of this group's communicator
         self.processes: dict[int, tuple[int, str]] = {}  # worker rank -> its process id and node
+        self.loads: dict[int, LoadReport] = {}  # the loads that built this group (a kept worker's is not here)
+        # tiles of rank 0's decodes (decode_on_ranks), by who decoded them: "own", "workers", "taken_back"
+        self.tiles_decoded: collections.Counter[str] = collections.Counter()
         self._blocking: concurrent.futures.ThreadPoolExecutor | None = None  # rank 0's thread for ``__call__``
         # packs are now aligned for, and run on, the whole group
         pipeline.row_multiple = spec.sp_degree
@@ -375,48 +419,64 @@ class WorkerGroup:
     def create(
         cls, spec: ReplicaSpec, startup_timeout_s: float = 600.0, placement_timeout_s: float = 120.0
     ) -> WorkerGroup:
-        pipeline = build_rank0(spec)  # rank 0 fails closed first, before reserving anything
+        """Rank 0 and its workers load at the same time: the workers' actors start and load in their bundles while
+        rank 0 loads here; the group meets once every rank has loaded. Any rank's failure (rank 0's first: its error is
+        the one raised) kills every actor and releases the reservation."""
         if spec.sp_degree == 1:
-            return cls(spec, pipeline, [], None, None)
+            pipeline, own = _load_rank0(spec)
+            group = cls(spec, pipeline, [], None, None)
+            group.loads = {0: own}
+            return group
         placement = Placement.reserve(spec, placement_timeout_s)
+        launched: dict[int, tuple[Any, ray.ObjectRef]] = {}
         try:
-            return cls.start(spec, pipeline, placement, startup_timeout_s)
+            launched = cls.spawn(spec, placement, range(1, spec.sp_degree))
+            pipeline, own = _load_rank0(spec)  # while the workers load in their own processes
+            loads = _loaded(ray.get([ref for _, ref in launched.values()], timeout=startup_timeout_s))
+            workers = {rank: actor for rank, (actor, _) in launched.items()}
+            return cls.join(spec, pipeline, placement, workers, {0: own, **loads}, kept=0)
         except BaseException:
+            for actor, _ in launched.values():
+                ray.kill(actor, no_restart=True)
             placement.release()
             raise
 
+    @staticmethod
+    def spawn(spec: ReplicaSpec, placement: Placement, ranks: Iterable[int]) -> dict[int, tuple[Any, ray.ObjectRef]]:
+        """New actors for worker ``ranks`` in their bundles, each loading its model now (rank -> the actor and its
+        ``build`` to come: a ``LoadReport``, or the load's error, BackendUnavailable included)."""
+        launched = {}
+        for rank in ranks:
+            bundle = placement.bundle(rank)
+            actor = SPWorker.options(  # type: ignore[attr-defined]  # a Ray actor class
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=placement.strategy(rank),
+            ).remote(spec, rank)
+            launched[rank] = (actor, actor.build.remote(time.time()))
+        return launched
+
     @classmethod
-    def start(
+    def join(
         cls,
         spec: ReplicaSpec,
         pipeline: H3Pipeline,
         placement: Placement,
-        startup_timeout_s: float,
-        reuse: Mapping[int, Any] | None = None,
+        workers: Mapping[int, Any],
+        loads: Mapping[int, LoadReport],
+        kept: int,
         steps: int = 0,
     ) -> WorkerGroup:
-        """Ranks 1..W-1 on ``placement`` rendezvous with rank 0 on a new communicator: ``reuse``'s live actors (rank
-        -> actor, their models loaded) and new actors for the other ranks, each built before any rendezvous (so a
-        BackendUnavailable surfaces at once)."""
-        reuse = dict(reuse or {})
-        new: dict[int, Any] = {}
+        """Every rank (``workers``: rank -> actor, each loaded) meets rank 0 on a new communicator; on failure every
+        actor is killed (the reservation stays the caller's)."""
+        ordered = [workers[rank] for rank in range(1, spec.sp_degree)]
         try:
-            for rank in range(1, spec.sp_degree):
-                if rank not in reuse:
-                    bundle = placement.bundle(rank)
-                    new[rank] = SPWorker.options(  # type: ignore[attr-defined]  # a Ray actor class
-                        num_cpus=bundle.get("CPU", 0),
-                        num_gpus=bundle.get("GPU", 0),
-                        scheduling_strategy=placement.strategy(rank),
-                    ).remote(spec, rank)
-            ray.get([w.build.remote() for w in new.values()], timeout=startup_timeout_s)
-            workers = [{**reuse, **new}[rank] for rank in range(1, spec.sp_degree)]
             master = f"{ray.util.get_node_ip_address()}:{free_port()}"
-            joins = [w.join.remote(master) for w in workers]
+            joins = [w.join.remote(master) for w in ordered]
             sp = init_distributed(spec, 0, master)
             processes = ray.get(joins, timeout=spec.collective_timeout_s)
         except BaseException:
-            for w in [*reuse.values(), *new.values()]:
+            for w in ordered:
                 ray.kill(w, no_restart=True)
             abort_process_group()
             raise
@@ -424,13 +484,48 @@ class WorkerGroup:
             "SP group of %d ranks up (%s; %d worker(s) kept, %d new)",
             spec.sp_degree,
             spec.resolution.backend,
-            len(reuse),
-            len(new),
+            kept,
+            len(ordered) - kept,
         )
-        group = cls(spec, pipeline, workers, sp, placement, steps)
+        group = cls(spec, pipeline, ordered, sp, placement, steps)
         group.master = master
         group.processes = dict(zip(range(1, spec.sp_degree), processes, strict=True))
+        group.loads = dict(loads)
         return group
+
+    # -- a decode split over the ranks -------------------------------------------------------------
+    tile_timeout_s = 600.0  # how long rank 0 waits for a worker's run of tiles before decoding it itself
+
+    def tile_runner(self) -> TileRunner | None:
+        """With ``spec.decode_on_ranks``: a ``tiled_decode.TileRunner`` for one of rank 0's decodes (it runs on the
+        decode's thread) that splits the clip's tiles in ``sp_degree`` runs, the first decoded by rank 0's VAE while
+        each worker decodes one of the others; a run a worker does not return (lost, failed, past
+        ``tile_timeout_s``) is decoded by rank 0 all the same. None: rank 0 decodes alone (off, one rank, or the
+        group is broken: its workers are being replaced)."""
+        if not self.spec.decode_on_ranks or not self.workers or self.broken_reason:
+            return None
+        vae, workers = self.pipeline.stages.after.vae, list(self.workers)
+
+        def run_tiles(tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+            own, *others = tiled_decode.split(tiles, len(workers) + 1)
+            calls = [
+                (run, w.decode_tiles.remote([t.cpu() for t in run]))
+                for w, run in zip(workers, others, strict=True)
+                if run
+            ]
+            decoded = tiled_decode.decode_tiles(vae, own)
+            self.tiles_decoded["own"] += len(own)
+            for run, call in calls:
+                try:
+                    decoded.extend(ray.get(call, timeout=self.tile_timeout_s))
+                    self.tiles_decoded["workers"] += len(run)
+                except Exception as e:  # the worker died or failed under it: its tiles are decoded here all the same
+                    logger.warning("a worker's run of %d tiles failed (%s): decoding them on rank 0", len(run), e)
+                    decoded.extend(tiled_decode.decode_tiles(vae, run))
+                    self.tiles_decoded["taken_back"] += len(run)
+            return decoded
+
+        return run_tiles
 
     # -- one step -----------------------------------------------------------------------------
     def launch(self, pack: Pack, bound_s: float) -> list[ray.ObjectRef]:
@@ -608,7 +703,7 @@ class WorkerGroup:
             return asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
         bound = self.default_bound_s if bound_s is None else bound_s
-        return _run_sync(self.forward_async(pack, on_rank0_thread, bound))
+        return run_sync(self.forward_async(pack, on_rank0_thread, bound))
 
     def abort(self) -> tuple[bool, dict[int, ray.ObjectRef]]:
         """Abort every rank's communicator without a collective: the workers' by a call on their control thread (a
@@ -687,7 +782,17 @@ class WorkerGroup:
             self._blocking = None
 
 
-def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+def _load_rank0(spec: ReplicaSpec) -> tuple[H3Pipeline, LoadReport]:
+    started = time.time()
+    pipeline = build_rank0(spec)
+    return pipeline, LoadReport(0, started, started, time.time())
+
+
+def _loaded(reports: list[LoadReport]) -> dict[int, LoadReport]:
+    return {report.rank: report for report in reports}
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run ``coroutine`` to its end from synchronous code, inside a running event loop or not."""
     try:
         asyncio.get_running_loop()

@@ -552,6 +552,13 @@ class DeployArgs(BaseModel):
         "checks each stage's memory plan against the replicas' platform. null (the default): each H3Replica "
         "prepares and decodes in process, as one deployment",
     )
+    decode_on_ranks: bool = Field(
+        default=False,
+        description="without stages and with sp_degree >= 2: split each clip's video decode by whole VAE tiles over "
+        "the replica's own ranks (rank 0 and its SP workers), blended by diffusers' own code (the same frames bit for "
+        "bit where the ranks run the same kernels); each worker then also holds the video VAE (counted in its memory "
+        "plan). A run a worker does not return is decoded by rank 0. false: rank 0 decodes alone",
+    )
     api_key_env: str | None = Field(
         default="H3SERVE_API_KEY",
         description="environment variable holding the bearer token every API call needs (tenant 'admin', role "
@@ -588,6 +595,11 @@ class DeployArgs(BaseModel):
                     f"ingress.h3_replicas={self.ingress.h3_replicas} but autoscaling.max_replicas={most}: set them "
                     "equal, or leave ingress.h3_replicas out (it follows autoscaling.max_replicas)"
                 )
+        if self.decode_on_ranks and (self.stages is not None or self.sp_degree < 2):
+            raise ValueError(
+                f"decode_on_ranks splits rank 0's decode over its SP workers: it needs sp_degree >= 2 (got "
+                f"{self.sp_degree}) and no stages (the decoder stage's replicas split it: stages.parallel_decode)"
+            )
         if self.sp_degree > 1 and self.engine.step_timeout_min_s >= self.collective_timeout_s:
             # the engine's step bound must end a hung step (abort, replace the group) before the collective's own
             # timeout does (on NCCL its watchdog: the step then still fails, but later and less cleanly)
@@ -719,5 +731,6 @@ class DeployArgs(BaseModel):
             rank_resources=dict(self.rank_resources),
             loras=self.lora_specs,
             stages="remote" if self.stages is not None else "local",
+            decode_on_ranks=self.decode_on_ranks,
             memory_plan=None if plan is None else planned_by_role(plan),
         )

@@ -120,6 +120,8 @@ def deployment_memory_plan(
         requests=args.engine.max_active + args.engine.max_prepared,  # prepared states held at once
         steps=args.limits.max_steps,
         late_decisions=len({policy.fn_blocks for policy in args.engine.step_cache.tiers.values()}) > 1,
+        vae_dtype=args.vae_dtype,  # bf16 on GPUs as released: counted at it, not fp32
+        decode_on_ranks=args.decode_on_ranks,
     )
 
 

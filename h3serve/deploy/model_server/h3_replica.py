@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -573,6 +574,10 @@ class H3Replica:
             "preemptions": self.engine.stats.preemptions,
             # SP groups replaced after a step broke them (a rank failed past the step's agreement, died or hung)
             "group_replacements": self.engine.stats.group_replacements,
+            # the current group's loads by rank (wall clock; a kept worker's is not there): rank 0 loads beside them
+            "rank_loads": {rank: dataclasses.asdict(load) for rank, load in self.engine.group.loads.items()},
+            # its decodes' tiles by who decoded them (decode_on_ranks): "own", "workers", "taken_back"
+            "tiles_decoded": dict(self.engine.group.tiles_decoded),
             "duty_cycle": self.engine.stats.duty_cycle,
             "row_step_rate": self.engine.row_step_rate,  # rows of packed forward per second: what ETAs divide by
             "cancelled": dict(self.engine.stats.cancelled),

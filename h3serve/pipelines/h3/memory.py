@@ -18,7 +18,8 @@ message and the meta-device check quote the same text, and the check of a replic
 * **Weights** are counted by building every component from its config on the ``meta`` device (no
   memory, no checkpoint files) and applying the loading rules: the transformer at the served dtype
   except diffusers' ``_keep_in_fp32_modules`` (fp32), Qwen3-VL at the served dtype with its decoder
-  trimmed to ``text_encoder_layer + 1`` layers (as ``H3Pipeline.load`` does), the VAEs in fp32.
+  trimmed to ``text_encoder_layer + 1`` layers (as ``H3Pipeline.load`` does), the VAEs at ``vae_dtype`` except their
+  ``_keep_in_fp32_modules`` (fp32, as diffusers keeps them: all of a VAE in fp32 when ``vae_dtype`` is fp32).
   Configs come from the checkpoint directory (as admission read them, on the driver or through the
   probe on a replica node; else read here when readable), else from the released configs below (the
   transformer's are diffusers' defaults; Qwen3-VL's is the released ``text_encoder/config.json``:
@@ -357,13 +358,14 @@ def _transformer_bytes(config: dict[str, Any], dtype: str) -> int:
     return sum(p.numel() * served_itemsize(model, name, dtype) for name, p in model.named_parameters())
 
 
-def _vae_bytes(cls_name: str, config: dict[str, Any] | None) -> int:
+def _vae_bytes(cls_name: str, config: dict[str, Any] | None, vae_dtype: str) -> int:
     import diffusers
 
     cls = getattr(diffusers, cls_name)
     with _quiet(), torch.device("meta"):
         model = cls.from_config(config) if config is not None else cls()
-    return sum(p.numel() for p in model.parameters()) * 4  # the VAEs run in fp32
+    # at ``vae_dtype``, its ``_keep_in_fp32_modules`` in fp32 (``stage_models``' load, diffusers' rule)
+    return sum(p.numel() * served_itemsize(model, name, vae_dtype) for name, p in model.named_parameters())
 
 
 def _text_encoder_bytes(config: dict[str, Any], dtype: str, layers: int) -> int:
@@ -377,7 +379,7 @@ def _text_encoder_bytes(config: dict[str, Any], dtype: str, layers: int) -> int:
 
 
 @functools.cache
-def _component_bytes(configs_json: str, dtype: str) -> dict[str, int]:
+def _component_bytes(configs_json: str, dtype: str, vae_dtype: str = "float32") -> dict[str, int]:
     """Bytes of each component of ``configs_json`` ({name: config, or null for the class defaults}) as served."""
     configs = json.loads(configs_json)
     out = {
@@ -386,8 +388,8 @@ def _component_bytes(configs_json: str, dtype: str) -> dict[str, int]:
         if name not in ("text_encoder", "vae", "audio_vae")
     }
     out["text_encoder"] = _text_encoder_bytes(configs["text_encoder"], dtype, TEXT_ENCODER_LAYER + 1)
-    out["vae"] = _vae_bytes("AutoencoderKLMiniMaxH3", configs["vae"])
-    out["audio_vae"] = _vae_bytes("AutoencoderKLMiniMaxH3Audio", configs["audio_vae"])
+    out["vae"] = _vae_bytes("AutoencoderKLMiniMaxH3", configs["vae"], vae_dtype)
+    out["audio_vae"] = _vae_bytes("AutoencoderKLMiniMaxH3Audio", configs["audio_vae"], vae_dtype)
     return out
 
 
@@ -544,6 +546,8 @@ def memory_plan(
     requests: int = 0,
     steps: int = 50,
     late_decisions: bool = True,
+    vae_dtype: str = "float32",
+    decode_on_ranks: bool = False,
 ) -> MemoryPlan:
     """Rank 0's and the worker ranks' memory at a row budget of ``max_rows``.
 
@@ -558,7 +562,8 @@ def memory_plan(
     ``text_rows``: the most prompt rows a pack holds (``engine.max_text_rows_per_step``; None: every row may be
     one). ``requests``: the prepared requests rank 0 holds at most (``max_active + max_prepared``), each at the
     row budget with requests of up to ``steps`` steps (``REQUEST_FORMULA``). ``late_decisions``: the offered tiers
-    differ in ``fn_blocks`` (``activation_row_cost``).
+    differ in ``fn_blocks`` (``activation_row_cost``). ``vae_dtype``: the VAEs' served dtype (``args.vae_dtype``).
+    ``decode_on_ranks``: the worker ranks also hold the video VAE (they decode shares of rank 0's clips' tiles).
     """
     if stages not in ("local", "remote"):
         raise ValueError(f"stages must be 'local' or 'remote', got {stages!r}")
@@ -571,7 +576,7 @@ def memory_plan(
     # Prepare and decode run between forwards on rank 0, or in the stages; their transients are not counted here.
     notes += (NOT_COUNTED if stages == "local" else STAGES_NOT_COUNTED,)
     components = _served_configs(model, checkpoint, tuple(partitions), configs)
-    weights = _component_bytes(json.dumps(components, sort_keys=True), dtype)
+    weights = _component_bytes(json.dumps(components, sort_keys=True), dtype, vae_dtype)
     # the activations of the transformer that is served: the checkpoint's dims, not a preset's
     transformer = {**transformer_defaults(), **(components["transformer"] or {})}
     row_cost = activation_row_cost(
@@ -603,7 +608,8 @@ def memory_plan(
         reserve_bytes,
         requests=requests,
     )
-    ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", transformers, activations, reserve_bytes))
+    workers = {**transformers, "vae": weights["vae"]} if decode_on_ranks else transformers
+    ranks = (rank0,) if sp_degree == 1 else (rank0, RankPlan("worker ranks", workers, activations, reserve_bytes))
     stage_plans: tuple[RankPlan, ...] = ()
     if stages == "remote":
         stage_plans = (

@@ -41,6 +41,7 @@ from .request_state import RequestState, StepStats
 from .stage_models import config_only_component, held_modules, load_stage_components, prepare_shifted
 from .stages import DECODE_KEYS, H3Stages
 from .step_cache import CachedPack, PackCache, StepCachePolicy, skipped_block_rows
+from .tiled_decode import TileRunner
 
 logger = logging.getLogger(__name__)
 
@@ -271,9 +272,11 @@ class H3Pipeline:
         return out
 
     @torch.no_grad()
-    def decode(self, state: RequestState) -> GeneratedMedia:
+    def decode(self, state: RequestState, decode_tiles: TileRunner | None = None) -> GeneratedMedia:
+        """``decode_tiles``: who decodes the video VAE's tiles (``tiled_decode``: the same frames; the audio decoder
+        runs beside them); None: this pipeline's VAE, tile after tile."""
         stages = self._local_stages("decode a request")
-        frames, audio, sample_rate = stages.finish(state.state, state.video_rows, state.audio_rows)
+        frames, audio, sample_rate = stages.finish(state.state, state.video_rows, state.audio_rows, decode_tiles)
         return GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
 
     def decode_handoff(self, state: RequestState) -> DecodeHandoff:

@@ -109,6 +109,16 @@ def load_stage_components(
     return components
 
 
+def load_tile_decoder(
+    checkpoint: str | Path | None, device: str, vae_dtype: str | torch.dtype | None = None
+) -> torch.nn.Module:
+    """The video VAE alone, read as ``load_stage_components`` reads it (``vae_dtype``; None: the device's default):
+    what a worker rank holds to decode a share of its replica's clips' tiles (``tiled_decode.decode_tiles``)."""
+    quiet_libraries()
+    index = ckpt.CheckpointIndex(ckpt.resolve_checkpoint(checkpoint))
+    return ckpt.load_model(index, "vae", parse_dtype(vae_dtype or default_vae_dtype(device)), device)
+
+
 def held_modules(value: Any) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in vars(value).items() if isinstance(module, torch.nn.Module)}
 
