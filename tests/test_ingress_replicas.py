@@ -35,6 +35,7 @@ MAX_JOBS = 12  # the proxy picks a replica per request: 12 all on one would be a
 # a live runner sees a cancel within lease_s / 4, a dead one's record lapses within lease_s of its last write
 # (VideoJobs.cancel waits 1.5 x lease_s); plus Serve noticing the dead replica (a request or two refused meanwhile)
 CANCEL_BOUND_S = 1.5 * INGRESSES_LEASE_S + 15
+REFUSED: list[str] = []  # requests the proxy could not answer after the kill (printed: what a client meets)
 RECOVERED_S = 240  # kill to every job final: the lease, a sweep, the taken-over jobs run again; 2 loaded cores
 
 
@@ -55,9 +56,13 @@ def ask(http: httpx.Client, method: str, path: str) -> httpx.Response:
     def answered():
         try:
             response = http.request(method, path)
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
+            REFUSED.append(f"{method} {path}: {type(e).__name__}")
             return None
-        return response if response.status_code < 500 else None
+        if response.status_code >= 500:
+            REFUSED.append(f"{method} {path}: {response.status_code}")
+            return None
+        return response
 
     return wait_for(answered, timeout=60, interval=0.25, what=f"{method} {path} answered")
 
@@ -122,6 +127,7 @@ def test_a_killed_ingress_replica_loses_no_job_and_its_jobs_cancel_from_the_othe
             else:  # it completed before the kill
                 assert (kept["attempts"], kept["epoch"], kept["runner"]["replica"]) == (1, 1, victim), kept
         assert taken_over, "no job of the killed ingress was left to take over"
+        print(f"requests through the proxy refused after the kill, then sent again: {len(REFUSED)} {REFUSED[:5]}")
         # one truth: every stream, from whichever replica the proxy picks, ends with the record's final status
         for video_id, video in videos.items():
             events = event_stream(ask(http, "GET", f"/v1/videos/{video_id}/events").text)
