@@ -5,8 +5,8 @@ with Last-Event-ID) ends with its record's status. The jobs of the lost ingress 
 of the surviving ingress re-queued on the new replica.
 
 It runs ``python -m benchmarks.chaos_node --runs 1`` as a user does (a two-node cluster of ``ray start`` processes
-on this machine, ``h3serve serve`` on it; the benchmark's docstring says how) and judges its JSON. About two minutes
-on 2 cores (a cluster of two nodes, a server, a node lost and Ray's ~15 s to declare it dead, the jobs run again):
+on this machine, ``h3serve serve`` on it; the benchmark's docstring says how) and judges its JSON. 77 s on 2 cores
+(a cluster of two nodes, a server, a node lost and Ray's 12-15 s to declare it dead, the jobs run again):
 outside CI's budget like the node-layer test, run with `make test-nodes`; its runs are in docs/BENCHMARKS.md §17.
 """
 
