@@ -317,8 +317,8 @@ class VideoJobs:
         """Cancel a queued or running job and return its video object, ``cancelled``; None when there is no such job,
         a 409 APIError when it has finished. Here, its request leaves the engine (the queue at once, the pack at the
         next step boundary) before this returns; on another ingress replica, its runner sees the request at its next
-        write and this waits for the record to say so (at most ``lease_s``: a runner that never answers loses its
-        lease, and the record then reads failed). ``tenant``: another tenant's job is None, as if there were none."""
+        write and this waits for the record to say so (at most 1.5 x ``lease_s``: a dead runner loses its lease, and the
+        job is then cancelled here, not run again). ``tenant``: another tenant's job is None, as if there were none."""
         video = await self.get(video_id, tenant)
         if video is None:
             return None
