@@ -36,9 +36,9 @@ test: setup
 	$(BIN)/python -m compileall -q h3serve benchmarks tools tests > /dev/null
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
-# the node layer on Ray's simulated autoscaling cluster (minutes; outside CI: docs/BENCHMARKS.md section 14)
+# the node layer on simulated nodes: autoscaling and a lost node (minutes; outside CI: docs/BENCHMARKS.md 14, 17)
 test-nodes: setup
-	CI= $(BIN)/python -m pytest -s tests/test_node_autoscaling.py $(PYTEST_ARGS)
+	CI= $(BIN)/python -m pytest -s tests/test_node_autoscaling.py tests/test_lost_node.py $(PYTEST_ARGS)
 
 # No Ray, no processes, no GPU: the four packages' library layers, on two workers as `make test` (53 s here,
 # 2026-12-05; issue 42's target is a minute). A test that starts a process is `slow`: `make test` runs it.

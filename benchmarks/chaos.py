@@ -16,7 +16,8 @@ ingress is noticed in seconds) on a fresh 2-CPU Ray cluster; each scenario ``--r
 Every job is polled to its end. The table: runs, jobs, outcomes (completed, cancelled, failed by code), jobs
 created (a retried POST must make one), event streams read that ended with the record's final status (over HTTP,
 resumed with Last-Event-ID after a break as an EventSource does; and on the other replica), and the time to
-recover: from the kill, the update or the cancel to the last of its jobs ending.
+recover: from the kill, the update or the cancel to the last of its jobs ending. A lost node (the replica and one of
+two ingress replicas on it) needs a cluster of two nodes: ``benchmarks/chaos_node.py``.
 """
 
 from __future__ import annotations

@@ -212,6 +212,19 @@ def _derived_apps(inputs: Inputs) -> list[dict]:
     return [app]
 
 
+# test_ingress_replicas': two H3Ingress replicas behind Serve's proxy over one job store, a short lease (a killed
+# ingress's jobs are taken over in seconds), jobs run in arrival order one at a time
+INGRESSES_LEASE_S = 6
+
+
+def _ingresses_apps(inputs: Inputs) -> list[dict]:
+    app = _app(inputs, "ingresses", "/ingresses")
+    app["args"]["jobs"]["lease_s"] = INGRESSES_LEASE_S
+    app["args"]["engine"] = {**app["args"]["engine"], "policy": "fcfs"}
+    app["deployments"][0]["num_replicas"] = 2
+    return [app]
+
+
 CLI_STEPS = 2000  # ~100 s of the tiny model's steps on 2 cores: the Ctrl-C test cancels it within the first seconds
 
 
@@ -227,6 +240,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_derived_http": _derived_apps,
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
     "test_events_http": _events_apps,
+    "test_ingress_replicas": _ingresses_apps,
     "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
     "test_scale_from_zero": _cold_apps,
     "test_tenants_http": _tenant_apps,

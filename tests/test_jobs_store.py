@@ -438,3 +438,50 @@ def test_a_completed_job_keeps_its_request_as_settings_until_it_goes(url):
     failed.fail("500", "internal error")
     assert b.settings(failed.job_id) is None and b.settings("../etc/passwd") is None
     assert b.delete(done.job_id) and b.settings(done.job_id) is None
+
+
+def test_a_record_names_its_runner_and_a_take_over_names_the_new_one(url):
+    """``runner`` (the ingress replica's id, node and pid) is written with the job, and replaced by the one that took
+    it over: an operator can tell which process runs a job, and a chaos test which process to kill."""
+    clock = Clock()
+    a, b = (JobStore(MediaStore(url), POLICY, clock=clock, runner={"replica": name, "pid": 1}) for name in "ab")
+    runner = a.create(video(), "req-runner", job=b"{}")
+    assert json.loads(MediaStore(url).get(f"{runner.job_id}.json"))["runner"] == {"replica": "a", "pid": 1}
+    clock.now += POLICY.lease_s + 1
+    b.take_over(runner.job_id)
+    assert json.loads(MediaStore(url).get(f"{runner.job_id}.json"))["runner"] == {"replica": "b", "pid": 1}
+
+
+def test_a_cancelled_job_whose_runner_died_with_no_attempts_left_reads_cancelled_not_failed(url):
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=100, max_attempts=1)
+    clock, (a, b) = replicas(url, policy)
+    runner = a.create(video(), "req-last", job=b"{}")
+    runner.update(status="in_progress", progress=30)
+    b.request_cancel(runner.job_id)  # asked elsewhere; the runner dies before its next write
+    clock.now += policy.lease_s + 1
+    ended = b.get(runner.job_id)
+    assert ended["status"] == "cancelled" and ended["error"] is None, ended
+    store = MediaStore(url)
+    assert not store.exists(f"{runner.job_id}.cancel") and not store.exists(f"{runner.job_id}.request")
+    assert a.get(runner.job_id)["status"] == "cancelled"  # saved so: every replica reads it
+
+
+def test_a_cancel_asked_of_another_ingress_ends_a_job_whose_runner_died_within_its_lease():
+    """The cancel route on an ingress that does not run the job, whose runner died (kill -9: no heartbeat, no write):
+    it answers cancelled once the record lapses (taken over with the cancel pending), within 1.5 x lease_s of the ask,
+    not a record still in progress or failed runner_lost."""
+    import asyncio
+
+    from h3serve.deploy.jobs.video_jobs import VideoJobs
+
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=1.0, max_unfinished=100)
+    url = f"memory://h3serve-test-{uuid.uuid4().hex}"
+    dead = JobStore(MediaStore(url), policy).create(video(), "req-dead", job=b"{}")
+    dead.update(status="in_progress", progress=20)
+    other = VideoJobs(JobStore(MediaStore(url), policy), None, None)  # type: ignore[arg-type]
+    asked = time.monotonic()
+    answer = asyncio.run(other.cancel(dead.job_id))
+    took_s = time.monotonic() - asked
+    assert answer is not None and answer["status"] == "cancelled", answer
+    assert policy.lease_s * 0.5 < took_s < policy.lease_s * 1.5, took_s  # waited for the lapse, not past the bound
+    assert json.loads(MediaStore(url).get(f"{dead.job_id}.json"))["epoch"] == 2  # ended by the one take-over

@@ -63,7 +63,7 @@ from h3serve.deploy.ingress.tenants import Tenant, Tenants
 from h3serve.deploy.jobs.events import last_event_id
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
-from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
+from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by, ingress_identity
 from h3serve.deploy.jobs.webhooks import WebhookSender, job_webhook, resolve_secret
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules
 from h3serve.pipelines.h3.lora_spec import asked_steps, check_request_steps
@@ -209,7 +209,7 @@ class H3Ingress(derived.DerivedVideos):
         self.webhooks = args.jobs.webhooks
         secret = resolve_secret(self.webhooks)  # an empty secret_env refuses to start
         sender = None if secret is None else WebhookSender(self.webhooks, secret)
-        self.videos = VideoJobs(JobStore(store, policy), replica, self.metrics, sender)
+        self.videos = VideoJobs(JobStore(store, policy, runner=ingress_identity()), replica, self.metrics, sender)
         self.generation_slots, self.generations = args.generation_slots, 0
         self.event_streams, self.streams = args.ingress.event_streams, 0  # at most, and open now
         self._rules: ModelRules | None = rules

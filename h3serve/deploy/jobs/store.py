@@ -2,7 +2,8 @@
 
 No lock and no actor: each running job has one writer, its *runner* (the ingress that accepted it),
 which rewrites the record on progress and at least every ``lease_s / 4`` (a heartbeat). Any replica
-reading a record whose heartbeat is older than ``lease_s`` saves it as failed: its runner died. A
+reading a record whose heartbeat is older than ``lease_s`` saves it as failed (cancelled, with a cancel pending): its
+runner died. A
 runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict.
 DELETE of a running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write;
 finished jobs have no writer and are removed at once. A cancel asked on an ingress that is not the job's runner
@@ -101,8 +102,10 @@ def epoch_seconds() -> int:
 
 
 class JobStore:
-    def __init__(self, store: MediaStore, policy: JobPolicy, clock=time.time):
-        self.store, self.policy, self.clock = store, policy, clock
+    def __init__(self, store: MediaStore, policy: JobPolicy, clock=time.time, runner: dict | None = None):
+        """``runner``: who this ingress replica is (its Serve replica id, node, pid), written into the records of the
+        jobs it runs, so an operator (and a chaos test) can tell which process runs a job; None outside Serve."""
+        self.store, self.policy, self.clock, self.runner = store, policy, clock, runner
         self._finished: dict[str, dict] = {}  # finished records never change: read each once
         self._orphans: set[str] = set()  # MP4s without a record at the last sweep
         self._skipped: set[str] = set()  # files that are not job records, logged once each
@@ -149,20 +152,33 @@ class JobStore:
         )
 
     def _expire(self, record: dict) -> dict:
-        """An unfinished record past its lease is failed, and saved so (a finished record never changes); one an
-        ingress can take over (``take_over``) stays as it is until one does."""
+        """An unfinished record past its lease is failed (cancelled, when a cancel was asked of it), and saved so (a
+        finished record never changes); one an ingress can take over (``take_over``) stays as it is until one does."""
         video, now = record["video"], self.clock()
         if not self._lapsed(record) or self._takeable(record):
             return record
         silent = now - record["updated_at"]
+        ended = {"completed_at": int(now), "expires_at": int(now + self.policy.ttl_s)}
+        if self.store.exists(f"{video['id']}.cancel"):  # its caller asked for its end before anyone ran it again
+            record = {
+                **record,
+                "updated_at": now,
+                "video": {**video, **ended, "status": "cancelled", "queue_position": None, "eta_seconds": None},
+            }
+            logger.warning(
+                "video job %s lost its runner %.0f s ago with a cancel pending: cancelled", video["id"], silent
+            )
+            self._write(record)
+            self.store.delete(f"{video['id']}.cancel", f"{video['id']}.request")
+            self._finished[video["id"]] = record
+            return record
         record = {
             **record,
             "updated_at": now,
             "video": {
                 **video,
+                **ended,
                 "status": "failed",
-                "completed_at": int(now),
-                "expires_at": int(now + self.policy.ttl_s),
                 "error": {
                     "code": RUNNER_LOST,
                     "message": f"the server running this job stopped updating it {silent:.0f} "
@@ -214,6 +230,7 @@ class JobStore:
             "tenant": tenant,
             "row_steps": row_steps,
             "webhook": webhook,
+            "runner": self.runner,
         }
         runner = JobRunner(self, record)
         self._write(record)
@@ -342,6 +359,7 @@ class JobStore:
                 **runner.record,
                 "attempts": record.get("attempts", 1) + 1,
                 "submissions": record.get("submissions", 1) + 1,
+                "runner": self.runner,
             }
             try:
                 runner.update(status="queued", progress=0, queue_position=None, eta_seconds=None)

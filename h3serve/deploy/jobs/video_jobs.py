@@ -15,11 +15,14 @@ import base64
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import ray
+from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from h3serve.deploy.common.errors import QUEUE_FULL, UNAVAILABLE, APIError, http_error, root_cause
@@ -96,6 +99,17 @@ def rounded(seconds: float | None) -> float | None:
 def caused_by(error: BaseException, kinds) -> bool:
     """Whether ``error``, or the replica's exception inside Ray's wrapper, is one of ``kinds``."""
     return isinstance(error, kinds) or isinstance(root_cause(error), kinds)
+
+
+def ingress_identity() -> dict:
+    """Who this ingress replica is, for the records of the jobs it runs (``JobStore.runner``): its Serve replica id,
+    its node and its process."""
+    context = serve.get_replica_context()
+    return {
+        "replica": context.replica_id.unique_id,
+        "node": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+    }
 
 
 class VideoJobs:
@@ -308,8 +322,8 @@ class VideoJobs:
         """Cancel a queued or running job and return its video object, ``cancelled``; None when there is no such job,
         a 409 APIError when it has finished. Here, its request leaves the engine (the queue at once, the pack at the
         next step boundary) before this returns; on another ingress replica, its runner sees the request at its next
-        write and this waits for the record to say so (at most ``lease_s``: a runner that never answers loses its
-        lease, and the record then reads failed). ``tenant``: another tenant's job is None, as if there were none."""
+        write and this waits for the record to say so (at most 1.5 x ``lease_s``: a dead runner loses its lease, and the
+        job is then cancelled here, not run again). ``tenant``: another tenant's job is None, as if there were none."""
         video = await self.get(video_id, tenant)
         if video is None:
             return None
@@ -323,8 +337,11 @@ class VideoJobs:
             video = runner.record["video"]
         else:
             await self._io(self.store.request_cancel, video_id)
-            give_up = time.monotonic() + self.store.policy.lease_s
+            # a live runner sees the request within lease_s / 4, then a step; a dead one's record lapses within
+            # lease_s of its last write, and is cancelled here then (or by the reads below, with no attempts left)
+            give_up = time.monotonic() + self.store.policy.lease_s * 1.5
             while time.monotonic() < give_up:
+                await self._io(self._cancel_lapsed, video_id)
                 video = await self.get(video_id)
                 if video is None or video["status"] in FINISHED:
                     break
@@ -334,6 +351,15 @@ class VideoJobs:
         if video is not None and video["status"] in FINISHED and video["status"] != "cancelled":
             raise not_cancellable(video)  # it completed (or failed) before the cancel reached it: the record's truth
         return video
+
+    def _cancel_lapsed(self, video_id: str) -> None:
+        """A job whose runner died with a cancel pending ends cancelled here, without waiting for a sweeper to take it
+        over: the take-over (one ingress wins its lease) finds the cancel and records it (``store.take_over``)."""
+        if video_id in self.tasks:
+            return
+        taken = self.store.take_over(video_id)
+        if taken is not None:  # the cancel was withdrawn meanwhile (never by a caller): it is still asked of it
+            taken[0].cancel()
 
     # -- the sweeper -------------------------------------------------------------------------------
     def start_sweeper(self) -> None:
