@@ -54,6 +54,7 @@ from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, Tena
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
 from h3serve.deploy.ingress import content
+from h3serve.deploy.ingress.adapters import lora_of, steps_on
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
@@ -66,7 +67,6 @@ from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
 from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by
 from h3serve.deploy.jobs.webhooks import WebhookSender, job_webhook, resolve_secret
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules
-from h3serve.pipelines.h3.lora_spec import asked_steps, check_request_steps
 from h3serve.pipelines.h3.paths import cache_dir
 from h3serve.replicas import EngineDraining
 
@@ -204,6 +204,7 @@ class H3Ingress:
         self.cache_tiers, self.cache_default = args.cache_tiers, args.engine.step_cache.default
         # each LoRA adapter is a model id of its own: "<served_model_name>:<adapter name>"
         self.loras = dict(args.loras)
+        self.lora_specs = args.lora_specs  # the adapters and the limits on composing them (a request's `lora`)
         self.adapter_ids = {f"{self.model_name}:{name}": name for name in self.loras}
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
@@ -360,27 +361,23 @@ class H3Ingress:
         return [self.model_name, *self.adapter_ids]
 
     def _adapter(self, request: Request, body: Body) -> str | None:
-        """The LoRA adapter ``body.model`` names (None: the base model, also when omitted); 400 for another id."""
+        """The LoRA adapters the request runs on (``composition_key``: the one ``body.model`` names, or
+        ``body.lora``'s list; None: the base model, also when omitted); 400 for another id."""
         model = body.model
         if model in (None, "", self.model_name):
             request.state.model = self.model_name
-            return None
+            return lora_of(body, None, self.lora_specs)
         if model not in self.adapter_ids:
             raise APIError(
                 400, f"model {model[:80]!r} is not served here; valid ids: {', '.join(self.model_ids)}", "model"
             )
         request.state.model = model
-        return self.adapter_ids[model]
+        return lora_of(body, self.adapter_ids[model], self.lora_specs)
 
     def _fields(self, body: Body, adapter: str | None) -> dict[str, Any]:
-        """The body's ``GenerationRequest`` fields on ``adapter``: its own steps unless the body gives some (a
-        few-step adapter refuses others: 400 naming both), then the deployment's default_steps."""
-        fields = body.generation()
-        if adapter is not None:
-            spec = self.loras[adapter]
-            asked = asked_steps(spec, body.num_inference_steps, "num_inference_steps" in body.model_fields_set)
-            fields["num_inference_steps"] = check_request_steps(adapter, spec, asked)
-        return fields
+        """The body's ``GenerationRequest`` fields on ``adapter``: a few-step adapter's own steps unless the body
+        gives some (others: 400 naming both), then the deployment's default_steps."""
+        return {**body.generation(), "num_inference_steps": steps_on(body, adapter, self.lora_specs)}
 
     # -- images: a still of the shortest clip ----------------------------------------------------
     @app.post("/v1/images/generations")

@@ -4,6 +4,7 @@ which a replica checks again (capable, and available on this node) rather than t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -97,6 +98,16 @@ class H3Denoiser:
         self.loras, self.adapters = loras, adapters
         if loras.loras:
             logger.info("LoRA adapters served in slots %s", loras.slots)
+
+    def rank_of(self, slots: Iterable[int]) -> int:
+        """The sum of the adapters' ranks (each its largest layer's, on any partition): what a pack's deltas cost."""
+        return sum(
+            max(
+                (r for by_slot in self.adapters.values() if slot in by_slot for r in by_slot[slot].ranks.values()),
+                default=0,
+            )
+            for slot in set(slots)
+        )
 
     @classmethod
     def load(
