@@ -167,6 +167,11 @@ class LoraAdapter:
         )
 
 
+def adapter_bytes(adapter: LoraAdapter) -> int:
+    """The bytes of an adapter's factors as placed (each layer's dtype)."""
+    return sum(t.numel() * t.element_size() for layer in adapter.layers.values() for t in (layer.down, layer.up))
+
+
 def _read_adapter(name: str, spec: LoraSpec) -> tuple[dict[str, torch.Tensor], Any]:
     """The adapter's state dict (keys ``<partition>.<module>.lora_A/B.weight``) and metadata, read by diffusers'
     ``MiniMaxH3LoraLoaderMixin.lora_state_dict`` (non-diffusers layouts converted), or LoraError naming it."""

@@ -90,6 +90,14 @@ class LoraLimits(BaseModel):
         "requests that fit alone but not together run in separate packs of the same step. null: no bound",
     )
 
+    max_adapter_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="bytes every adapter together may hold on one rank (its factors on the device); an adapter "
+        "loaded at run time (POST /v1/adapters) past it is refused, and the deploy-time memory plan counts this "
+        "budget instead of the declared adapters' bytes when it is larger. null: no run-time bound",
+    )
+
 
 # one adapter of a request: its name and weight (None: the adapter's deploy-time scale)
 AdapterUse = tuple[str, float | None]
@@ -137,6 +145,9 @@ class LoraSpecs(BaseModel):
 
     loras: dict[str, LoraSpec] = Field(default_factory=dict)
     limits: LoraLimits = Field(default_factory=LoraLimits)
+    # each adapter's slot once adapters come and go at run time (``adding``/``removing``): a slot is never reused while
+    # a request may hold it. Empty: declaration order
+    assigned: dict[str, int] = Field(default_factory=dict)
 
     @field_validator("loras")
     @classmethod
@@ -147,8 +158,24 @@ class LoraSpecs(BaseModel):
 
     @property
     def slots(self) -> dict[str, int]:
-        """Each adapter's slot, 1, 2, ... in declaration order (0 is the base model): the same on every rank."""
+        """Each adapter's slot, 1, 2, ... in declaration order (0 is the base model): the same on every rank; once
+        adapters were added or removed at run time, the slots ``assigned``."""
+        if self.assigned:
+            return dict(self.assigned)
         return {name: slot for slot, name in enumerate(self.loras, BASE_SLOT + 1)}
+
+    def adding(self, name: str, spec: LoraSpec, slot: int) -> LoraSpecs:
+        """These specs with adapter ``name`` in ``slot`` (the caller's fresh one)."""
+        validate_lora_name(name)
+        if name in self.loras:
+            raise LoraError(f"adapter {name!r} is already served")
+        return LoraSpecs(loras={**self.loras, name: spec}, limits=self.limits, assigned={**self.slots, name: slot})
+
+    def removing(self, name: str) -> LoraSpecs:
+        """These specs without adapter ``name``; the others keep their slots."""
+        slots = self.slots
+        slots.pop(name)
+        return LoraSpecs(loras={n: s for n, s in self.loras.items() if n != name}, limits=self.limits, assigned=slots)
 
     def resolve(self, name: str | None, num_inference_steps: int | None) -> tuple[int, LoraSpec | None, int | None]:
         """(slot, spec, steps) of a request on adapter ``name`` (None: the base model, steps as given).
