@@ -189,8 +189,8 @@ def test_the_ingress_reads_a_lora_list_in_every_form_and_refuses_by_field():
             lora_of(body(lora, **fields), model_adapter, specs)
         return e.value.param, e.value.message
 
-    assert lora_of(body([{"name": "style", "scale": -0.5}, {"name": "turbo"}]), None, specs) == "style@-0.5,turbo"
-    assert lora_of(body("style"), None, specs) == "style"  # the single form: a name, or one object
+    assert lora_of(body([{"name": "style", "scale": -0.5}, {"name": "turbo"}]), None, specs) == "style@-0.5,turbo@1.0"
+    assert lora_of(body("style"), None, specs) == "style@1.0"  # the single form: a name, or one object
     assert lora_of(body({"name": "style", "scale": 2}), None, specs) == "style@2.0"
     assert lora_of(body('[{"name": "style", "scale": 0.25}]', form=True), None, specs) == "style@0.25"
     assert lora_of(body(None), "turbo", specs) == "turbo"  # the model id's adapter

@@ -187,3 +187,75 @@ def test_composed_lists_in_a_pack_beside_base_requests_equal_diffusers_set_adapt
         expected = np.asarray(Image.open(io.BytesIO(pipeline.generate(request).png())).convert("RGB"), dtype=np.int16)
         pipeline.denoiser.transformers["transformer"] = base
         assert np.abs(got - expected).max() <= 1, body
+
+
+def test_adapters_load_and_unload_at_run_time_under_load_and_no_request_fails(server, tmp_path):
+    """POST /v1/adapters loads an adapter (made with peft, saved by diffusers) while base requests keep coming; a
+    job runs on it; DELETE refuses new requests on it at once and answers once that job finished with it. Every
+    request of the load ends 200, and the job completes."""
+    import threading
+
+    from diffusers import MiniMaxH3Transformer3DModel
+    from peft import LoraConfig
+
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
+    from tests.harness import FOREIGN_DIMS, wait_video
+    from tests.test_h3_forward import CONFIG
+    from tests.test_lora import EVERY_LAYER, lora_state_dict, save
+
+    base = MiniMaxH3Transformer3DModel.from_pretrained(random_tiny_checkpoint() / "transformer").eval()
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=EVERY_LAYER)
+    detail = save(tmp_path / "detail", lora_state_dict(base, config, 7), config)
+    other = MiniMaxH3Transformer3DModel(**{**CONFIG, **FOREIGN_DIMS}).eval()
+    foreign_config = LoraConfig(r=4, target_modules=["attn.to_q"])
+    foreign = save(tmp_path / "foreign", lora_state_dict(other, foreign_config, 8), foreign_config)
+
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load():  # base requests, one after another, for the whole test
+        with client(server.url) as http:
+            while not stop.is_set():
+                body = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 3}
+                statuses.append(http.post("/v1/images/generations", json=body).status_code)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        with client(server.url, timeout=300) as http:
+            added = http.post("/v1/adapters", json={"name": "detail", "path": str(detail), "scale": 0.8})
+            assert added.status_code == 200, added.text
+            assert added.json()["id"] == f"{BASE_ID}:detail" and added.json()["bytes"] > 0
+            assert f"{BASE_ID}:detail" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            error = error_of(http.post("/v1/adapters", json={"name": "foreign", "path": str(foreign)}), 400)
+            assert error["param"] == "path" and "transformer_blocks.0.attn.to_q" in error["message"], error
+            error = error_of(http.post("/v1/adapters", json={"name": "detail", "path": str(detail)}), 409)
+            assert error["param"] == "name", error
+
+            body = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 12, "lora": ["detail", "style"]}
+            job = http.post("/v1/videos", json=body)
+            assert job.status_code == 200, job.text
+            job_id = job.json()["id"]
+            wait_for(lambda: http.get(f"/v1/videos/{job_id}").json()["progress"] > 0, timeout=120, what="the job runs")
+            deleted: dict = {}
+            deleting = threading.Thread(
+                target=lambda: deleted.update(response=client(server.url, timeout=300).delete("/v1/adapters/detail"))
+            )
+            deleting.start()
+
+            def refused():
+                response = http.post("/v1/images/generations", json={"prompt": "x", "lora": ["detail"]})
+                return response if response.status_code == 400 else None
+
+            error = error_of(wait_for(refused, timeout=30, interval=0.2, what="new requests refused"), 400)
+            assert error["param"] == "lora" and "no adapter 'detail'" in error["message"], error
+            finished = wait_video(http, job_id)
+            assert finished["status"] == "completed", finished  # it finished with the adapter
+            deleting.join(timeout=120)
+            assert deleted["response"].status_code == 200, deleted["response"].text
+            assert f"{BASE_ID}:detail" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert error_of(http.delete("/v1/adapters/detail"), 404)
+    finally:
+        stop.set()
+        loader.join(timeout=120)
+    assert statuses and set(statuses) == {200}, statuses

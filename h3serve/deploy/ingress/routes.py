@@ -54,7 +54,7 @@ from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, Tena
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
 from h3serve.deploy.ingress import content
-from h3serve.deploy.ingress.adapters import lora_of, steps_on
+from h3serve.deploy.ingress.adapters import adapter_spec, check_admin, load_refused, lora_of, steps_on
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
@@ -206,6 +206,7 @@ class H3Ingress:
         self.loras = dict(args.loras)
         self.lora_specs = args.lora_specs  # the adapters and the limits on composing them (a request's `lora`)
         self.adapter_ids = {f"{self.model_name}:{name}": name for name in self.loras}
+        self.h3_replicas = args.ingress.h3_replicas  # run-time adapters reach one replica (adapters.adapter_spec)
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
         store.check()  # an unusable store refuses to start, like a missing token
@@ -662,6 +663,38 @@ class H3Ingress:
             for model_id, name in self.adapter_ids.items()
         ]
         return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/adapters")
+    @route("/v1/adapters")
+    async def add_adapter(self, request: Request):
+        """Admin: load a LoRA adapter on the replica (checked against its checkpoint) and serve it from now."""
+        check_admin(request)
+        name, spec = adapter_spec(await request.body(), self.lora_specs, self.limits.max_steps, self.h3_replicas)
+        try:
+            nbytes = await self.replica.load_adapter.remote(name, spec)
+        except Exception as e:
+            refused = load_refused(e)
+            if refused is None:
+                raise
+            raise refused from None
+        self._serve_adapters({**self.loras, name: spec})
+        return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "bytes": nbytes}
+
+    @app.delete("/v1/adapters/{name}")
+    @route("/v1/adapters/{name}")
+    async def delete_adapter(self, request: Request, name: str):
+        """Admin: refuse new requests on adapter ``name`` now; answer once its running requests finished with it."""
+        check_admin(request)
+        if name not in self.loras:
+            raise APIError(404, f"no adapter {name[:80]!r}; its adapters: {', '.join(sorted(self.loras)) or 'none'}")
+        self._serve_adapters({n: s for n, s in self.loras.items() if n != name})
+        await self.replica.unload_adapter.remote(name)
+        return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "deleted": True}
+
+    def _serve_adapters(self, loras: dict) -> None:
+        self.loras = loras
+        self.lora_specs = self.lora_specs.model_copy(update={"loras": loras})
+        self.adapter_ids = {f"{self.model_name}:{n}": n for n in loras}
 
     @app.get("/v1/me")
     @route("/v1/me")
