@@ -206,3 +206,35 @@ def test_the_ingress_reads_a_lora_list_in_every_form_and_refuses_by_field():
         with pytest.raises(Exception) as e:
             body(bad)
         assert "lora" in str(e.value)
+
+
+def test_adapter_admin_bodies_are_checked_before_any_replica_and_users_are_refused():
+    import json
+    from types import SimpleNamespace
+
+    from h3serve.deploy.common.errors import APIError
+    from h3serve.deploy.ingress.adapters import adapter_spec, check_admin
+    from h3serve.deploy.ingress.tenants import Tenant
+
+    specs = LoraSpecs(loras={"style": LoraSpec(path="s")})
+
+    def refused(body, h3_replicas=1):
+        with pytest.raises(APIError) as e:
+            adapter_spec(json.dumps(body).encode(), specs, max_steps=50, h3_replicas=h3_replicas)
+        return e.value.status, e.value.param
+
+    name, spec = adapter_spec(b'{"name": "motion", "path": "/m", "scale": 0.5, "steps": 4}', specs, 50, 1)
+    assert (name, spec) == ("motion", LoraSpec(path="/m", scale=0.5, steps=4))
+    assert refused({"name": "Motion 2", "path": "/m"}) == (400, "name")
+    assert refused({"name": "style", "path": "/s"}) == (409, "name")  # already served: DELETE it first
+    assert refused({"name": "motion"}) == (400, "path")
+    assert refused({"name": "motion", "path": "s3://bucket/m"}) == (400, "path")
+    assert refused({"name": "motion", "path": "/m", "steps": 80}) == (400, "steps")
+    assert refused({"name": "motion", "path": "/m", "rank": 4})[0] == 400  # an unknown field
+    assert refused({"name": "motion", "path": "/m"}, h3_replicas=2) == (409, None)  # one replica only: fail closed
+
+    check_admin(SimpleNamespace(state=SimpleNamespace(tenant=None)))  # open mode
+    check_admin(SimpleNamespace(state=SimpleNamespace(tenant=Tenant("ops", "admin"))))
+    with pytest.raises(APIError) as e:
+        check_admin(SimpleNamespace(state=SimpleNamespace(tenant=Tenant("alpha", "user"))))
+    assert e.value.status == 403
