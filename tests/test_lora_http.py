@@ -189,6 +189,13 @@ def test_composed_lists_in_a_pack_beside_base_requests_equal_diffusers_set_adapt
         assert np.abs(got - expected).max() <= 1, body
 
 
+def model_enum(http) -> list[str]:
+    """The ids /openapi.json lets a generation request's `model` name."""
+    doc = http.get("/openapi.json").json()
+    body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return body["properties"]["model"]["enum"]
+
+
 def test_adapters_load_and_unload_at_run_time_under_load_and_no_request_fails(server, tmp_path):
     """POST /v1/adapters loads an adapter (made with peft, saved by diffusers) while base requests keep coming; a
     job runs on it; DELETE refuses new requests on it at once and answers once that job finished with it. Every
@@ -227,6 +234,7 @@ def test_adapters_load_and_unload_at_run_time_under_load_and_no_request_fails(se
             assert added.status_code == 200, added.text
             assert added.json()["id"] == f"{BASE_ID}:detail" and added.json()["bytes"] > 0
             assert f"{BASE_ID}:detail" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert f"{BASE_ID}:detail" in model_enum(http)
             error = error_of(http.post("/v1/adapters", json={"name": "foreign", "path": str(foreign)}), 400)
             assert error["param"] == "path" and "transformer_blocks.0.attn.to_q" in error["message"], error
             error = error_of(http.post("/v1/adapters", json={"name": "detail", "path": str(detail)}), 409)
@@ -254,6 +262,7 @@ def test_adapters_load_and_unload_at_run_time_under_load_and_no_request_fails(se
             deleting.join(timeout=120)
             assert deleted["response"].status_code == 200, deleted["response"].text
             assert f"{BASE_ID}:detail" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert f"{BASE_ID}:detail" not in model_enum(http)
             assert error_of(http.delete("/v1/adapters/detail"), 404)
     finally:
         stop.set()

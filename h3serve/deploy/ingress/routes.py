@@ -695,6 +695,7 @@ class H3Ingress:
         self.loras = loras
         self.lora_specs = self.lora_specs.model_copy(update={"loras": loras})
         self.adapter_ids = {f"{self.model_name}:{n}": n for n in loras}
+        self._openapi = None  # its `model` enum lists the ids: built again on its next read
 
     @app.get("/v1/me")
     @route("/v1/me")
