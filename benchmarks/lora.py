@@ -1,6 +1,7 @@
 """LoRA adapters: the per-step cost of the adapter path, and the co-batching trace against the peers' ways.
 
     python -m benchmarks.lora --quick [--json PATH]      # the per-step cost (benchmarks/lora_step.py; --gpu there)
+    python -m benchmarks.lora --composed [--quick] [--json PATH]  # composed lists (benchmarks/lora_compose.py)
 
 The co-batching trace (issue 25, item 5):
 
@@ -710,6 +711,9 @@ def options(ap: argparse.ArgumentParser) -> None:
         help="per-step cost: hidden 512 and 1.4k rows, a minute on a loaded CPU (else hidden 1024, 4k rows)",
     )
     ap.add_argument("--trace", action="store_true", help="the co-batching trace (--smoke: its smallest size)")
+    ap.add_argument(
+        "--composed", action="store_true", help="composed requests' per-step cost (benchmarks.lora_compose)"
+    )
     ap.add_argument("--requests", type=int, help="trace: requests in the trace")
     ap.add_argument("--policy", choices=POLICIES, default="srpt", help="trace: the engine policy of every mode")
     ap.add_argument("--seed", type=int, default=0, help="trace: the trace's seed")
@@ -725,6 +729,10 @@ def run_args(args: argparse.Namespace) -> dict:
     if args.quick and trace_mode:
         raise SystemExit("lora: --quick sizes the per-step cost; the trace's small size is --smoke")
     with torch_threads(args.threads):
+        if args.composed:
+            from .lora_compose import run as composed_cost
+
+            return composed_cost(args.quick, args.smoke)
         if not trace_mode:
             return step_cost(args.quick)
         sizes = TRACE_SMOKE if args.smoke else TRACE_FULL

@@ -228,6 +228,13 @@ def _ingresses_apps(inputs: Inputs) -> list[dict]:
 CLI_STEPS = 2000  # ~100 s of the tiny model's steps on 2 cores: the Ctrl-C test cancels it within the first seconds
 
 
+def _lora_app(inputs: Inputs) -> dict:
+    """test_lora_http's: test_lora's adapters, and packs of up to 4 requests (composed lists beside base requests)."""
+    app = _app(inputs, "lora", "/lora", loras=lora_adapters(inputs))
+    app["args"]["engine"]["max_active"] = 4
+    return app
+
+
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
@@ -241,7 +248,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
     "test_events_http": _events_apps,
     "test_ingress_replicas": _ingresses_apps,
-    "test_lora_http": lambda inputs: [_app(inputs, "lora", "/lora", loras=lora_adapters(inputs))],
+    "test_lora_http": lambda inputs: [_lora_app(inputs)],
     "test_scale_from_zero": _cold_apps,
     "test_tenants_http": _tenant_apps,
     "test_webhooks_http": _webhook_apps,

@@ -257,6 +257,9 @@ def test_every_route_needs_the_token_but_health(server):
             ("DELETE", "/v1/videos/{video_id}"): (f"/v1/videos/{video_id}", {}, 200),
             ("GET", "/v1/models"): ("/v1/models", {}, 200),
             ("GET", "/v1/me"): ("/v1/me", {}, 200),  # api_key_env's key: tenant admin
+            # admin: an adapter directory that is not there (the replica reads nothing), and one never served
+            ("POST", "/v1/adapters"): ("/v1/adapters", {"json": {"name": "x", "path": "/no/such/adapter"}}, 400),
+            ("DELETE", "/v1/adapters/{name}"): ("/v1/adapters/none", {}, 404),
             ("GET", "/health"): ("/health", {}, 200),
             ("GET", "/v1/stats"): ("/v1/stats", {}, 200),
             ("GET", "/"): ("/", {}, 200),  # the playground page: public, it asks for the key itself

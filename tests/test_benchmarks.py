@@ -616,3 +616,19 @@ def test_step_path_smoke_sends_workers_metadata_only(tmp_path):
     assert result["ok"]
     assert max(result["after_ray_bytes_per_worker"].values()) < 4096
     assert result["before_object_store_bytes"]["no caching"] > result["after_broadcast_bytes"] > 100 * 4096
+
+
+def test_lora_compose_smoke_times_every_case_and_composed_equals_merged_by_hand(tmp_path):
+    run = bench("lora_compose", "--smoke", json_path=tmp_path / "compose.json")
+    assert run.code == 0 and run.result is not None
+    cases = [c["case"] for c in run.result["cases"]]
+    assert cases == [
+        "base only",
+        "single adapters (1 a request)",
+        "composed lists (2 a request)",
+        "composed, merged per request by hand",
+    ]
+    assert all(c["median_ms"] > 0 for c in run.result["cases"])
+    # the co-batched composition equals what a user gets by merging each request's adapters into the weights
+    assert max(run.result["max_diff_vs_merged"]) < 1e-3
+    assert "Composed LoRA requests: one packed step (CPU)" in run.out

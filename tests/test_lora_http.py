@@ -110,3 +110,161 @@ def test_adapters_are_model_ids_and_a_request_picks_one(server):
         if s.labels.get("application") == server.name
     }
     assert served == {"turbo": 1.0, "style": 1.0}
+
+
+def rows_per_step_count(server) -> float:
+    """The forwards this application's replicas ran (ray_h3serve_rows_per_step's count: one sample per forward)."""
+    return sum(
+        s.value
+        for s in scrape(server.metrics_port).get("ray_h3serve_rows_per_step_count", [])
+        if s.labels.get("application") == server.name
+    )
+
+
+def test_composed_lists_in_a_pack_beside_base_requests_equal_diffusers_set_adapters(server):
+    """Three requests at once (a base one, one composing turbo with style, one with style at a negative weight), packed
+    together by the engine; each PNG equals diffusers' pipeline with the request's adapters loaded by
+    ``load_lora_weights``, activated by ``set_adapters(names, weights)`` and fused, frames within one uint8 step."""
+    import base64
+    import copy
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from diffusers.modular_pipelines import MiniMaxH3Blocks
+    from PIL import Image
+
+    from h3serve.attention import get_backend
+    from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+    from h3serve.pipelines.h3.attention_processor import install
+
+    bodies = [
+        {"num_inference_steps": 8},
+        {"lora": [{"name": "style", "scale": -0.5}], "num_inference_steps": 8},
+        {"lora": [{"name": "turbo"}, {"name": "style", "scale": 0.6}]},  # turbo's own 3 steps, its scale 0.7
+    ]
+    with client(server.url) as http:
+        refused = http.post("/v1/images/generations", json={"prompt": "x", "lora": [{"name": "anime"}]})
+        error = error_of(refused, 400)
+        assert error["param"] == "lora" and "no adapter 'anime'" in error["message"], error
+        assert "its adapters: style, turbo" in error["message"], error
+        forwards_before = rows_per_step_count(server)
+
+        def generate(body: dict) -> np.ndarray:
+            response = http.post(
+                "/v1/images/generations", json={"prompt": "a bell", "size": "64x64", "seed": 4, **body}
+            )
+            assert response.status_code == 200, response.text
+            png = base64.b64decode(response.json()["data"][0]["b64_json"])
+            return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            served_pngs = list(pool.map(generate, bodies))
+    # packed: fewer forwards than the requests' model evaluations one at a time (7 + 7 + 2)
+    wait_for(lambda: rows_per_step_count(server) > forwards_before, timeout=60, what="forwards counted")
+    time.sleep(3)
+    assert rows_per_step_count(server) - forwards_before < 16
+
+    # diffusers: the deployment's adapter files (the session server wrote them under its tmp), fused per request
+    loras_dir = server.store.parent.parent / "loras"
+    scales = {"turbo": 0.7, "style": 1.0}  # tests.test_lora.ADAPTERS' deploy-time scales
+    pipeline = H3Pipeline.load(None, "torch_sdpa")  # the served default: the built-in tiny checkpoint
+    base = pipeline.denoiser.transformers["transformer"]
+    for body, got in zip(bodies, served_pngs, strict=True):
+        uses = [(use["name"], use.get("scale", scales[use["name"]])) for use in body.get("lora", [])]
+        if uses:
+            pipe = MiniMaxH3Blocks().init_pipeline()
+            pipe.update_components(transformer=copy.deepcopy(base))
+            for name, _ in uses:
+                pipe.load_lora_weights(loras_dir / name, adapter_name=name)
+            pipe.set_adapters([n for n, _ in uses], [w for _, w in uses])
+            pipe.fuse_lora(components=["transformer"], adapter_names=[n for n, _ in uses])
+            install(pipe.transformer, get_backend("torch_sdpa").make_impl())
+            pipeline.denoiser.transformers["transformer"] = pipe.transformer
+        request = GenerationRequest(
+            prompt="a bell", width=64, height=64, seed=4, num_inference_steps=body.get("num_inference_steps", 3)
+        )
+        expected = np.asarray(Image.open(io.BytesIO(pipeline.generate(request).png())).convert("RGB"), dtype=np.int16)
+        pipeline.denoiser.transformers["transformer"] = base
+        assert np.abs(got - expected).max() <= 1, body
+
+
+def model_enum(http) -> list[str]:
+    """The ids /openapi.json lets a generation request's `model` name."""
+    doc = http.get("/openapi.json").json()
+    body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return body["properties"]["model"]["enum"]
+
+
+def test_adapters_load_and_unload_at_run_time_under_load_and_no_request_fails(server, tmp_path):
+    """POST /v1/adapters loads an adapter (made with peft, saved by diffusers) while base requests keep coming; a
+    job runs on it; DELETE refuses new requests on it at once and answers once that job finished with it. Every
+    request of the load ends 200, and the job completes."""
+    import threading
+
+    from diffusers import MiniMaxH3Transformer3DModel
+    from peft import LoraConfig
+
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
+    from tests.harness import FOREIGN_DIMS, wait_video
+    from tests.test_h3_forward import CONFIG
+    from tests.test_lora import EVERY_LAYER, lora_state_dict, save
+
+    base = MiniMaxH3Transformer3DModel.from_pretrained(random_tiny_checkpoint() / "transformer").eval()
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=EVERY_LAYER)
+    detail = save(tmp_path / "detail", lora_state_dict(base, config, 7), config)
+    other = MiniMaxH3Transformer3DModel(**{**CONFIG, **FOREIGN_DIMS}).eval()
+    foreign_config = LoraConfig(r=4, target_modules=["attn.to_q"])
+    foreign = save(tmp_path / "foreign", lora_state_dict(other, foreign_config, 8), foreign_config)
+
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load():  # base requests, one after another, for the whole test
+        with client(server.url) as http:
+            while not stop.is_set():
+                body = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 3}
+                statuses.append(http.post("/v1/images/generations", json=body).status_code)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        with client(server.url, timeout=300) as http:
+            added = http.post("/v1/adapters", json={"name": "detail", "path": str(detail), "scale": 0.8})
+            assert added.status_code == 200, added.text
+            assert added.json()["id"] == f"{BASE_ID}:detail" and added.json()["bytes"] > 0
+            assert f"{BASE_ID}:detail" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert f"{BASE_ID}:detail" in model_enum(http)
+            error = error_of(http.post("/v1/adapters", json={"name": "foreign", "path": str(foreign)}), 400)
+            assert error["param"] == "path" and "transformer_blocks.0.attn.to_q" in error["message"], error
+            error = error_of(http.post("/v1/adapters", json={"name": "detail", "path": str(detail)}), 409)
+            assert error["param"] == "name", error
+
+            body = {"prompt": "a bell", "size": "64x64", "num_inference_steps": 12, "lora": ["detail", "style"]}
+            job = http.post("/v1/videos", json=body)
+            assert job.status_code == 200, job.text
+            job_id = job.json()["id"]
+            wait_for(lambda: http.get(f"/v1/videos/{job_id}").json()["progress"] > 0, timeout=120, what="the job runs")
+            deleted: dict = {}
+            deleting = threading.Thread(
+                target=lambda: deleted.update(response=client(server.url, timeout=300).delete("/v1/adapters/detail"))
+            )
+            deleting.start()
+
+            def refused():
+                response = http.post("/v1/images/generations", json={"prompt": "x", "lora": ["detail"]})
+                return response if response.status_code == 400 else None
+
+            error = error_of(wait_for(refused, timeout=30, interval=0.2, what="new requests refused"), 400)
+            assert error["param"] == "lora" and "no adapter 'detail'" in error["message"], error
+            finished = wait_video(http, job_id)
+            assert finished["status"] == "completed", finished  # it finished with the adapter
+            deleting.join(timeout=120)
+            assert deleted["response"].status_code == 200, deleted["response"].text
+            assert f"{BASE_ID}:detail" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+            assert f"{BASE_ID}:detail" not in model_enum(http)
+            assert error_of(http.delete("/v1/adapters/detail"), 404)
+    finally:
+        stop.set()
+        loader.join(timeout=120)
+    assert statuses and set(statuses) == {200}, statuses

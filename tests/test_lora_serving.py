@@ -85,7 +85,9 @@ def test_adapters_take_slots_in_declaration_order_and_every_partition_holds_them
         assert all(a.partition == partition for a in by_slot.values())
     states = [adapted.prepare(adapted.with_adapter(clip("a", 1, 4), a), None, a) for a in (None, "style", "turbo")]
     ((_, pack),) = adapted.packs(states)
-    assert pack.document_slots == [0, 2, 1] and pack.adapted
+    # each document's composition id in the pack, and each id's (adapter slot, weight): style, then turbo at its 0.7
+    assert pack.document_slots == [0, 1, 2] and pack.adapted
+    assert pack.compositions == {1: ((2, 1.0),), 2: ((1, 0.7),)}
 
 
 def test_base_requests_on_a_deployment_with_adapters_run_exactly_todays_forward(tiny_pipeline, adapted):

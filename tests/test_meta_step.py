@@ -89,6 +89,12 @@ def test_counted_flops_equal_the_formula(measured):
     # the skipping document's middle blocks are not run; the adapters' deltas are
     assert measured["(d) step cache"]["skipped"] == [False] * 5 + [True]
     assert measured["(e) LoRA, 2 adapters"]["formula"]["lora"] > 0
+    # composed lists: each adapted document runs both adapters, twice (e)'s deltas (the widened timestep path the same)
+    composed, single = (
+        measured["(f) LoRA, composed lists"]["formula"]["lora"],
+        measured["(e) LoRA, 2 adapters"]["formula"]["lora"],
+    )
+    assert 1.9 * single < composed < 2 * single
     # over 4 ranks each computes a quarter of the blocks' work, and every rank refines every prompt
     sharded, whole = measured["(c) sp=4, rank 0"]["flops"], measured["(c) H200 row budget"]["flops"]
     assert whole / 4 < sharded < whole / 4 * 1.01

@@ -22,10 +22,12 @@ import math
 import time
 
 from h3serve.pipelines.h3 import GeneratedMedia, GenerationRequest, RequestError, RequestState
+from h3serve.pipelines.h3.lora import LoraSpec
 from h3serve.pipelines.h3.pipeline import H3Pipeline
 from h3serve.pipelines.h3.step_cache_tiers import StepCachePolicy
 
 from . import scheduler
+from .adapters import RuntimeAdapters
 from .contract import (
     EngineDraining,
     EngineLimits,
@@ -81,6 +83,7 @@ class Engine:
         self.last_warm_up: WarmUp | None = None  # what warm_up() ran and measured
         self._progress_at = time.monotonic()  # the watchdog: when work arrived (the loops keep their own clocks)
         self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
+        self.runtime_adapters = RuntimeAdapters(self.pipeline, self.requests, lambda: self.group.sp_degree)
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -241,6 +244,19 @@ class Engine:
             self.progress.observe("on_cancelled", stage)
             logger.info("request %s cancelled (%s, step %d of %d)", ticket.id, stage, *ticket.progress)
         self._changed()
+
+    async def load_adapter(self, name: str, spec: LoraSpec) -> int:
+        """Serve LoRA adapter ``name`` from now (``adapters.RuntimeAdapters.load``); its bytes on this rank."""
+        nbytes = await self.runtime_adapters.load(name, spec)
+        self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
+        return nbytes
+
+    async def unload_adapter(self, name: str, timeout_s: float | None = None) -> None:
+        """Refuse new requests on ``name``; free it once its running requests finished (``RuntimeAdapters.unload``)."""
+        try:
+            await self.runtime_adapters.unload(name, timeout_s=timeout_s)
+        finally:
+            self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
 
     def load(self) -> EngineLoad:
         """What the replica reports to Serve's autoscaler: the backlog in row-steps and the measured rate."""

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from h3serve.pipelines.h3 import StepStats
+from h3serve.pipelines.h3.lora_spec import adapter_names
 from h3serve.pipelines.h3.pipeline import H3Pipeline
 
 from . import scheduler
@@ -201,7 +202,9 @@ class Progress:
         self.stats.forward_s += seconds
         self.meter.sample(self.busy_s(), self.stats.row_steps)
         self.observe("on_step", stats, seconds)
-        self.observe("on_adapter_documents", collections.Counter(t.adapter for t in tickets))
+        # by adapter name (a composed request's document counts once for each of its adapters; None: the base model)
+        adapters = collections.Counter(name for t in tickets for name in adapter_names(t.adapter))
+        self.observe("on_adapter_documents", adapters)
         self.tenant_shares(tickets, seconds)
         self.stage("step", seconds)
         for ticket, error in zip(tickets, errors, strict=True):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from h3serve.attention import Platform, Resolution
 from h3serve.deploy.common.autoscaling import POLICY_PATH
 from h3serve.pipelines.h3 import AUTO, TransformerGeometry, default_dtype, default_vae_dtype, preset
-from h3serve.pipelines.h3.lora_spec import LoraSpec, LoraSpecs
+from h3serve.pipelines.h3.lora_spec import LoraLimits, LoraSpec, LoraSpecs
 from h3serve.pipelines.h3.step_cache_tiers import OFF, StepCacheTiers
 from h3serve.pipelines.h3.uploads import MAX_UPLOAD_PIXELS
 from h3serve.replicas import EngineLimits, ReplicaSpec
@@ -544,6 +544,12 @@ class DeployArgs(BaseModel):
         "video schedule's shift). Each adapter is the model id '<served_model_name>:<name>'; checked against the "
         "transformer's modules at deploy, before any replica starts",
     )
+    lora_limits: LoraLimits = Field(
+        default_factory=LoraLimits,
+        description="what a request's `lora` list may compose (several adapters at their own weights, as diffusers' "
+        "set_adapters): max_per_request adapters, and max_rank_per_pack, the ranks of the distinct adapters one pack "
+        "runs",
+    )
     stages: StagesArgs | None = Field(
         default=None,
         description="conditioner and decoder deployments of their own, shared by every H3Replica: "
@@ -575,7 +581,7 @@ class DeployArgs(BaseModel):
 
     @property
     def lora_specs(self) -> LoraSpecs:
-        return LoraSpecs(loras=self.loras)
+        return LoraSpecs(loras=self.loras, limits=self.lora_limits)
 
     @model_validator(mode="after")
     def _consistent(self) -> DeployArgs:

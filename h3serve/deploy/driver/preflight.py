@@ -112,7 +112,7 @@ def deployment_memory_plan(
         max_rows=args.engine.max_rows_per_step,
         # the reserve is the CUDA context, workspaces and the caching allocator's slack: none of it on CPU
         reserve_bytes=DEFAULT_RESERVE_BYTES if args.device == "cuda" else 0,
-        adapters={name: footprint.bytes for name, footprint in adapters.items()},
+        adapters=_adapter_bytes(args, adapters),
         step_cache=bool(args.engine.step_cache.tiers),
         stages="remote" if args.stages is not None else "local",
         configs=checkpoint,
@@ -139,6 +139,16 @@ def check_loras(args: DeployArgs, checkpoint: CheckpointConfigs | None = None) -
     if not args.loras:
         return {}
     return check_adapters(args.lora_specs, transformer_configs(args, checkpoint), args.dtype)
+
+
+def _adapter_bytes(args: DeployArgs, adapters: dict[str, AdapterFootprint]) -> dict[str, int]:
+    """The plan's adapter lines: the declared adapters' bytes, or the run-time budget (``lora_limits``'s
+    ``max_adapter_bytes``) when it is larger: adapters loaded at run time must fit the plan too."""
+    declared = {name: footprint.bytes for name, footprint in adapters.items()}
+    budget = args.lora_limits.max_adapter_bytes
+    if budget is not None and budget > sum(declared.values()):
+        return {"adapters (lora_limits.max_adapter_bytes)": budget}
+    return declared
 
 
 def describe_adapters(args: DeployArgs, adapters: dict[str, AdapterFootprint]) -> str:

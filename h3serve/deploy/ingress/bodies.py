@@ -33,6 +33,15 @@ def limits_of(info: ValidationInfo) -> RequestLimits:
     return info.context["limits"]
 
 
+class LoraUse(BaseModel):
+    """One adapter of a request's ``lora`` list: its name and weight (diffusers' ``set_adapters`` weight)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=63)
+    scale: float | None = Field(default=None, allow_inf_nan=False, description="default: the adapter's own scale")
+
+
 class Body(BaseModel):
     """Fields every generation request shares, checked against the deployment's ``RequestLimits``."""
 
@@ -50,6 +59,28 @@ class Body(BaseModel):
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     # step caching: "off" or one of the deployment's tiers (engine.step_cache); None: the deployment's default
     cache: str | None = None
+    # LoRA adapters composed on this request (diffusers' set_adapters(names, weights)); None: the base model, or the
+    # adapter its `model` id names
+    lora: list[LoraUse] | None = Field(
+        default=None,
+        description='[{"name": ..., "scale": ...}, ...], or one adapter\'s name or object; in a form, JSON text',
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora(cls, value: Any) -> Any:
+        """One name, one object or a list of either; a form's field is text: JSON, or one adapter's name."""
+        if isinstance(value, str) and value.strip().startswith(("[", "{")):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("must be a JSON list of {name, scale} objects") from None
+        if value is None:
+            return None
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise ValueError("must name at least one adapter (leave it out for the base model)")
+        return [{"name": item} if isinstance(item, str) else item for item in items]
 
     @field_validator("prompt", mode="before")
     @classmethod

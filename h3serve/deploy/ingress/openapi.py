@@ -194,6 +194,25 @@ def field_docs(
             "'<base id>:<adapter>' runs a LoRA adapter of the deployment (its default num_inference_steps is the "
             "adapter's); another id gets HTTP 400 listing these",
         },
+        "lora": {
+            "description": "LoRA adapters composed on this request, each at its own weight (diffusers' "
+            "set_adapters(names, weights)); scale omitted: the adapter's own. One name or object is one adapter. "
+            "An unknown adapter, a repeated one, more than the deployment's lora_limits.max_per_request, or adapters "
+            "distilled for different steps get HTTP 400 on 'lora'" + ("; in a form, JSON text" if form else ""),
+            **(
+                {"type": "string"}
+                if form
+                else {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}, "scale": {"type": "number"}},
+                        "additionalProperties": False,
+                    },
+                }
+            ),
+        },
         "size": {
             "type": "string",
             "pattern": "^[0-9]{1,5}x[0-9]{1,5}$",

@@ -53,6 +53,7 @@ from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, Tena
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
 from h3serve.deploy.ingress import content, derived
+from h3serve.deploy.ingress.adapters import adapter_spec, check_admin, load_refused, lora_of, steps_on
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
@@ -66,7 +67,6 @@ from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
 from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by, ingress_identity
 from h3serve.deploy.jobs.webhooks import WebhookSender, job_webhook, resolve_secret
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules
-from h3serve.pipelines.h3.lora_spec import asked_steps, check_request_steps
 from h3serve.pipelines.h3.paths import cache_dir
 from h3serve.replicas import EngineDraining
 
@@ -194,7 +194,9 @@ class H3Ingress(derived.DerivedVideos):
         self.cache_tiers, self.cache_default = args.cache_tiers, args.engine.step_cache.default
         # each LoRA adapter is a model id of its own: "<served_model_name>:<adapter name>"
         self.loras = dict(args.loras)
+        self.lora_specs = args.lora_specs  # the adapters and the limits on composing them (a request's `lora`)
         self.adapter_ids = {f"{self.model_name}:{name}": name for name in self.loras}
+        self.h3_replicas = args.ingress.h3_replicas  # run-time adapters reach one replica (adapters.adapter_spec)
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
         store.check()  # an unusable store refuses to start, like a missing token
@@ -350,27 +352,23 @@ class H3Ingress(derived.DerivedVideos):
         return [self.model_name, *self.adapter_ids]
 
     def _adapter(self, request: Request, body: Body) -> str | None:
-        """The LoRA adapter ``body.model`` names (None: the base model, also when omitted); 400 for another id."""
+        """The LoRA adapters the request runs on (``composition_key``: the one ``body.model`` names, or
+        ``body.lora``'s list; None: the base model, also when omitted); 400 for another id."""
         model = body.model
         if model in (None, "", self.model_name):
             request.state.model = self.model_name
-            return None
+            return lora_of(body, None, self.lora_specs)
         if model not in self.adapter_ids:
             raise APIError(
                 400, f"model {model[:80]!r} is not served here; valid ids: {', '.join(self.model_ids)}", "model"
             )
         request.state.model = model
-        return self.adapter_ids[model]
+        return lora_of(body, self.adapter_ids[model], self.lora_specs)
 
     def _fields(self, body: Body, adapter: str | None) -> dict[str, Any]:
-        """The body's ``GenerationRequest`` fields on ``adapter``: its own steps unless the body gives some (a
-        few-step adapter refuses others: 400 naming both), then the deployment's default_steps."""
-        fields = body.generation()
-        if adapter is not None:
-            spec = self.loras[adapter]
-            asked = asked_steps(spec, body.num_inference_steps, "num_inference_steps" in body.model_fields_set)
-            fields["num_inference_steps"] = check_request_steps(adapter, spec, asked)
-        return fields
+        """The body's ``GenerationRequest`` fields on ``adapter``: a few-step adapter's own steps unless the body
+        gives some (others: 400 naming both), then the deployment's default_steps."""
+        return {**body.generation(), "num_inference_steps": steps_on(body, adapter, self.lora_specs)}
 
     # -- images: a still of the shortest clip ----------------------------------------------------
     @app.post("/v1/images/generations")
@@ -675,6 +673,39 @@ class H3Ingress(derived.DerivedVideos):
             for model_id, name in self.adapter_ids.items()
         ]
         return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/adapters")
+    @route("/v1/adapters")
+    async def add_adapter(self, request: Request):
+        """Admin: load a LoRA adapter on the replica (checked against its checkpoint) and serve it from now."""
+        check_admin(request)
+        name, spec = adapter_spec(await request.body(), self.lora_specs, self.limits.max_steps, self.h3_replicas)
+        try:
+            nbytes = await self.replica.load_adapter.remote(name, spec)
+        except Exception as e:
+            refused = load_refused(e)
+            if refused is None:
+                raise
+            raise refused from None
+        self._serve_adapters({**self.loras, name: spec})
+        return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "bytes": nbytes}
+
+    @app.delete("/v1/adapters/{name}")
+    @route("/v1/adapters/{name}")
+    async def delete_adapter(self, request: Request, name: str):
+        """Admin: refuse new requests on adapter ``name`` now; answer once its running requests finished with it."""
+        check_admin(request)
+        if name not in self.loras:
+            raise APIError(404, f"no adapter {name[:80]!r}; its adapters: {', '.join(sorted(self.loras)) or 'none'}")
+        self._serve_adapters({n: s for n, s in self.loras.items() if n != name})
+        await self.replica.unload_adapter.remote(name)
+        return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "deleted": True}
+
+    def _serve_adapters(self, loras: dict) -> None:
+        self.loras = loras
+        self.lora_specs = self.lora_specs.model_copy(update={"loras": loras})
+        self.adapter_ids = {f"{self.model_name}:{n}": n for n in loras}
+        self._openapi = None  # its `model` enum lists the ids: built again on its next read
 
     @app.get("/v1/me")
     @route("/v1/me")

@@ -63,6 +63,7 @@ from h3serve.pipelines.h3 import (
     ModelRules,
     PreparedState,
 )
+from h3serve.pipelines.h3.lora_spec import LoraSpec
 from h3serve.replicas import DeadlineExceeded, Engine, EngineDraining, EngineLimits, ReplicaSpec, Ticket, WorkerGroup
 from h3serve.replicas.cuda_faults import ProcessPoisoned
 from h3serve.replicas.stage_worker import lower_thread_priority
@@ -349,6 +350,15 @@ class H3Replica:
     def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
         """Check a request without queueing it (video jobs are validated before they are accepted)."""
         return self.engine.validate(request, adapter)
+
+    async def load_adapter(self, name: str, spec: LoraSpec) -> int:
+        """Serve LoRA adapter ``name`` from now (POST /v1/adapters); its bytes on this replica's rank. LoraError
+        when it does not fit the checkpoint (naming the module) or lora_limits.max_adapter_bytes."""
+        return await self.engine.load_adapter(name, spec)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Refuse new requests on ``name`` now; return once its running requests finished and it is freed."""
+        await self.engine.unload_adapter(name)
 
     # -- generation --------------------------------------------------------------------------
     async def generate_image(

@@ -4,6 +4,7 @@ which a replica checks again (capable, and available on this node) rather than t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from . import checkpoint as ckpt
 from .attention_processor import SequenceParallel, install
 from .config import TransformerGeometry, transformer_defaults
 from .forward import packed_forward
-from .lora import LoraAdapter, LoraSpecs, load_partitions
+from .lora import BASE_SLOT, LoraAdapter, LoraError, LoraSpec, LoraSpecs, adapter_bytes, load_partitions
 from .packing import Pack
 from .step_cache import CachedPack
 
@@ -86,6 +87,7 @@ class H3Denoiser:
             install(model, get_backend(backend).make_impl())
         self.loras = LoraSpecs()
         self.adapters: dict[str, dict[int, LoraAdapter]] = {partition: {} for partition in transformers}
+        self.retiring: dict[str, int] = {}  # adapters being unloaded: their slots, held by requests still running
 
     def load_adapters(self, loras: LoraSpecs) -> None:
         """Read every adapter onto every partition (``load_partitions``: a file's keys routed as diffusers routes
@@ -97,6 +99,67 @@ class H3Denoiser:
         self.loras, self.adapters = loras, adapters
         if loras.loras:
             logger.info("LoRA adapters served in slots %s", loras.slots)
+
+    # -- adapters at run time (``Engine.load_adapter`` / ``unload_adapter``) --------------------------------------
+    def add_adapter(self, name: str, spec: LoraSpec, max_bytes: int | None = None) -> int:
+        """Read adapter ``name`` onto every partition and serve it in a fresh slot; returns its bytes on this rank.
+
+        Checked as a deploy-time adapter is (``load_partitions``: LoraError naming the mismatched module), and its
+        bytes with every adapter's against ``max_bytes`` (``LoraLimits.max_adapter_bytes``: LoraError when over).
+        The tables are replaced whole, never changed in place: a forward on another thread reads one or the other.
+        """
+        if name in self.loras.loras or name in self.retiring:
+            raise LoraError(
+                f"adapter {name!r} is already served" + (" (being unloaded)" if name in self.retiring else "")
+            )
+        placed = {
+            partition: adapter.placed_for(self.transformers[partition])
+            for partition, adapter in load_partitions(name, spec, self.transformers).items()
+        }
+        added = sum(adapter_bytes(adapter) for adapter in placed.values())
+        held = sum(adapter_bytes(a) for by_slot in self.adapters.values() for a in by_slot.values())
+        if max_bytes is not None and held + added > max_bytes:
+            raise LoraError(
+                f"adapter {name!r} needs {added} bytes on each rank beside the {held} its adapters hold; "
+                f"lora_limits.max_adapter_bytes is {max_bytes}"
+            )
+        slot = max([BASE_SLOT, *self.loras.slots.values(), *self.retiring.values()]) + 1
+        self.adapters = {p: {**by_slot, slot: placed[p]} for p, by_slot in self.adapters.items()}
+        self.loras = self.loras.adding(name, spec, slot)
+        logger.info("LoRA adapter %s loaded at run time in slot %d (%d bytes)", name, slot, added)
+        return added
+
+    def retire_adapter(self, name: str) -> None:
+        """New requests on ``name`` are refused from now (it leaves ``loras``); its factors stay for the requests
+        that hold its slot, until ``release_retired``."""
+        if name not in self.loras.loras:
+            served = ", ".join(sorted(self.loras.loras)) or "none"
+            raise LoraError(f"no adapter {name!r} on this deployment; its adapters: {served}")
+        self.retiring[name] = self.loras.slots[name]
+        self.loras = self.loras.removing(name)
+
+    def release_retired(self, held_slots: Iterable[int]) -> list[str]:
+        """Free the factors of retired adapters no held request uses (``held_slots``); returns their names."""
+        held = set(held_slots)
+        gone = {name: slot for name, slot in self.retiring.items() if slot not in held}
+        if gone:
+            self.adapters = {
+                p: {s: a for s, a in by_slot.items() if s not in gone.values()} for p, by_slot in self.adapters.items()
+            }
+            for name in gone:
+                del self.retiring[name]
+            logger.info("LoRA adapters unloaded: %s", ", ".join(gone))
+        return list(gone)
+
+    def rank_of(self, slots: Iterable[int]) -> int:
+        """The sum of the adapters' ranks (each its largest layer's, on any partition): what a pack's deltas cost."""
+        return sum(
+            max(
+                (r for by_slot in self.adapters.values() if slot in by_slot for r in by_slot[slot].ranks.values()),
+                default=0,
+            )
+            for slot in set(slots)
+        )
 
     @classmethod
     def load(

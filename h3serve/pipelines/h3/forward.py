@@ -51,7 +51,7 @@ def packed_forward(
     if not pack.adapted:
         return _packed_forward(model, pack, sp, cache)
     rank, world = (sp.rank, sp.sp_degree) if sp is not None else (0, 1)
-    with adapting(model, adapters or {}, pack_slots(pack, pack.document_slots, rank, world)):
+    with adapting(model, adapters or {}, pack_slots(pack, pack.document_slots, rank, world), pack.compositions or None):
         return _packed_forward(model, pack, sp, cache)
 
 

@@ -167,6 +167,11 @@ class LoraAdapter:
         )
 
 
+def adapter_bytes(adapter: LoraAdapter) -> int:
+    """The bytes of an adapter's factors as placed (each layer's dtype)."""
+    return sum(t.numel() * t.element_size() for layer in adapter.layers.values() for t in (layer.down, layer.up))
+
+
 def _read_adapter(name: str, spec: LoraSpec) -> tuple[dict[str, torch.Tensor], Any]:
     """The adapter's state dict (keys ``<partition>.<module>.lora_A/B.weight``) and metadata, read by diffusers'
     ``MiniMaxH3LoraLoaderMixin.lora_state_dict`` (non-diffusers layouts converted), or LoraError naming it."""
@@ -475,8 +480,17 @@ class _RowRuns:
         return self._subsets[key][1], int(subset.numel())
 
 
+# a pack's composition id -> the (adapter slot, weight) it runs; weight None: the adapter's spec scale
+Compositions = Mapping[int, Sequence[tuple[int, float | None]]]
+
+
 @contextlib.contextmanager
-def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter], slots: PackSlots) -> Iterator[None]:
+def adapting(
+    model: torch.nn.Module,
+    adapters_by_slot: Mapping[int, LoraAdapter],
+    slots: PackSlots,
+    compositions: Compositions | None = None,
+) -> Iterator[None]:
     """For the forward inside, every adapted linear adds each adapter's delta on its own rows only.
 
     ``adapters_by_slot`` maps slot numbers (>= 1) to adapters already placed on the model
@@ -484,11 +498,20 @@ def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter]
     are refused. Base weights are never written: the deltas are added
     to the layers' outputs by forward hooks, removed on exit. Blocks run under ``rows_subset`` (a
     step-cache sub-pack) adapt the sub-pack's rows.
+
+    ``compositions`` (None: each row's value is an adapter slot at its spec's scale): the rows' values are composition
+    ids, each running several adapters at their own weights, as diffusers' ``set_adapters(names, weights)`` does:
+    delta = sum_a weight_a * scaling_a * B_a(A_a x), each adapter's own GEMMs on the composition's rows.
     """
     if BASE_SLOT in adapters_by_slot:
         raise ValueError(f"slot {BASE_SLOT} is the base model; adapters take slots >= 1")
     present = [int(s) for s in slots.groups.tolist() if s != BASE_SLOT]
-    unknown = [s for s in present if s not in adapters_by_slot]
+    if compositions is None:
+        compositions = {s: ((s, None),) for s in present}
+    missing = [s for s in present if s not in compositions]
+    if missing:
+        raise ValueError(f"the pack uses compositions {missing} that are not given: {sorted(compositions)}")
+    unknown = sorted({slot for s in present for slot, _ in compositions[s] if slot not in adapters_by_slot})
     if unknown:
         raise ValueError(f"the pack uses adapter slots {unknown} with no adapter; known: {sorted(adapters_by_slot)}")
     if getattr(model, _ACTIVE, False):
@@ -499,15 +522,16 @@ def adapting(model: torch.nn.Module, adapters_by_slot: Mapping[int, LoraAdapter]
     # module actually called -> (module, its stream, slot -> [(layer, scale, columns)]) for each adapter present on it
     work: dict[str, tuple[torch.nn.Module, str, dict[int, list[tuple[LoraLayer, float, slice]]]]] = {}
     widen = False
-    for slot in present:
-        adapter = adapters_by_slot[slot]
-        for name, layer in adapter.layers.items():
-            stream = stream_of(name)
-            widen |= stream == "timesteps"
-            called, target = _resolve(model, modules, name)
-            scale = adapter.spec.scale * layer.scaling
-            entry = work.setdefault(called, (target.module, stream, {}))
-            entry[2].setdefault(slot, []).append((layer, scale, target.columns))
+    for group in present:
+        for slot, weight in compositions[group]:
+            adapter = adapters_by_slot[slot]
+            for name, layer in adapter.layers.items():
+                stream = stream_of(name)
+                widen |= stream == "timesteps"
+                called, target = _resolve(model, modules, name)
+                scale = (adapter.spec.scale if weight is None else weight) * layer.scaling
+                entry = work.setdefault(called, (target.module, stream, {}))
+                entry[2].setdefault(group, []).append((layer, scale, target.columns))
 
     def add_deltas(stream: str, by_slot: dict[int, list[tuple[LoraLayer, float, slice]]]):
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:

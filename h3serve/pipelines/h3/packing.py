@@ -65,6 +65,9 @@ class Pack:
     # each document's LoRA adapter slot (``h3serve.pipelines.h3.lora``), 0 the base model; empty: every document on the
     # base
     document_slots: list[int] = dataclasses.field(default_factory=list)
+    # with several adapters a document: its document_slots entry is a composition id, and this maps each id to the
+    # (adapter slot, weight) it runs (``lora.adapting``); empty: document_slots are adapter slots
+    compositions: dict[int, tuple[tuple[int, float | None], ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def adapted(self) -> bool:

@@ -32,7 +32,6 @@ from .config import TransformerGeometry, default_vae_dtype
 from .denoiser import REQUIREMENTS, H3Denoiser
 from .handoff import DecodeHandoff, GeneratedMedia, PreparedState
 from .lora import LoraSpecs
-from .lora_spec import asked_steps
 from .packing import Pack, pack_documents
 from .placement import STAGE_PLACEMENTS, StagePlacement
 from .preview import PreviewLayout, PreviewMap, preview_frames, strip_png
@@ -184,16 +183,27 @@ class H3Pipeline:
             policy.check_blocks(len(blocks))
 
     def with_adapter(self, request: GenerationRequest, adapter: str | None) -> GenerationRequest:
-        """``request`` as it runs on ``adapter`` (None: the base model): a request that sets no
-        ``num_inference_steps`` gets the adapter's; RequestError("model") for an adapter not served here,
-        RequestError("num_inference_steps") for steps the adapter was not distilled for."""
-        spec = self.denoiser.loras.loras.get(adapter) if adapter is not None else None
+        """``request`` as it runs on ``adapter`` (``lora_spec.composition_key``: one adapter or several with weights;
+        None: the base model): a request that sets no ``num_inference_steps`` gets a few-step adapter's; RequestError
+        ("model"/"lora") for an adapter not served here, a list over the limits (``LoraSpecs.compose``, and the
+        ranks over ``max_rank_per_pack``), RequestError("num_inference_steps") for steps an adapter was not distilled
+        for."""
         given = "num_inference_steps" in request.model_fields_set
-        asked = asked_steps(spec, request.num_inference_steps, given)
-        _, _, steps = self.denoiser.loras.resolve(adapter, asked)
+        composition = self.denoiser.loras.compose(adapter, request.num_inference_steps, given)
+        self.check_rank(composition.uses)
+        steps = composition.steps
         if steps is None or steps == request.num_inference_steps:
             return request
         return request.model_copy(update={"num_inference_steps": steps})
+
+    def check_rank(self, uses: Sequence[tuple[int, float | None]]) -> None:
+        """RequestError("lora") when one request's adapters alone are over the pack's rank budget."""
+        budget = self.denoiser.loras.limits.max_rank_per_pack
+        rank = self.denoiser.rank_of(slot for slot, _ in uses)
+        if budget is not None and rank > budget:
+            raise RequestError(
+                "lora", f"the adapters' ranks sum to {rank}, over this deployment's max_rank_per_pack {budget}"
+            )
 
     @torch.no_grad()
     def prepare(
@@ -208,29 +218,32 @@ class H3Pipeline:
         self.rules.check(request)
         if step_cache is not None:
             self.check_step_cache(step_cache)
-        slot, shift = self.check_prepare(request, step_cache, adapter)
+        uses, shift = self.check_prepare(request, step_cache, adapter)
         state = prepare_shifted(stages, self._schedulers["scheduler"], self._preparing, request, self.rules, shift)
-        return self._request_state(request, state, step_cache, slot, shift)
+        return self._request_state(request, state, step_cache, uses, shift)
 
     def check_prepare(
         self, request: GenerationRequest, step_cache: StepCachePolicy | None, adapter: str | None
-    ) -> tuple[int, float | None]:
-        """The request's adapter slot and its video schedule's shift (None: the released one), or the error that
-        refuses it (RequestError for the model's rules and the adapter, ValueError for the step cache)."""
+    ) -> tuple[tuple[tuple[int, float], ...], float | None]:
+        """The request's adapters ((slot, weight) each) and its video schedule's shift (None: the released one), or
+        the error that refuses it (RequestError for the model's rules and the adapters, ValueError for the step
+        cache)."""
         self.rules.check(request)
         if step_cache is not None:
             self.check_step_cache(step_cache)
-        slot, spec, _ = self.denoiser.loras.resolve(adapter, request.num_inference_steps)  # checked again
+        composition = self.denoiser.loras.compose(adapter, request.num_inference_steps)  # checked again
+        self.check_rank(composition.uses)
         partition = ckpt.PARTITIONS[request.task]
         served = self.denoiser.adapters.get(partition, {})
-        if adapter is not None and slot in served and not served[slot].layers:
-            adapted = [p for p, by_slot in self.denoiser.adapters.items() if by_slot[slot].layers]
-            raise RequestError(
-                "model",
-                f"adapter {adapter!r} adapts only the {', '.join(map(repr, adapted))} partition; a {request.task} "
-                f"request runs on {partition!r}, which it leaves as the base model (use the base model id)",
-            )
-        return slot, spec.shift if spec is not None and spec.shift is not None else None
+        for name, (slot, _) in zip(composition.names, composition.uses, strict=True):
+            if slot in served and not served[slot].layers:
+                adapted = [p for p, by_slot in self.denoiser.adapters.items() if by_slot[slot].layers]
+                raise RequestError(
+                    "model" if len(composition.names) == 1 else "lora",
+                    f"adapter {name!r} adapts only the {', '.join(map(repr, adapted))} partition; a {request.task} "
+                    f"request runs on {partition!r}, which it leaves as the base model (use the base model id)",
+                )
+        return composition.uses, composition.shift
 
     @torch.no_grad()
     def admit(
@@ -242,15 +255,15 @@ class H3Pipeline:
     ) -> RequestState:
         """A request prepared by a conditioner stage (``H3StageModels.prepare`` with ``check_prepare``'s shift)
         as this pipeline's ``RequestState``: its host tensors move to the denoiser's device once."""
-        slot, shift = self.check_prepare(request, step_cache, adapter)
-        return self._request_state(request, prepared.pipeline_state(self.denoiser.device), step_cache, slot, shift)
+        uses, shift = self.check_prepare(request, step_cache, adapter)
+        return self._request_state(request, prepared.pipeline_state(self.denoiser.device), step_cache, uses, shift)
 
     def _request_state(
         self,
         request: GenerationRequest,
         state: PipelineState,
         step_cache: StepCachePolicy | None,
-        slot: int,
+        uses: tuple[tuple[int, float], ...],
         shift: float | None,
     ) -> RequestState:
         video = MiniMaxH3Scheduler.from_config(self._schedulers["scheduler"].config)  # each request steps its own
@@ -263,7 +276,7 @@ class H3Pipeline:
             MiniMaxH3Scheduler.from_config(self._schedulers["audio_scheduler"].config),
             self.denoiser.device,
             step_cache,
-            slot,
+            uses,
         )
 
     def _forward_alone(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,13 +330,35 @@ class H3Pipeline:
         for state in states:
             groups.setdefault(state.partition, []).append(state)
         packs: list[tuple[list[RequestState], Pack]] = []
-        for partition, group in groups.items():
-            slots = [s.adapter_slot for s in group]
-            pack = pack_documents([s.document() for s in group], partition, self.row_multiple, slots)
-            if any(s.step_cache is not None for s in group):  # else exactly the pack of a deployment without caching
-                pack = CachedPack.of(pack, PackCache([s.step_cache for s in group]))
-            packs.append((group, pack))
+        for partition, partition_states in groups.items():
+            for group in self._rank_groups(partition_states):
+                # each distinct list of adapters is one composition id of the pack (0: the base model)
+                ids: dict[tuple[tuple[int, float | None], ...], int] = {}
+                slots = [ids.setdefault(s.adapters, len(ids) + 1) if s.adapters else 0 for s in group]
+                pack = pack_documents([s.document() for s in group], partition, self.row_multiple, slots)
+                pack.compositions = {i: uses for uses, i in ids.items()}
+                if any(s.step_cache is not None for s in group):  # else exactly a deployment's pack without caching
+                    pack = CachedPack.of(pack, PackCache([s.step_cache for s in group]))
+                packs.append((group, pack))
         return packs
+
+    def _rank_groups(self, states: list[RequestState]) -> list[list[RequestState]]:
+        """``states`` in packs whose distinct adapters' ranks sum to at most ``max_rank_per_pack`` (one pack when
+        there is no bound or they fit): a request is never over it alone (``check_rank``), so each pack runs."""
+        budget = self.denoiser.loras.limits.max_rank_per_pack
+        if budget is None:
+            return [states]
+        groups: list[tuple[list[RequestState], set[int]]] = []
+        for state in states:
+            mine = {slot for slot, _ in state.adapters}
+            for members, slots in groups:  # the first pack it fits in
+                if self.denoiser.rank_of(slots | mine) <= budget:
+                    members.append(state)
+                    slots |= mine
+                    break
+            else:
+                groups.append(([state], mine))
+        return [members for members, _ in groups]
 
     def apply(self, states: Sequence[RequestState], pack: Pack, out: tuple[torch.Tensor, torch.Tensor]) -> StepStats:
         """Advance every state of ``pack`` by one step from its packed forward's velocities."""

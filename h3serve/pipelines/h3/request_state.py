@@ -31,11 +31,12 @@ class RequestState:
         audio: MiniMaxH3Scheduler,
         device: torch.device,
         step_cache: StepCachePolicy | None = None,
-        adapter_slot: int = BASE_SLOT,
+        adapters: tuple[tuple[int, float | None], ...] = (),
     ):
         """``video`` must already carry the request's shift (an adapter's; ``H3Pipeline.prepare`` sets it)."""
         self.request, self.state = request, state
-        self.adapter_slot = adapter_slot  # its documents' slot in every pack (0: the base model)
+        # its documents' adapters in every pack: (slot, weight; None the spec's scale) each; (): the base model
+        self.adapters = adapters
         # this request's First-Block-Cache state (None: it computes every block at every step)
         self.step_cache: DocumentCache | None = DocumentCache(step_cache) if step_cache is not None else None
         self.partition = ckpt.PARTITIONS[request.task]
@@ -84,6 +85,18 @@ class RequestState:
     @property
     def progress(self) -> tuple[int, int]:
         return self.step_index, self.steps
+
+    @property
+    def adapter_slot(self) -> int:
+        """The one adapter's slot (``BASE_SLOT``: none); ValueError for a composition of several."""
+        if len(self.adapters) > 1:
+            raise ValueError(f"the request composes {len(self.adapters)} adapters; it has no single slot")
+        return self.adapters[0][0] if self.adapters else BASE_SLOT
+
+    @adapter_slot.setter
+    def adapter_slot(self, slot: int) -> None:
+        """Run on adapter ``slot`` alone at its spec's scale (``BASE_SLOT``: the base model)."""
+        self.adapters = () if slot == BASE_SLOT else ((slot, None),)
 
     def document(self) -> Document:
         timestep, timestep_indices = self.plan[self.step_index]

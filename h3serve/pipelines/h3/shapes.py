@@ -297,10 +297,11 @@ def lora_flops(config: dict, pack: Pack, adapters: Mapping[int, Mapping[str, tup
     """FLOPs ``lora.adapting`` adds to a forward at sp_degree 1 (``pack``'s indices on the host).
 
     ``adapters``: slot -> {adapted module: (in_features, out_features, rank)}. Every adapted layer adds
-    2 * r * (in + out) per row of its slot's documents on the layer's stream (``lora.stream_of``: a block's rows,
-    the text rows, the video or audio rows, or K timesteps); when an adapter adapts the timestep path, the pack's
-    timestep path runs once per slot group G (the base model's included): (G - 1) * K more rows through the time
-    embedder, every block's AdaLN table and ``norm_out``'s projection.
+    2 * r * (in + out) per row of the documents running its adapter (alone or in a composition) on the layer's
+    stream (``lora.stream_of``: a block's rows, the text rows, the video or audio rows, or K timesteps); when an
+    adapter adapts the timestep path, the pack's timestep path runs once per slot group G (the base model's
+    included): (G - 1) * K more rows through the time embedder, every block's AdaLN table and ``norm_out``'s
+    projection.
     """
     from h3serve.pipelines.h3.lora import stream_of
 
@@ -308,13 +309,22 @@ def lora_flops(config: dict, pack: Pack, adapters: Mapping[int, Mapping[str, tup
     K, slots = pack.timestep.numel(), pack.document_slots or [0] * len(pack.lengths)
     text = doc_lengths(pack.text_cu_seqlens)
     rows = {"rows": pack.lengths, "text": text, "video": pack.video_counts, "audio": pack.audio_counts}
+    # a document's value is an adapter slot, or a composition id of several adapters (``Pack.compositions``)
+    compositions = pack.compositions or {s: ((s, None),) for s in adapters}
     flops, widened = 0, False
-    for slot, layers in adapters.items():
-        for module, (n_in, n_out, r) in layers.items():
-            stream = stream_of(module)
-            widened |= stream == "timesteps"
-            n = K if stream == "timesteps" else sum(c for c, s in zip(rows[stream], slots, strict=True) if s == slot)
-            flops += 2 * n * r * (n_in + n_out) if slot in slots else 0
+    for group, uses in compositions.items():
+        if group not in slots:
+            continue
+        for slot, _ in uses:
+            for module, (n_in, n_out, r) in adapters[slot].items():
+                stream = stream_of(module)
+                widened |= stream == "timesteps"
+                n = (
+                    K
+                    if stream == "timesteps"
+                    else sum(c for c, s in zip(rows[stream], slots, strict=True) if s == group)
+                )
+                flops += 2 * n * r * (n_in + n_out)
     if widened:
         groups = len(set(slots))
         per_timestep = config["num_layers"] * 2 * e * 6 * d * MINIMAX_H3_MODALITY_NUM

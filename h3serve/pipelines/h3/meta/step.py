@@ -107,6 +107,10 @@ CACHED = [
 # (e) LoRA: the mixed pack on the base model and two adapters (rank 64 on every linear layer), several per pack
 ADAPTERS = ("turbo", "style")
 ADAPTED = [dataclasses.replace(a, adapter=(None, *ADAPTERS)[i % 3]) for i, a in enumerate(PACKS["mixed"])]
+# (f) composed LoRA (issue 57): the mixed pack on the base model and on two lists composing both adapters at their
+# own weights (each adapter's GEMMs on its rows: twice (e)'s delta work on the adapted rows)
+COMPOSED_LISTS = (None, "turbo@0.8,style@0.5", "style@-0.4,turbo@1.0")
+COMPOSED = [dataclasses.replace(a, adapter=COMPOSED_LISTS[i % 3]) for i, a in enumerate(PACKS["mixed"])]
 
 
 def _png() -> bytes:
@@ -403,6 +407,7 @@ PATHS: dict[str, StepPath] = {
     "(c) H200 row budget": StepPath(tuple(PACKS["budget"])),
     "(d) step cache": StepPath(tuple(CACHED), parts=("pack", "step cache")),
     "(e) LoRA, 2 adapters": StepPath(tuple(ADAPTED), parts=("pack", "lora")),
+    "(f) LoRA, composed lists": StepPath(tuple(COMPOSED), parts=("pack", "lora")),
     "(c) sp=4, rank 0": StepPath(tuple(PACKS["budget"]), 4, 0, ("pack", "ulysses")),
     "(c) sp=4, rank 3": StepPath(tuple(PACKS["budget"]), 4, 3, ("pack", "ulysses")),
     "(d) sp=4, rank 0": StepPath(tuple(CACHED), 4, 0, ("pack", "ulysses", "step cache", "ulysses step cache")),
