@@ -264,7 +264,39 @@ def test_adapters_load_and_unload_at_run_time_under_load_and_no_request_fails(se
             assert f"{BASE_ID}:detail" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
             assert f"{BASE_ID}:detail" not in model_enum(http)
             assert error_of(http.delete("/v1/adapters/detail"), 404)
+            # a remix of the job made with it runs on its adapters: one is gone, so refused, not run without it
+            error = error_of(http.post(f"/v1/videos/{job_id}/remix", json={"prompt": "a gong"}), 409)
+            assert error["param"] == "video_id" and "'detail" in error["message"], error
     finally:
         stop.set()
         loader.join(timeout=120)
     assert statuses and set(statuses) == {200}, statuses
+
+
+def test_a_remix_of_a_video_made_with_a_lora_list_runs_on_the_same_adapters(server):
+    """remix (issue 58) of a clip whose request named a ``lora`` list on the base model: its adapters at its weights
+    and a new prompt, the frames of that list and prompt sent to POST /v1/videos."""
+    import io
+
+    import av
+    import numpy as np
+
+    from tests.harness import wait_video
+
+    def made(http, response) -> np.ndarray:
+        assert response.status_code == 200, response.text
+        job = wait_video(http, response.json()["id"])
+        assert job["status"] == "completed", job
+        with av.open(io.BytesIO(http.get(f"/v1/videos/{job['id']}/content").content)) as container:
+            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+    body = {"prompt": "a bell", "size": "64x64", "seed": 3, "num_inference_steps": 2}
+    listed = {**body, "lora": [{"name": "style", "scale": -0.5}]}
+    with client(server.url, timeout=300) as http:
+        source = http.post("/v1/videos", json=listed)
+        source_frames = made(http, source)
+        remix = made(http, http.post(f"/v1/videos/{source.json()['id']}/remix", json={"prompt": "a gong"}))
+        direct = made(http, http.post("/v1/videos", json={**listed, "prompt": "a gong"}))
+        base = made(http, http.post("/v1/videos", json={**body, "prompt": "a gong"}))
+    assert np.array_equal(remix, direct)  # the same adapters at the same weight
+    assert not np.array_equal(remix, base) and not np.array_equal(remix, source_frames)

@@ -30,6 +30,7 @@ from h3serve.deploy.ingress.bodies import Body, VideosBody, limits_of
 from h3serve.deploy.ingress.routing import route
 from h3serve.deploy.jobs.variants import decoded_frames, frame_count
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules, RequestError
+from h3serve.pipelines.h3.lora_spec import parse_composition
 
 if TYPE_CHECKING:
     from h3serve.deploy.ingress.routes import H3Ingress
@@ -107,10 +108,17 @@ async def source_of(ingress: H3Ingress, request: Request, video_id: str) -> tupl
 
 
 def model_of(ingress: H3Ingress, request: Request, settings: dict) -> str | None:
-    """The source's model id into ``request.state.model`` and its LoRA adapter; 409 when it is no longer served."""
+    """The source's model id into ``request.state.model`` and its LoRA adapters (``composition_key``'s string: an
+    adapter's model id's, or a ``lora`` list on the base model); 409 when the model or an adapter is not served now."""
     model, adapter = settings["model"], settings["adapter"]
-    if model not in ingress.model_ids or (adapter is not None and ingress.adapter_ids.get(model) != adapter):
+    if model not in ingress.model_ids:
         raise APIError(409, f"the source video's model {model!r} is not served here any more", "video_id")
+    if model != ingress.model_name:  # an adapter's model id: that adapter alone
+        served = ingress.adapter_ids.get(model) == adapter
+    else:  # the base model, with the source's `lora` list if it had one
+        served = all(name in ingress.lora_specs.loras for name, _ in parse_composition(adapter))
+    if not served:
+        raise APIError(409, f"the source video's adapters {adapter!r} are not all served here any more", "video_id")
     request.state.model = model
     return adapter
 
