@@ -329,6 +329,8 @@ OOM_CASES = [
     (Fault(0, "between_all_to_alls", "oom", block=1), 1),
     (Fault(1, "all_gather", "oom", block=1), 2),
     (Fault(0, "all_gather", "oom", block=2), 2),
+    # after the blocks: the output rows' gather, then the outcome's agreement, drained
+    (Fault(1, "final_gather", "oom"), 2),
     # in a step that fills the cache (the first: both documents compute and keep their residuals)
     (Fault(1, "all_gather", "oom", block=0), 0),
     (Fault(1, "after_attention", "oom", block=2), 0),

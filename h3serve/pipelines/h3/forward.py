@@ -137,14 +137,16 @@ def _packed_forward(
         local[:, :c_video].index_copy_(0, video_at, video_out)
         local[:, :c_audio].index_copy_(0, audio_at, audio_out)
         rows = sp.gather_rows(local)  # [T, max(C_video, C_audio)] on rank 0
+        out = None
+        if rows is not None:
+            velocities = rows.index_select(0, pack.video_indices)[:, :c_video]  # [N_video, C_video]
+            out = velocities, rows.index_select(0, pack.audio_indices)[:, :c_audio]
         if cache is not None:
-            # a rank out of memory went on hollow and drained to here: every rank commits the same step, or none does
+            # last (nothing that allocates after it): a rank out of memory went on hollow and drained to here, so
+            # every rank commits the same step, or none does
             sp.agree(None)
             cache.commit()
-        if rows is None:
-            return None
-        velocities = rows.index_select(0, pack.video_indices)[:, :c_video]  # [N_video, C_video]
-        return velocities, rows.index_select(0, pack.audio_indices)[:, :c_audio]
+        return out
     except torch.OutOfMemoryError as e:
         if sp is None or world == 1:
             raise

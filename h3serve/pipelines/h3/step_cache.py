@@ -44,6 +44,12 @@ its h_Fn rows until its middle ends, then its new middle residual). The forward 
 needs as it goes: h_0 once every document decided, each h_Fn copy when its middle ends, a skipping document's
 h_Fn at once, a sub-pack when the running documents change, and (under Ulysses) the gathered rows while the
 rank's own rows run.
+
+Out of memory under Ulysses (``_Hollow``): the rank lets go of its tensors and enters every collective its peers enter
+by the same control flow (rank 0's decisions), with scratch buffers, so the pack fails and the group stays.
+
+Over 600 lines on purpose: the per-document decisions at sp_degree 1 and under Ulysses (with its hollow path) and the
+states every rank keeps in step (``CacheMirror``) are one protocol: they change together and are read together.
 """
 
 from __future__ import annotations
@@ -379,8 +385,21 @@ def _sharded_cached_blocks(
             full, out, running, away = gather(), None, None, False
             hollow.attempt(None, middles_end, b)
             if deciding:
-                args = (deciding, cache, full, inputs, rows, computes, head_outputs, sp.follow_rank0)
-                hollow.decide(deciding, cache, computes, _decide, *args)
+                follow = sp.follow_rank0  # (no tuple of the arguments: it would hold h_0 past the last decision)
+                hollow.decide(
+                    deciding,
+                    cache,
+                    computes,
+                    _decide,
+                    deciding,
+                    cache,
+                    full,
+                    inputs,
+                    rows,
+                    computes,
+                    head_outputs,
+                    follow,
+                )
                 if all(c is not None for c in computes):
                     inputs = None  # no decision left: h_0 is not needed any more
         active = tuple(i for i in range(n_docs) if b < heads[i] or b >= tails[i] or computes[i])
@@ -397,6 +416,7 @@ def _sharded_cached_blocks(
                 made = hollow.attempt(None, _ShardedSubPack.of, pack, starts, active, sharded)
                 if made is not None:
                     sub_packs[active] = made
+                del made
             if running != active or not away:
                 full, running, away = gather(), active, True
                 sub = sub_packs.get(active)
