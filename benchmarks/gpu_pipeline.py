@@ -21,8 +21,15 @@ materialised on the GPU (no checkpoint), runs h3serve's ``packed_forward`` with 
      activations against the memory plan's (``h3serve/pipelines/h3/memory.py``) at the same rows and prompt rows,
      and what the device holds outside torch's allocator (CUDA context, cuBLAS workspaces), each against the
      plan's reserve.
+  6. (``reserve``) what the memory plan's 4 GiB reserve (``DEFAULT_RESERVE_BYTES``, **projected** until this runs)
+     is made of, by ``torch.cuda.mem_get_info`` at each step of a fresh process: the device in use before it
+     (``--used-before-mib``, from nvidia-smi), after the CUDA context (before the model is built), after a cuBLAS
+     GEMM in the served dtype (its workspace), after an NCCL communicator of one rank made as a replica makes it
+     (``device_id``, a first all-reduce, an all-to-all), then (``max_rows``, after the warm-up at the row budget)
+     what the device holds outside torch's allocator and the allocator's slack (reserved, never allocated). One
+     GPU: the buffers NCCL keeps for 3-7 peers and NVLS are not measured here and stay projected.
 ``--parts`` picks and orders them (default: single, packing, compile); ``benchmarks/gpu_session.sh`` runs
-``single compile`` in one process and ``pack2 max_rows`` in another.
+``single compile`` in one process and ``reserve pack2 max_rows`` in another.
 Targets (issue 15): MFU >= 50%, seconds per step <= 5.7 (sglang's per-GPU rate: 1.43 s/step on 4 H200).
 Every part runs under ``attempt`` and a wall-clock budget; the JSON is rewritten after each part.
 Needs torch, diffusers and pydantic (no Ray, no checkpoint).
@@ -31,7 +38,10 @@ Needs torch, diffusers and pydantic (no Ray, no checkpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -59,7 +69,7 @@ from h3serve.pipelines.h3.shapes import (
 from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
-PARTS = ["single", "packing", "compile", "pack2", "max_rows"]
+PARTS = ["single", "packing", "compile", "pack2", "max_rows", "reserve"]
 LENGTHS = (124, 141, 158, 175)  # the 17n+5 clip lengths of the packing part, 5.2 to 7.3 s
 SETTINGS = {
     "full": dict(
@@ -92,7 +102,7 @@ SETTINGS = {
 class Bench:
     """One model, one backend; every measurement goes into ``self.res`` (and the JSON after each part)."""
 
-    def __init__(self, s: dict, backend: str, json_path: str | None, budget: Budget):
+    def __init__(self, s: dict, backend: str, json_path: str | None, budget: Budget, reserve: dict | None = None):
         self.s, self.json_path, self.budget = s, json_path, budget
         self.device, self.dtype = s["device"], s["dtype"]
         self.cfg = transformer_config(s["preset"])
@@ -117,6 +127,7 @@ class Bench:
             "compiled": {},
             "pack2": {},
             "max_rows": {},
+            "reserve": reserve or {},  # its first steps measured before the model was built (``reserve_start``)
             "skipped": budget.skipped,
             "errors": {},
         }
@@ -372,6 +383,17 @@ class Bench:
         r["s_per_step"] = time.perf_counter() - start
         if cuda:
             measured = torch.cuda.max_memory_allocated() - allocated
+            free_after, total = torch.cuda.mem_get_info()
+            # after the warm-up: what the reserve must hold, measured (outside the allocator, and its slack)
+            self.res["reserve"] |= {
+                "outside_torch_after_warm_up_bytes": total - free_after - torch.cuda.memory_reserved(),
+                "allocator_slack_after_warm_up_bytes": torch.cuda.memory_reserved() - torch.cuda.max_memory_allocated(),
+            }
+            held = sum(
+                self.res["reserve"][k]
+                for k in ("outside_torch_after_warm_up_bytes", "allocator_slack_after_warm_up_bytes")
+            )
+            self.res["reserve"] |= {"held_after_warm_up_bytes": held, "within_reserve": held <= DEFAULT_RESERVE_BYTES}
             r |= {
                 "free_after": torch.cuda.mem_get_info()[0],
                 "measured_activation_bytes": measured,
@@ -394,6 +416,85 @@ class Bench:
             + f"; {r['s_per_step']:.2f} s"
         )
 
+    def reserve(self) -> None:
+        """What the reserve holds beyond the context (measured before the model: ``reserve_start``): a cuBLAS GEMM's
+        workspace in the served dtype, then an NCCL communicator of one rank made as a replica makes it (gloo on
+        CPU: the same calls, no device numbers), each by the device memory outside torch's allocator before/after."""
+        r = self.res["reserve"]
+        say("\n== 6. the reserve: cuBLAS workspace, an NCCL communicator (one rank), beside the CUDA context")
+        cuda = self.device == "cuda"
+
+        def outside() -> int:  # device bytes in use that torch's allocator does not hold
+            if not cuda:
+                return 0
+            self.sync()
+            free, total = torch.cuda.mem_get_info()
+            return total - free - torch.cuda.memory_reserved()
+
+        before = outside()
+        n = 4096 if cuda else 256  # [n, n]: at 4096 cuBLAS picks its largest workspace; CPU: the call, quickly
+        a = torch.randn(n, n, device=self.device, dtype=self.dtype)
+        allocated = torch.cuda.memory_allocated() if cuda else 0
+        (a @ a).sum().item()
+        r["cublas_outside_torch_bytes"] = outside() - before
+        r["cublas_in_allocator_bytes"] = (torch.cuda.memory_allocated() - allocated) if cuda else 0  # workspace
+        del a
+        before = outside()
+        r["nccl_world"] = 1
+        r["collectives_backend"] = communicator_of_one(self.device)
+        r["nccl_outside_torch_bytes"] = outside() - before
+        if cuda:
+            context = r.get("context_bytes", 0)
+            r["measured_bytes"] = context + r["cublas_outside_torch_bytes"] + r["nccl_outside_torch_bytes"]
+            say(
+                f"  CUDA context {human_bytes(context)}; cuBLAS workspace "
+                f"{human_bytes(r['cublas_outside_torch_bytes'])} outside torch + "
+                f"{human_bytes(r['cublas_in_allocator_bytes'])} in its allocator; NCCL (one rank) "
+                f"{human_bytes(r['nccl_outside_torch_bytes'])}: {human_bytes(r['measured_bytes'])} of the "
+                f"{human_bytes(DEFAULT_RESERVE_BYTES)} reserve (NCCL's buffers to peers, NVLS: not measured on one GPU)"
+            )
+        else:
+            say(f"  CPU: the same calls ran ({r['collectives_backend']}, one rank); no device numbers")
+        self.res["reserve"] = r
+
+
+def reserve_start(used_before_mib: float | None) -> dict:
+    """The reserve's first steps, before anything else touches the device: what was in use before this process
+    (nvidia-smi's, in MiB), then with the CUDA context made (torch's allocator holds nothing yet)."""
+    torch.cuda.init()
+    torch.empty(0, device="cuda")  # the context, nothing in the allocator
+    free, total = torch.cuda.mem_get_info()
+    before = int((used_before_mib or 0) * 2**20)
+    return {
+        "device_bytes": total,
+        "used_before_process_bytes": before if used_before_mib is not None else None,
+        "used_after_context_bytes": total - free,
+        "context_bytes": total - free - before if used_before_mib is not None else total - free,
+    }
+
+
+def communicator_of_one(device: str) -> str:
+    """A one-rank group made as a replica makes its own (NCCL with ``device_id``: the communicator exists at once;
+    gloo on CPU), proven by a one-element all-reduce and an all-to-all, then ended; its backend's name."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device == "cuda" else {}
+    rendezvous = tempfile.NamedTemporaryFile(prefix="h3-reserve-", delete=False).name  # one rank: no port needed
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1, **kwargs)
+    try:
+        flag = torch.ones(1, device=device)
+        dist.all_reduce(flag)
+        chunks = torch.zeros(1, 1024, device=device)
+        dist.all_to_all_single(torch.empty_like(chunks), chunks)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return backend
+    finally:
+        dist.destroy_process_group()
+        with contextlib.suppress(FileNotFoundError):  # the store removes it once its last rank is gone
+            os.unlink(rendezvous)
+
 
 def choose_backend(name: str, device: str, dtype: torch.dtype, head_dim: int) -> str:
     """``auto`` resolves as a deployment would (a measured ranking first, when one is configured)."""
@@ -411,6 +512,7 @@ def options(ap: argparse.ArgumentParser) -> None:  # --json: every number, rewri
     ap.add_argument("--parts", nargs="+", default=["single", "packing", "compile"], choices=PARTS, help="in order")
     ap.add_argument("--max-rows", type=int, default=None, help="max_rows's row budget (default: the mode's)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same code paths at the tiny dims on CPU, fp32")
+    ap.add_argument("--used-before-mib", type=float, default=None, help="device MiB in use before (nvidia-smi's)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -425,7 +527,8 @@ def run(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         head_dim = transformer_config(s["preset"])["attention_head_dim"]
         backend = choose_backend(args.backend, s["device"], s["dtype"], head_dim)
-        bench, res["error"] = attempt(lambda: Bench(s, backend, args.json, budget))
+        reserve = reserve_start(args.used_before_mib) if s["device"] == "cuda" else {}  # before any model
+        bench, res["error"] = attempt(lambda: Bench(s, backend, args.json, budget, reserve))
         if bench is not None:
             budget.checkpoint = bench.save  # the numbers so far reach the JSON before each next case
             res = bench.res
@@ -437,6 +540,7 @@ def run(args: argparse.Namespace) -> dict:
                 "compile": lambda: bench.compiled({} if mode == "full" else {"backend": "eager"}),
                 "pack2": bench.pack2,
                 "max_rows": lambda: bench.max_rows(args.max_rows or s["max_rows"]),
+                "reserve": bench.reserve,
             }
             for i, name in enumerate(args.parts):
                 part = parts[name]

@@ -10,9 +10,13 @@
 #   1. single+compile 170 s  the released 33.1B transformer built on the device (random bf16), one T2VA request
 #                          1344x768x124 (37,966 rows): s/step, MFU, peak memory; then diffusers' regional compile
 #                          of the repeated blocks and the same request compiled             -> gpu_pipeline.{log,json}
-#   2. pack2+max_rows 125 s  a new process (eager): one pack of two (124 + 141 frames, ~81k rows); then the warm-up
-#                          at the row budget (engine.max_rows_per_step 80,000) with torch.cuda.mem_get_info before
-#                          and after, against the memory plan and its 4 GiB reserve   -> gpu_pack.{log,json}
+#   2. reserve+pack2+max_rows 125 s  a new process (eager): the reserve measured by torch.cuda.mem_get_info at each
+#                          step (in use before the process, by nvidia-smi; the CUDA context before the model; a cuBLAS
+#                          GEMM's workspace; an NCCL communicator of one rank with device_id, a first all-reduce and
+#                          an all-to-all: ~5 s); one pack of two (124 + 141 frames, ~81k rows); then the warm-up at
+#                          the row budget (engine.max_rows_per_step 80,000) with mem_get_info before and after (what
+#                          the device holds outside torch's allocator, and the allocator's slack), against the memory
+#                          plan and its 4 GiB reserve, PROJECTED until this runs       -> gpu_pack.{log,json}
 #   3. smoke         45 s  the serving path on the device (generate on the tiny checkpoint, padded packs, a
 #                          released-size pack built there)                                          -> gpu_smoke.log
 #
@@ -41,7 +45,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DRY="" FLEX="" PREPARE=""
+DRY="" FLEX="" PREPARE="" USED_BEFORE=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
@@ -102,6 +106,8 @@ else
     [ "$MACHINE" != no-gpu ] || fail "no CUDA device here (--dry-run runs the parts on CPU)"
     DEST="${OUT:-benchmarks/results}/${MACHINE}-$(date -u +%Y-%m-%d)"
     MODE=() BACKEND=torch_varlen MAX_ROWS=() DEVICE=cuda
+    # the device in use before part 2's process makes its context: what the reserve's measure starts from
+    USED_BEFORE=(--used-before-mib "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)")
 fi
 mkdir -p "$DEST"
 echo "gpu_session: writing to $DEST (caps: ${CAPS[*]} s = $((CAPS[0] + CAPS[1] + CAPS[2] + CAPS[3])) s)"
@@ -122,10 +128,10 @@ timeout "${CAPS[1]}" $PY -m benchmarks.gpu_pipeline ${MODE[@]+"${MODE[@]}"} --ba
     --parts single compile --max-seconds $((CAPS[1] - 20)) --json "$DEST/gpu_pipeline.json" \
     2>&1 | tee "$DEST/gpu_pipeline.log"
 
-# 2. a new process (no compiled blocks): one pack of two, then the warm-up at the row budget with mem_get_info
+# 2. a new process (no compiled blocks): the reserve's parts, one pack of two, then the warm-up at the row budget
 timeout "${CAPS[2]}" $PY -m benchmarks.gpu_pipeline ${MODE[@]+"${MODE[@]}"} --backend "$BACKEND" \
-    --parts pack2 max_rows ${MAX_ROWS[@]+"${MAX_ROWS[@]}"} --max-seconds $((CAPS[2] - 20)) \
-    --json "$DEST/gpu_pack.json" 2>&1 | tee "$DEST/gpu_pack.log"
+    --parts reserve pack2 max_rows ${MAX_ROWS[@]+"${MAX_ROWS[@]}"} ${USED_BEFORE[@]+"${USED_BEFORE[@]}"} \
+    --max-seconds $((CAPS[2] - 20)) --json "$DEST/gpu_pack.json" 2>&1 | tee "$DEST/gpu_pack.log"
 
 # 3. the serving path on the device: a tensor made on the wrong device fails every step of a replica
 timeout "${CAPS[3]}" $PY -m benchmarks.gpu_smoke ${MODE[@]+"${MODE[@]}"} 2>&1 | tee "$DEST/gpu_smoke.log"

@@ -363,7 +363,7 @@ def test_gpu_session_plans_six_minutes_in_the_issue_s_order_with_the_stand_in_na
     capped = re.findall(r'timeout "\$\{CAPS\[(\d)\]\}" (\S+)(?: -m (\S+))?', code)
     assert [int(i) for i, *_ in capped] == list(range(len(caps)))  # every cap used once, in order
     assert [m for *_, m in capped] == ["", "benchmarks.gpu_pipeline", "benchmarks.gpu_pipeline", "benchmarks.gpu_smoke"]
-    assert re.findall(r"--parts ([a-z0-9_ ]+?) (?:--|\$)", code) == ["single compile", "pack2 max_rows"]
+    assert re.findall(r"--parts ([a-z0-9_ ]+?) (?:--|\$)", code) == ["single compile", "reserve pack2 max_rows"]
     assert "BACKEND=torch_varlen" in code and "the STAND-IN for flash-attn" in code
     assert "meta_step" not in code and "gpu_kernels" not in code  # CPU-only and opt-in work stays off the device
     (flex,) = re.findall(r'if \[ -n "\$FLEX" \].*?\n(.*?)\nfi', code, re.S)
@@ -394,6 +394,10 @@ def test_gpu_session_dry_run_runs_every_part_on_the_cpu(tmp_path):
     max_rows = pack["max_rows"]
     assert max_rows["max_rows"] == 2000 and 0 < max_rows["rows"] <= 2000 and max_rows["planned_activation_bytes"] > 0
     assert "measured_activation_bytes" not in max_rows  # mem_get_info is CUDA's: the one call a dry run leaves out
+    # the reserve's steps ran (a cuBLAS-sized GEMM, a one-rank communicator made, proven and ended), no device numbers
+    reserve = pack["reserve"]
+    assert reserve["collectives_backend"] == "gloo" and reserve["nccl_world"] == 1
+    assert "measured_bytes" not in reserve and "context_bytes" not in reserve
 
 
 def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(tmp_path):

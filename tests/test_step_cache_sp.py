@@ -8,6 +8,8 @@ Two harnesses, both real torch.distributed over gloo: the replica's own worker g
 import asyncio
 import dataclasses
 import itertools
+import logging
+import time
 
 import pytest
 import ray
@@ -17,7 +19,7 @@ from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.pipelines.h3.forward import packed_forward
 from h3serve.pipelines.h3.packing import pack_documents
 from h3serve.pipelines.h3.step_cache import CachedPack, DocumentCache, PackCache, StepCachePolicy, StepCacheTiers
-from h3serve.replicas import Engine, EngineLimits, WorkerGroup
+from h3serve.replicas import Engine, EngineLimits, StepGate, WorkerGroup
 from h3serve.replicas.faults import Fault
 from tests import test_lora_serving
 from tests.test_engine_faults import assert_same_media
@@ -312,3 +314,95 @@ def test_skipped_rows_reach_no_block_on_either_rank(tiny_checkpoint, tmp_path):
     assert ranks[1]["out"] is None
     for got, want in zip(ranks[0]["out"], alone["out"], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+# --- out of memory in a step-caching step (issue 53) --------------------------------------------------------------
+# One document skips its middle blocks (SKIPPING, once it has a residual), the other computes them (NEVER): blocks 1-3
+# run on a sub-pack of the computing document's rows, and the step's all-gathers are 0 (the blocks' input), 1 (the
+# decision before block 1) and 2 (the middle's end). Each fault fires once, on one rank, in the step named.
+SKIPPING = StepCachePolicy(threshold=1e9, warmup_steps=1, max_consecutive_skips=10**6)
+OOM_BOUND_S = 20.0  # the pair's submit to both answers, the failed pack and its halves included (2 shared cores)
+OOM_CASES = [
+    # in a step that reuses a cached residual: inside the sub-pack's block 1 (where its SwiGLU runs, or between its
+    # attention's all-to-alls), and making the gather buffer of the decision's transition, on either rank
+    (Fault(1, "after_attention", "oom", block=1), 1),
+    (Fault(0, "between_all_to_alls", "oom", block=1), 1),
+    (Fault(1, "all_gather", "oom", block=1), 2),
+    (Fault(0, "all_gather", "oom", block=2), 2),
+    # after the blocks: the output rows' gather, then the outcome's agreement, drained
+    (Fault(1, "final_gather", "oom"), 2),
+    # in a step that fills the cache (the first: both documents compute and keep their residuals)
+    (Fault(1, "all_gather", "oom", block=0), 0),
+    (Fault(1, "after_attention", "oom", block=2), 0),
+]
+CACHED_PAIR = [
+    GenerationRequest(prompt="a red kite", width=64, height=64, num_inference_steps=4, seed=1, cache="skip"),
+    GenerationRequest(prompt="rain on a roof", width=64, height=96, num_inference_steps=4, seed=2, cache="never"),
+]
+
+
+class ArmAtStep(StepGate):
+    """The pair steps together; before the forward of step ``at`` of both, ``fault`` is armed on its rank."""
+
+    def __init__(self, group: WorkerGroup, fault: Fault | None, at: int):
+        self.group, self.fault, self.at = group, fault, at
+        self.cached: list[bool] | None = None  # each document held a computed step's residuals when it was armed
+
+    def candidates(self, boundary):
+        return () if boundary.waiting else boundary.prepared
+
+    def before_forward(self, batch):
+        caches = [t.prepared.step_cache for t in batch]
+        if self.fault is not None and self.cached is None and len(batch) == 2 and caches[0].steps == self.at:
+            self.cached = [c.cached for c in caches]
+            self.group.arm(self.fault)
+
+
+def serve_cached_pair(group: WorkerGroup, fault: Fault | None, at: int):
+    limits = EngineLimits(step_cache=StepCacheTiers(tiers={"skip": SKIPPING, "never": NEVER}), max_active=4)
+    gate = ArmAtStep(group, fault, at)
+
+    async def scenario():
+        engine = Engine(group, limits, gate=gate)
+        started = time.monotonic()
+        tickets = [engine.submit(r, request_id=f"cached-{i}") for i, r in enumerate(CACHED_PAIR)]
+        media = await asyncio.gather(*(t.future for t in tickets), return_exceptions=True)
+        answered = time.monotonic() - started
+        await engine.close()
+        return engine, tickets, media, answered
+
+    return (*asyncio.run(scenario()), gate)
+
+
+@pytest.fixture(scope="module")
+def cached_baseline(pair):
+    _, tickets, media, _, _ = serve_cached_pair(pair, None, 0)
+    return media, [t.prepared.step_cache.skipped for t in tickets]
+
+
+@pytest.mark.parametrize("fault, at", OOM_CASES, ids=[f"{f}-in-step-{at}".replace(" ", "-") for f, at in OOM_CASES])
+def test_out_of_memory_in_a_step_caching_pack_fails_the_pack_not_the_group(pair, cached_baseline, fault, at, caplog):
+    """The rank out of memory goes on hollow (every collective its peer enters, with scratch buffers, by rank 0's
+    decisions) and the step ends with an agreement on its outcome: no rank commits it, the pack of two fails once
+    (PackFailed) and each half runs that step alone with the same cache state, on the same group, never rebuilt."""
+    media, skipped = cached_baseline
+    with caplog.at_level(logging.INFO, logger="h3serve"):
+        engine, tickets, got, answered, gate = serve_cached_pair(pair, fault, at)
+    assert gate.cached == [at > 0, at > 0]  # step `at` reused the residuals kept before it (or, step 0, fills them)
+    assert answered < OOM_BOUND_S, answered
+    for result, want in zip(got, media, strict=True):  # both complete, as without the fault
+        assert not isinstance(result, BaseException), result
+        assert_same_media(result, want)
+    assert [t.prepared.step_cache.skipped for t in tickets] == skipped  # the retried halves decided the same
+    assert any(skipped[0]) and not any(skipped[1])  # the skipping one did skip: sub-packs ran
+    # the group is the one it was: not broken, not replaced; the pack of two failed once, on the OOM, then halved
+    assert engine.stats.group_replacements == 0 and not engine.supervisor.history and engine.group is pair
+    assert engine.stats.failed_steps == 1 and engine.stats.failed_requests == {}
+    logs = [r.getMessage() for r in caplog.records]
+    assert not [m for m in logs if "SP group broken" in m]
+    halved = [m for m in logs if "retrying them in halves" in m]
+    assert len(halved) == 1 and f"rank {fault.rank}: OutOfMemoryError" in halved[0], halved
+    if fault.rank == 0:  # the hollow rank's own account of it (rank 1's goes to its actor's log)
+        assert [m for m in logs if "out of memory in a step-caching step" in m]
+    # rank 1 holds exactly the states rank 0 told it of (a commit on one rank only would refuse the next pack)
+    assert sorted(worker_states(pair)) == pair.step_cache_mirror.told

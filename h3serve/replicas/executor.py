@@ -31,8 +31,8 @@ import torch
 
 from h3serve.pipelines.h3 import GenerationRequest, RequestState, StepStats
 from h3serve.pipelines.h3.memory import MeasuredUse, check_measured
-from h3serve.pipelines.h3.packing import Pack, pack_documents
-from h3serve.pipelines.h3.step_cache import skipped_block_rows
+from h3serve.pipelines.h3.packing import Document, Pack, pack_documents
+from h3serve.pipelines.h3.step_cache import CachedPack, DocumentCache, PackCache, skipped_block_rows
 
 from .contract import EngineLimits
 from .cuda_faults import fatal
@@ -76,6 +76,17 @@ class StepOutcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepCacheWarmUp:
+    """The step cache's forwards at the row budget (``Executor.warm_up_step_cache``): what they held at their peak."""
+
+    documents: int  # caching copies of the warm-up document in the pack
+    caching_rows: int  # their rows (the rest of the budget: padding)
+    held_bytes: int  # rank 0's residuals held by them when the third forward ran (every rank holds as many)
+    skipped_block_rows: int  # rows x blocks the third forward skipped: the other copies ran on a sub-pack
+    seconds: float  # the three forwards
+
+
+@dataclasses.dataclass(frozen=True)
 class PeakWarmUp:
     """The forwards at the row budget: the pack's rows, each forward's seconds by adapter, every rank's device."""
 
@@ -83,6 +94,7 @@ class PeakWarmUp:
     by_adapter: dict[str | None, float]
     measured: list[MeasuredUse | None]  # by rank (None: a CPU rank, nothing to measure)
     checked: list[str]  # one line per rank against the plan (empty: nothing measured, or no plan)
+    step_cache: StepCacheWarmUp | None = None  # when the deployment offers step-cache tiers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +114,7 @@ class Executor:
         self.pipeline = group.pipeline
         self.device = self.pipeline.denoiser.device
         self._timeout = (limits.step_timeout_min_s, limits.step_timeout_factor)
+        self.step_cache_tiers = dict(limits.step_cache.tiers)  # the warm-up at the row budget reaches their peak
         for name, policy in limits.step_cache.tiers.items():  # refused here too: the deploy args refuse them earlier
             try:
                 self.pipeline.check_step_cache(policy)
@@ -181,7 +194,9 @@ class Executor:
         rank, on the base model and then on each LoRA adapter's slot (the deltas' activations); then every rank's
         device measured (CUDA: ``torch.cuda.mem_get_info``, logged) and checked against the deployment's memory
         plan (``spec.memory_plan``): ``memory.PlanExceeded``, naming the rank, the plan and the measured bytes, when
-        a rank is past its plan by more than the reserve (the replica refuses to serve)."""
+        a rank is past its plan by more than the reserve (the replica refuses to serve). With step-cache tiers the
+        plan counts the cache's tensors on every row, so the step cache's peak runs too (``warm_up_step_cache``)
+        before anything is measured."""
         document = state.document()
         # [rows]: the document, then padding up to the budget (a document past the budget: alone, padded for the SP)
         rows = max_rows - max_rows % self.group.sp_degree
@@ -199,12 +214,18 @@ class Executor:
             by_adapter[name] = time.perf_counter() - started
             total = pack.total_rows
             del pack
+        slots = list(runs.values())  # the step cache's copies take the base model and each adapter in turn
+        cached = self.warm_up_step_cache(document, state.partition, rows, slots) if self.step_cache_tiers else None
         measured = self.group.device_memory()
         logger.info(
-            "warm-up at the row budget: %d rows on %d rank(s), %s",
+            "warm-up at the row budget: %d rows on %d rank(s), %s%s",
             total,
             self.group.sp_degree,
             ", ".join(f"{'base' if n is None else n} {s:.2f} s" for n, s in by_adapter.items()),
+            ""
+            if cached is None
+            else f"; step cache {cached.documents} caching document(s), {cached.caching_rows} rows, "
+            f"{cached.held_bytes} residual bytes held, {cached.seconds:.2f} s",
         )
         checked: list[str] = []
         uses = [use for use in measured if use is not None]
@@ -224,7 +245,43 @@ class Executor:
                 checked = check_measured(planned, uses)  # raises PlanExceeded
                 for line in checked:
                     logger.info("memory plan measured: %s", line)
-        return PeakWarmUp(total, by_adapter, measured, checked)
+        return PeakWarmUp(total, by_adapter, measured, checked, cached)
+
+    def warm_up_step_cache(
+        self, document: Document, partition: str, rows: int, slots: list[int] | None = None
+    ) -> StepCacheWarmUp:
+        """The step cache's peak at the row budget, on every rank (what ``memory.activation_row_cost(step_cache=True)``
+        plans per row): copies of ``document`` fill the ``rows`` of the budget, each with its own cache state, the
+        tiers' ``fn_blocks``/``bn_blocks`` in turn (documents that decide at different blocks: under Ulysses h_0 stays
+        gathered beside a sub-pack), and run three forwards: every copy fills its residuals; every copy computes
+        again beside the residuals it holds (held + pending, h_0 kept, the gathered rows under Ulysses); then half
+        the copies skip, so the others' middle blocks run on a sub-pack beside the whole pack. ``slots``: the copies
+        take these adapter slots in turn (LoRA's deltas follow their rows into the sub-pack). The states are freed
+        after (the workers drop theirs with the next pack, as for any finished request)."""
+        started = time.perf_counter()
+        copies = max(1, rows // document.length)
+        tiers = list(self.step_cache_tiers.values())
+        caches = []
+        for i in range(copies):
+            tier = tiers[i % len(tiers)]
+            # even copies skip from the third step on (nothing under 1e9 changes that much), odd ones always compute
+            threshold = 1e9 if i % 2 == 0 and copies > 1 else 0.0
+            policy = tier.model_copy(update=dict(threshold=threshold, warmup_steps=2, max_consecutive_skips=10**6))
+            caches.append(DocumentCache(policy))
+        slots = slots or [0]
+        pack = pack_documents([document] * copies, partition, rows, [slots[i % len(slots)] for i in range(copies)])
+        held = skipped = 0
+        try:
+            for _ in range(3):
+                cached = CachedPack.of(pack, PackCache(list(caches)))
+                self.group(cached)
+                held = max(held, sum(cache.residual_bytes for cache in caches))
+                assert cached.step_cache is not None
+                skipped = cached.step_cache.skipped_block_rows
+        finally:
+            for cache in caches:
+                cache.free()
+        return StepCacheWarmUp(copies, copies * document.length, held, skipped, time.perf_counter() - started)
 
     # -- one step -----------------------------------------------------------------------------
     async def step(

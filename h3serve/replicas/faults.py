@@ -16,6 +16,8 @@ Points (where in a step, on the rank that holds the fault):
 - ``after_attention``: in block ``block``, after its attention's last all-to-all, where its SwiGLU (the step's memory
   peak) runs next;
 - ``final_gather``: just before the gather of the output rows onto rank 0;
+- ``all_gather``: step caching under Ulysses, before all-gather ``block`` of the step (0: the blocks' input rows; then
+  one at each transition) makes its [T, hidden] buffer, the step cache's peak;
 - ``step_cache_decision``: at a step-cache decision under Ulysses (action ``disagree`` only);
 - ``join``: a worker's join, after the rendezvous and before the communicator's first all-reduce (armed on the worker
   before a replacement it joins: a communicator that does not come up);
@@ -60,13 +62,21 @@ Point = Literal[
     "between_all_to_alls",
     "after_attention",
     "final_gather",
+    "all_gather",
     "step_cache_decision",
     "join",
     "abort",
 ]
 Action = Literal["raise", "oom", "hang", "freeze", "kill", "disagree", "cuda_fatal", "cuda_fatal_late"]
-STEP_POINTS = ("before_first_collective", "receive_buffer", "between_all_to_alls", "after_attention", "final_gather")
-BLOCK_POINTS = ("between_all_to_alls", "after_attention")  # a block's: ``Fault.block`` says which
+STEP_POINTS = (
+    "before_first_collective",
+    "receive_buffer",
+    "between_all_to_alls",
+    "after_attention",
+    "final_gather",
+    "all_gather",
+)
+BLOCK_POINTS = ("between_all_to_alls", "after_attention", "all_gather")  # ``Fault.block`` says which one
 ALL_TO_ALLS_PER_BLOCK = 4  # q, k, v to heads, the output back to rows
 
 

@@ -85,6 +85,7 @@ class UlyssesGroup:
         self.left_together = False
         self.early_error: BaseException | None = None  # raised before the first collective: carried to ``agree``
         self.gathered = False  # it entered the step's gather of the output rows
+        self.all_gathers = 0  # step caching's all-gathers of rows onto every rank
 
     def _collective(self) -> None:
         if self.aborted:
@@ -214,11 +215,14 @@ class UlyssesGroup:
         dtype: torch.dtype,
         columns: int,
         gather_dtype: torch.dtype,
+        then_agree: bool = False,
     ) -> NoReturn:
         """An out-of-memory past the agreement is the pack's, not the group's: enter every collective left in this
         step with scratch buffers of the shapes the peers use (the rest of ``blocks`` blocks' all-to-alls of this
         rank's ``rows`` x ``inner`` channels in ``dtype``, then the gather of ``rows`` x ``columns`` in
-        ``gather_dtype``), so nothing is left unmatched and every peer finishes the step, then raise ``error``, having
+        ``gather_dtype``; ``then_agree``: then the outcome's agreement a step-caching step ends with, whose blocks'
+        collectives the step cache entered itself: ``blocks`` 0), so nothing is left unmatched and every peer finishes
+        the step, then raise ``error``, having
         left the step with every collective matched (``left_together``): rank 0 fails the pack (``PackFailed``) and
         the engine retries it in halves. The peers compute on the scratch rows; rank 0 discards the step. Anything
         raised while draining (another OOM, an abort) is raised instead, past the agreement: the group breaks."""
@@ -244,8 +248,31 @@ class UlyssesGroup:
             del chunks, out
         if not self.gathered and self.sp_degree > 1:
             self._gather(torch.zeros((rows, columns), dtype=gather_dtype, device=self.device))
+        if then_agree:  # a step-caching step ends with an agreement on its outcome: it says the pack failed here
+            self.agree(error)
         self.left_together = True
         raise error
+
+    def fill_block(self, rows: int, inner: int, dtype: torch.dtype, entered: int = 0) -> None:
+        """Step caching, out of memory: enter the all-to-alls left of one block (``entered`` of them done) with
+        scratch buffers of the shapes the peers use (``rows`` rows this rank runs, ``inner`` channels in ``dtype``)."""
+        left = ALL_TO_ALLS_PER_BLOCK - entered
+        if left <= 0:
+            return
+        chunks = torch.zeros((self.sp_degree, rows, inner // self.sp_degree), dtype=dtype, device=self.device)
+        out = torch.empty_like(chunks)  # [W, n, H/W * D]: the bytes of one all-to-all of the block
+        for _ in range(left):
+            self._collective()
+            self.all_to_alls += 1
+            dist.all_to_all_single(out, chunks, group=self.group)
+
+    def fill_all_gather(self, rows: int, width: int, dtype: torch.dtype) -> None:
+        """Step caching, out of memory: enter one all-gather of ``rows`` x ``width`` rows with scratch buffers."""
+        local = torch.zeros((rows, width), dtype=dtype, device=self.device)
+        out = local.new_empty((self.sp_degree * rows, width))  # [W*n, width]
+        self._collective()
+        self.all_gathers += 1
+        dist.all_gather_into_tensor(out, local, group=self.group)
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[n, H, D] (my rows, all heads) -> [W*n, H/W, D] (all rows, my heads)."""
@@ -283,8 +310,10 @@ class UlyssesGroup:
         """[n, ...] on every rank -> [W*n, ...]: every rank's rows, concatenated in rank order, on every rank."""
         if self.sp_degree == 1:
             return local
+        self.faults.at("all_gather", block=self.all_gathers)  # its [W*n, ...] buffer is step caching's peak under sp
         local = local.contiguous()
         out = local.new_empty((self.sp_degree * local.shape[0], *local.shape[1:]))
         self._collective()
+        self.all_gathers += 1
         dist.all_gather_into_tensor(out, local, group=self.group)
         return out

@@ -25,6 +25,8 @@ class SequenceParallel(Protocol):
 
     rank: int
     sp_degree: int
+    collectives: int  # collectives this rank entered in the current step
+    all_to_alls: int  # of them, the blocks' all-to-alls
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T/W, H, D] (my rows, all heads) -> [T, H/W, D] (all rows, my heads)."""
@@ -61,10 +63,20 @@ class SequenceParallel(Protocol):
         dtype: torch.dtype,
         columns: int,
         gather_dtype: torch.dtype,
+        then_agree: bool = False,
     ) -> NoReturn:
         """An out-of-memory past the agreement: enter every collective left in the step (``blocks`` blocks' all-to-alls
-        of ``[rows, inner]`` in ``dtype``, then the gather of ``[rows, columns]`` in ``gather_dtype``) with scratch
-        buffers, then raise ``error``: the step ends with every collective matched, a failure of the pack's."""
+        of ``[rows, inner]`` in ``dtype``, then the gather of ``[rows, columns]`` in ``gather_dtype``, then with
+        ``then_agree`` the outcome's agreement) with scratch buffers, then raise ``error``: the step ends with every
+        collective matched, a failure of the pack's."""
+        ...
+
+    def fill_block(self, rows: int, inner: int, dtype: torch.dtype, entered: int = 0) -> None:
+        """Out of memory in a step-caching step: the all-to-alls left of one block (``entered`` done), with scratch."""
+        ...
+
+    def fill_all_gather(self, rows: int, width: int, dtype: torch.dtype) -> None:
+        """Out of memory in a step-caching step: one all-gather of ``[rows, width]``, with scratch."""
         ...
 
 

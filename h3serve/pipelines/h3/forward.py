@@ -91,6 +91,11 @@ def _packed_forward(
         timestep_indices = pack.timestep_indices[lo:hi]  # [T/W]
         adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags[lo:hi]  # video 0, text 1, audio 2
         rotary_emb = model.rope(pack.position_ids[lo:hi])  # cos, sin: [T/W, 6 * rope_freq_dim]
+        sharded = None
+        if cache is not None and sp is not None and world > 1:  # a sub-pack's rows are anywhere: every row's index
+            pack_adaln = pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags  # [T]
+            inner = model.config.num_attention_heads * model.config.attention_head_dim  # what an all-to-all carries
+            sharded = ShardedRows(sp, pack_adaln, model.rope, inner)
     except Exception as e:
         if sp is None or world == 1:
             raise
@@ -101,8 +106,10 @@ def _packed_forward(
     # Past the agreement an out-of-memory (a block's SwiGLU is the step's peak) is the pack's, not the group's: this
     # rank enters the collectives left in its step with scratch buffers, then raises it (``sp.drain``), so every peer
     # finishes the step and rank 0 fails the pack, which the engine retries in halves. No cost while nothing fails: no
-    # collective or host sync is added. A step cache's collectives depend on decisions made mid-step: there an OOM
-    # still breaks the group.
+    # collective or host sync is added. A step cache's collectives depend on decisions made mid-step: its blocks enter
+    # theirs themselves, hollow (``step_cache._Hollow``), and a step-caching step ends with one agreement on its
+    # outcome (a flag per rank, where the step's end waits on the device anyway) so that no rank commits a step
+    # another rank failed.
     block_dtype = hidden.dtype  # what the blocks' all-to-alls carry
     try:
         with attending(Documents(pack.cu_seqlens, pack.max_seqlen, sp)):
@@ -110,10 +117,6 @@ def _packed_forward(
                 for block in model.transformer_blocks:
                     hidden = block(hidden, temb, adaln_indices, rotary_emb)
             else:  # each document runs the middle blocks only when its first blocks' residual changed enough
-                sharded = None
-                if sp is not None and world > 1:  # a sub-pack's rows are anywhere in the pack: every row's AdaLN index
-                    pack_adaln = pack.timestep_indices * MINIMAX_H3_MODALITY_NUM + pack.token_tags  # [T]
-                    sharded = ShardedRows(sp, pack_adaln, model.rope)
                 hidden = cached_blocks(
                     model.transformer_blocks, hidden, temb, adaln_indices, rotary_emb, pack, cache, sharded
                 )
@@ -134,24 +137,29 @@ def _packed_forward(
         local[:, :c_video].index_copy_(0, video_at, video_out)
         local[:, :c_audio].index_copy_(0, audio_at, audio_out)
         rows = sp.gather_rows(local)  # [T, max(C_video, C_audio)] on rank 0
+        out = None
+        if rows is not None:
+            velocities = rows.index_select(0, pack.video_indices)[:, :c_video]  # [N_video, C_video]
+            out = velocities, rows.index_select(0, pack.audio_indices)[:, :c_audio]
         if cache is not None:
-            cache.commit()  # after the last collective: every rank commits the same step, or (failing) none does
-        if rows is None:
-            return None
-        velocities = rows.index_select(0, pack.video_indices)[:, :c_video]  # [N_video, C_video]
-        return velocities, rows.index_select(0, pack.audio_indices)[:, :c_audio]
+            # last (nothing that allocates after it): a rank out of memory went on hollow and drained to here, so
+            # every rank commits the same step, or none does
+            sp.agree(None)
+            cache.commit()
+        return out
     except torch.OutOfMemoryError as e:
-        if sp is None or world == 1 or cache is not None:
+        if sp is None or world == 1:
             raise
         e.__traceback__ = None  # its frames hold the failed block's activations: they go before the scratch comes
         del hidden, temb, rotary_emb, text, video, audio, video_rows, audio_rows
         sp.drain(
             e,
-            blocks=len(model.transformer_blocks),
+            blocks=len(model.transformer_blocks) if cache is None else 0,  # a step cache's: entered, hollow or not
             rows=hi - lo,
             inner=model.config.num_attention_heads * model.config.attention_head_dim,  # heads x head_dim
             dtype=block_dtype,
             columns=max(model.proj_out.out_features, model.audio_proj_out.out_features),
             gather_dtype=get_parameter_dtype(model.proj_out),
+            then_agree=cache is not None,
         )
         raise  # drain raises ``e``; never reached

@@ -30,7 +30,10 @@ message and the meta-device check quote the same text, and the check of a replic
   against it; the same formula at the released dims gives the GPU figures.
 * **Reserve**: what the allocator cannot hand to tensors — the CUDA context and kernels' module
   images (~0.5-1 GiB), cuBLAS/flash-attn workspaces, NCCL buffers, and fragmentation of PyTorch's
-  caching allocator. ``DEFAULT_RESERVE_BYTES`` (4 GiB) is a deliberately round figure; pass another.
+  caching allocator. ``DEFAULT_RESERVE_BYTES`` (4 GiB) is **projected**, not measured: a deliberately round
+  figure assuming the context ~1 GiB, workspaces well under 1 GiB, NCCL's all-to-all buffers to 3-7 peers ~1 GiB
+  (NVLS off) and the allocator's slack the rest (``RESERVE_NOTE``); pass another. ``benchmarks/gpu_session.sh``
+  (part 2) measures each of them but NCCL's peers' buffers, by ``torch.cuda.mem_get_info``.
 
 Only ``torch``, ``diffusers`` and ``transformers``; nothing here loads weights or touches a device.
 """
@@ -70,6 +73,11 @@ STEP_CACHE_SUBPACK_ROWS = 1
 # outlives a block only when a document decides after others started a sub-pack (tiers of different fn_blocks)
 STEP_CACHE_GATHERED_ROWS = 2
 STEP_CACHE_GATHERED_ROWS_ONE_DECISION = 1  # every tier's fn_blocks alike: h_0 is let go at the one decision block
+RESERVE_NOTE = (
+    "reserve: 4 GiB PROJECTED, not measured (assumed: CUDA context ~1 GiB, cuBLAS workspaces < 1 GiB, NCCL's "
+    "all-to-all buffers to 3-7 peers ~1 GiB with NVLS off, the caching allocator's slack the rest); "
+    "benchmarks/gpu_session.sh measures it on a GPU"
+)
 TEXT_ENCODER_LAYER = 50  # H3 reads Qwen3-VL's hidden_states[50]; H3Pipeline.load keeps layers [0, 51)
 
 # The released text_encoder/config.json (Qwen3-VL-32B), as Qwen3VLConfig kwargs: read when no checkpoint
@@ -594,6 +602,8 @@ def memory_plan(
             f"{STEP_CACHE_HELD_ROWS * dtype_bytes(dtype)} x hidden_size "
             "bytes per row each, beyond the pack's" + (" (on every rank)" if sp_degree > 1 else ""),
         )
+    if reserve_bytes == DEFAULT_RESERVE_BYTES:
+        notes += (RESERVE_NOTE,)
     activations = row_cost.bytes_for(max_rows, sp_degree)
     transformers = {
         **{p: weights[p] for p in partitions},

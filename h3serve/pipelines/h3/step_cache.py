@@ -44,14 +44,22 @@ its h_Fn rows until its middle ends, then its new middle residual). The forward 
 needs as it goes: h_0 once every document decided, each h_Fn copy when its middle ends, a skipping document's
 h_Fn at once, a sub-pack when the running documents change, and (under Ulysses) the gathered rows while the
 rank's own rows run.
+
+Out of memory under Ulysses (``_Hollow``): the rank lets go of its tensors and enters every collective its peers enter
+by the same control flow (rank 0's decisions), with scratch buffers, so the pack fails and the group stays.
+
+Over 600 lines on purpose: the per-document decisions at sp_degree 1 and under Ulysses (with its hollow path) and the
+states every rank keeps in step (``CacheMirror``) are one protocol: they change together and are read together.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import weakref
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -65,6 +73,8 @@ from .step_cache_tiers import OFF as OFF
 from .step_cache_tiers import StepCachePolicy
 from .step_cache_tiers import StepCacheTiers as StepCacheTiers
 
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 _KEYS = itertools.count(1)  # DocumentCache keys: unique within the process that creates them (rank 0)
 
 
@@ -251,10 +261,11 @@ def _decide(deciding, cache: PackCache, hidden, inputs, rows, computes, head_out
         skip[i] = value <= entry.policy.threshold  # diffusers computes when over the threshold
     if follow is not None:  # every rank runs rank 0's choice, whatever its own arithmetic said
         skip = dict(zip(deciding, follow([skip[i] for i in deciding]), strict=True))
+    for i in deciding:  # first: once rank 0's choice is known, the step's collectives are (``_Hollow`` needs them)
+        computes[i] = not skip[i]
     for i in deciding:
         # a skip keeps r_prev at the last computed step's (as diffusers); a compute keeps its new residual
         cache._pending[i] = _Pending(skip=True) if skip[i] else _Pending(skip=False, first_residual=residuals.pop(i))
-        computes[i] = not skip[i]
         if computes[i]:  # its middle residual is taken against h_Fn: a copy of its rows, not a view holding the pack's
             head_outputs[i] = rows(i, hidden).clone()  # [S_i, hidden]
 
@@ -266,6 +277,7 @@ class ShardedRows:
     sp: SequenceParallel
     adaln_indices: torch.Tensor  # [T] every pack row's AdaLN table row (timestep index * 3 + tag)
     rope: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions [n, 3] -> cos, sin [n, rope dim]
+    inner: int  # heads x head_dim: what a block's all-to-alls carry per row
 
 
 def _sharded_cached_blocks(
@@ -288,13 +300,26 @@ def _sharded_cached_blocks(
     follows rank 0's decisions (``SequenceParallel.follow_rank0``). Between transitions a block runs on the rank's own
     [lo, hi) rows when every document runs it (as without a cache), else on the rank's share of a sub-pack of
     the running documents' rows, padded to a multiple of W (``_ShardedSubPack``).
+
+    Out of memory anywhere in here, the rank goes on hollow (``_Hollow``): it lets go of its tensors and enters every
+    collective its peers enter, by the same control flow (rank 0's decisions), with scratch buffers, then raises the
+    error; ``packed_forward`` drains the step's gather and outcome agreement after it: the pack fails, not the group.
     """
     sp = sharded.sp
     n_docs, num_blocks, starts, heads, tails, computes = _plan(blocks, pack, cache)
-    local_rows = int(local.shape[1])
+    local_rows, width = int(local.shape[1]), int(local.shape[2])
+    hollow = _Hollow(sp, sharded.inner, width, local.dtype)
     if all(entry is None for entry in cache.documents):  # nobody caches: exactly the forward without a cache
-        for block in blocks:
-            local = block(local, temb, adaln_indices, rotary_emb)
+        for b, block in enumerate(blocks):
+            entered = sp.all_to_alls
+            try:
+                local = block(local, temb, adaln_indices, rotary_emb)
+            except torch.OutOfMemoryError as e:
+                hollow.fail(e)
+                sp.fill_block(local_rows, sharded.inner, local.dtype, sp.all_to_alls - entered)
+                for _ in range(b + 1, num_blocks):
+                    sp.fill_block(local_rows, sharded.inner, local.dtype)
+                raise e from None
             cache.block_rows += local_rows
         return local
     lo = sp.rank * local_rows  # this rank's first pack row
@@ -302,23 +327,44 @@ def _sharded_cached_blocks(
     def rows(i: int, of: torch.Tensor) -> torch.Tensor:
         return of[0, starts[i] : starts[i + 1]]  # [S_i, hidden], a view
 
+    def share(active: tuple[int, ...] | None) -> int:
+        """The rows this rank runs of the running documents ``active`` (None: its own [lo, hi) rows)."""
+        if active is None:
+            return local_rows
+        return -(-sum(pack.lengths[i] for i in active) // sp.sp_degree)  # the sub-pack padded to a multiple of W
+
+    def all_rows(x: torch.Tensor) -> torch.Tensor:
+        return sp.all_gather_rows(x[0])[None]  # [1, T, hidden]
+
     # [1, T, hidden]: every row as of the last transition; None while this rank's own rows run (nothing reads it)
-    full: torch.Tensor | None = sp.all_gather_rows(local[0])[None]
+    full: torch.Tensor | None = hollow.attempt(local_rows, all_rows, local)
     inputs: torch.Tensor | None = full  # h_0, on every rank, until the last document decided
     out: torch.Tensor | None = local  # the rows out on the ranks: [1, T/W, hidden] or a sub-pack's share
-    running: _ShardedSubPack | None = None  # whose share `out` is (None: this rank's [lo, hi) rows)
+    del local
+    away = True  # rows are out on the ranks (``out``; hollow: only their count matters)
+    running: tuple[int, ...] | None = None  # whose sub-pack share is out (None: this rank's [lo, hi) rows)
     head_outputs: dict[int, torch.Tensor] = {}  # computing document -> [S_i, hidden] h_Fn (a copy)
     sub_packs: dict[tuple[int, ...], _ShardedSubPack] = {}
 
-    def gather() -> torch.Tensor:
-        """``full`` with the rows out on the ranks written back (every rank gets the same bits)."""
-        if out is None:
-            assert full is not None
+    def let_go() -> None:
+        """Out of memory: every tensor of the step goes (what the peers still need is collectives, with scratch)."""
+        nonlocal full, inputs, out
+        full = inputs = out = None
+        head_outputs.clear()
+        sub_packs.clear()
+        for i, pending in cache._pending.items():
+            cache._pending[i] = _Pending(pending.skip, skipped_block_rows=pending.skipped_block_rows)
+
+    hollow.on_fail = let_go
+
+    def gather() -> torch.Tensor | None:
+        """``full`` with the rows out on the ranks written back (every rank gets the same bits); None once hollow."""
+        if not away:
             return full
         if running is None:
-            return sp.all_gather_rows(out[0])[None]  # [1, T, hidden]
-        assert full is not None and full is not inputs  # a sub-pack's share: the others' rows are in ``full``
-        return running.gathered_into(full, out)
+            return hollow.attempt(share(None), all_rows, out)  # [1, T, hidden]
+        sub = sub_packs.get(running)  # a sub-pack's share: the others' rows are in ``full``
+        return hollow.attempt(share(running), lambda: sub.gathered_into(full, out))  # type: ignore[union-attr,arg-type]
 
     def middles_end(b: int) -> None:
         """Documents whose middle blocks end before block ``b``: keep a computed residual, add a cached one."""
@@ -336,42 +382,150 @@ def _sharded_cached_blocks(
         deciding = [i for i in range(n_docs) if heads[i] == b]
         ending = any(tails[i] == b and i in cache._pending for i in range(n_docs))
         if deciding or ending:  # a transition: every rank needs every row
-            full, out, running = gather(), None, None
-            middles_end(b)
+            full, out, running, away = gather(), None, None, False
+            hollow.attempt(None, middles_end, b)
             if deciding:
-                assert inputs is not None
-                _decide(deciding, cache, full, inputs, rows, computes, head_outputs, sp.follow_rank0)
+                follow = sp.follow_rank0  # (no tuple of the arguments: it would hold h_0 past the last decision)
+                hollow.decide(
+                    deciding,
+                    cache,
+                    computes,
+                    _decide,
+                    deciding,
+                    cache,
+                    full,
+                    inputs,
+                    rows,
+                    computes,
+                    head_outputs,
+                    follow,
+                )
                 if all(c is not None for c in computes):
                     inputs = None  # no decision left: h_0 is not needed any more
         active = tuple(i for i in range(n_docs) if b < heads[i] or b >= tails[i] or computes[i])
         if len(active) == n_docs:  # every document: this rank's own rows, as without a cache
-            if out is None or running is not None:
+            if not away or running is not None:
                 full, running = gather(), None
-                out = full[:, lo : lo + local_rows]  # [1, T/W, hidden], a view
-            out = block(out, temb, adaln_indices, rotary_emb)
+                out, away = None if full is None else full[:, lo : lo + local_rows], True  # [1, T/W, hidden], a view
+            out = hollow.run(local_rows, block, out, temb, adaln_indices, rotary_emb)
             full = None  # the next transition gathers every row afresh from ``out``: let the old ones go
             cache.block_rows += local_rows
         elif active:
-            if active not in sub_packs:
+            if active not in sub_packs and not hollow.failed:
                 sub_packs.clear()  # one sub-pack at a time: its indices and rotary angles are per row
-                sub_packs[active] = _ShardedSubPack.of(pack, starts, active, sharded)
-            sub = sub_packs[active]
-            if running is not sub or out is None:
-                full, running = gather(), sub
-                out = full.index_select(1, sub.mine)  # [1, T_sub'/W, hidden]
-            out = sub.run(block, out, temb)
-            cache.block_rows += sub.rows
-        elif out is not None:  # nobody runs this block: the rows out on the ranks come home
-            full, out, running = gather(), None, None
+                made = hollow.attempt(None, _ShardedSubPack.of, pack, starts, active, sharded)
+                if made is not None:
+                    sub_packs[active] = made
+                del made
+            if running != active or not away:
+                full, running, away = gather(), active, True
+                sub = sub_packs.get(active)
+                out = None if full is None or sub is None else hollow.attempt(None, full.index_select, 1, sub.mine)
+            sub = sub_packs.get(active)
+            out = hollow.run(share(active), sub.run if sub is not None else block, block, out, temb)
+            cache.block_rows += share(active)
+        elif away:  # nobody runs this block: the rows out on the ranks come home
+            full, out, running, away = gather(), None, None, False
         for i in set(range(n_docs)) - set(active):
             cache.skipped_block_rows += pack.lengths[i]
             cache._pending[i].skipped_block_rows += pack.lengths[i]
     if any(tails[i] == num_blocks and i in cache._pending for i in range(n_docs)):
-        full, out, running = gather(), None, None
-        middles_end(num_blocks)
-    if out is not None and running is None:
+        full, out, running, away = gather(), None, None, False
+        hollow.attempt(None, middles_end, num_blocks)
+    if away and running is None:  # this rank's own rows are out: nothing to gather
+        if hollow.error is not None:
+            raise hollow.error
+        assert out is not None
         return out  # [1, T/W, hidden]
-    return gather()[:, lo : lo + local_rows]  # [1, T/W, hidden]
+    full = gather()
+    if hollow.error is not None:  # every collective of the blocks entered: the caller drains the rest of the step
+        raise hollow.error
+    assert full is not None
+    return full[:, lo : lo + local_rows]  # [1, T/W, hidden]
+
+
+class _Hollow:
+    """What a rank that ran out of memory in a step-caching step still owes its peers: every collective they enter.
+
+    Each step of ``_sharded_cached_blocks`` that allocates goes through it. Once one ran out of memory (``fail``:
+    the step's tensors go), the rest only enter collectives: a block's all-to-alls, a gather's all-gather, a decision's
+    broadcast (rank 0's choice followed, or, on rank 0, "compute" sent), with scratch buffers of the peers' shapes,
+    by the same control flow. Nothing is spent while nothing fails: no collective or host sync is added.
+    """
+
+    def __init__(self, sp: SequenceParallel, inner: int, width: int, dtype: torch.dtype):
+        self.sp, self.inner, self.width, self.dtype = sp, inner, width, dtype
+        self.error: torch.OutOfMemoryError | None = None
+        self.on_fail: Callable[[], None] = lambda: None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, error: torch.OutOfMemoryError) -> None:
+        error.__traceback__ = None  # its frames hold the failed step's activations: they go before the scratch comes
+        self.error = error
+        self.on_fail()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the failed step's blocks back to the device before the scratch is made
+        logger.warning(
+            "rank %d: out of memory in a step-caching step after %d collective(s): entering the rest with scratch "
+            "buffers, so the pack fails alone (%s)",
+            self.sp.rank,
+            self.sp.collectives,
+            error,
+        )
+
+    def attempt(self, gathers: int | None, make: Callable[..., T], *args: Any) -> T | None:
+        """``make(*args)``; out of memory (or hollow already): None, having entered its all-gather of ``gathers``
+        rows (None: it has none) unless it had."""
+        if self.failed:
+            if gathers is not None:
+                self.sp.fill_all_gather(gathers, self.width, self.dtype)
+            return None
+        entered = self.sp.collectives
+        try:
+            return make(*args)
+        except torch.OutOfMemoryError as e:
+            self.fail(e)
+            if gathers is not None and self.sp.collectives == entered:
+                self.sp.fill_all_gather(gathers, self.width, self.dtype)
+            return None
+
+    def run(self, rows: int, block: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
+        """``block(*args)`` on ``rows`` rows of this rank; out of memory (or hollow already): the all-to-alls it has
+        left."""
+        entered = self.sp.all_to_alls
+        if not self.failed:
+            try:
+                return block(*args)
+            except torch.OutOfMemoryError as e:
+                self.fail(e)
+        self.sp.fill_block(rows, self.inner, self.dtype, self.sp.all_to_alls - entered)
+        return None
+
+    def decide(
+        self,
+        deciding: list[int],
+        cache: PackCache,
+        computes: list[bool | None],
+        decide: Callable[..., None],
+        *args: Any,
+    ) -> None:
+        """``decide(*args)``; out of memory (or hollow already): rank 0's decisions followed all the same, no
+        residual kept."""
+        if not self.failed:
+            try:
+                return decide(*args)
+            except torch.OutOfMemoryError as e:
+                self.fail(e)
+        if computes[deciding[0]] is None:  # rank 0's choice is not known here yet: its broadcast is still owed
+            skips = self.sp.follow_rank0([False] * len(deciding))  # rank 0 hollow: every document computes
+            for i, skip in zip(deciding, skips, strict=True):
+                computes[i] = not skip
+        for i in deciding:
+            cache._pending.setdefault(i, _Pending(skip=not computes[i]))
+        return None
 
 
 @dataclasses.dataclass

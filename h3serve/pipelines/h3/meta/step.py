@@ -369,6 +369,9 @@ SYNC_BUDGET: dict[str, dict[str, int]] = {
     "ulysses step cache": {  # mid-forward: each decision's vector sent to rank 0's broadcast and read back
         "host-to-device copy at h3serve/replicas/sequence_parallel.py (follow_rank0)": 1,
         "device-to-host copy at h3serve/replicas/sequence_parallel.py (follow_rank0)": 1,
+        # after the gather, where the step's end waits for the device anyway: the outcome's agreement (no rank
+        # commits a cache step another rank failed, out of memory)
+        "device-to-host copy at h3serve/replicas/sequence_parallel.py (agree)": 1,
     },
     "lora": {  # before the forward: each row's slot, the slot groups, and each stream's runs of one slot
         "host-to-device copy at h3serve/pipelines/h3/lora.py (pack_slots)": 2,
