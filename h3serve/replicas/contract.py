@@ -124,8 +124,10 @@ class EngineLimits(BaseModel):
     warmup: bool = Field(
         default=True,
         description="warm-up forwards before the replica reports ready: the smallest request (and one per LoRA "
-        "adapter); on CUDA then the same padded to max_rows_per_step on every rank (and per adapter), each rank's "
-        "torch.cuda.mem_get_info logged and checked against admission's memory plan: past it by more than the "
+        "adapter); on CUDA then the same padded to max_rows_per_step on every rank (and per adapter), and, when "
+        "step-cache tiers are offered, three forwards of copies filling the row budget that hold, reuse and skip "
+        "the cache's residuals (its peak); each rank's torch.cuda.mem_get_info logged and checked against "
+        "admission's memory plan: past it by more than the "
         "reserve, the replica refuses to serve (PlanExceeded). CPU replicas skip the forward at the row budget: "
         "nothing to measure, and its padding document costs seconds of CPU",
     )
