@@ -39,7 +39,7 @@ from .preview import PreviewLayout, PreviewMap, preview_frames, strip_png
 from .request import GenerationRequest, ModelRules, RequestError
 from .request_state import RequestState, StepStats
 from .stage_models import config_only_component, held_modules, load_stage_components, prepare_shifted
-from .stages import DECODE_KEYS, H3Stages
+from .stages import DECODE_KEYS, H3Stages, MediaSink
 from .step_cache import CachedPack, PackCache, StepCachePolicy, skipped_block_rows
 
 logger = logging.getLogger(__name__)
@@ -271,9 +271,10 @@ class H3Pipeline:
         return out
 
     @torch.no_grad()
-    def decode(self, state: RequestState) -> GeneratedMedia:
+    def decode(self, state: RequestState, sink: MediaSink | None = None) -> GeneratedMedia:
+        """The clip's media; ``sink``: its sound, then its frames chunk by chunk as the decode makes them."""
         stages = self._local_stages("decode a request")
-        frames, audio, sample_rate = stages.finish(state.state, state.video_rows, state.audio_rows)
+        frames, audio, sample_rate = stages.finish(state.state, state.video_rows, state.audio_rows, sink=sink)
         return GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
 
     def decode_handoff(self, state: RequestState) -> DecodeHandoff:
