@@ -146,7 +146,7 @@ def test_a_decoding_clip_streams_as_a_fragmented_mp4_that_plays_before_the_job_c
     """GET content while the job decodes: a fragmented MP4 parsed by PyAV as it arrives, frames decoded from it before
     the job is completed, and all of them the finished clip's frames (its sound the same AAC packets)."""
     with H3Client(server.url) as api:
-        video_id = api.create_video({"prompt": "a blue square moving right", "num_inference_steps": 2, "seconds": 15})[
+        video_id = api.create_video({"prompt": "a blue square moving right", "num_inference_steps": 2, "seconds": 14})[
             "id"
         ]
         for event in api.follow(video_id):  # the stream opens once the job decodes
