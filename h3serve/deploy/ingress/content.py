@@ -8,8 +8,8 @@ picks the MP4 or an image made from its frames (``h3serve.deploy.jobs.variants``
 
 While the job decodes on this ingress replica, the video is its fragmented MP4 as the decode makes it
 (``streamed``: ``h3serve.deploy.jobs.live``), from its first byte: no length, ETag or ranges yet (the bytes are not
-all known), and not cached. A stream cut short (the job failed, was cancelled) ends without HTTP's last chunk, so a
-reader sees a broken transfer, never a clean end of a partial MP4.
+all known), and not cached. A stream cut short (the job failed, was cancelled) raises in the response's body
+(``StreamBroken``) rather than ending it as a whole one.
 """
 
 from __future__ import annotations
