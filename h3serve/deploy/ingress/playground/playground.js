@@ -225,10 +225,15 @@
     try {
       const response = await api(`/v1/videos/${entry.video.id}/content`);
       if (response.headers.get("X-H3serve-Stream") !== "fragmented-mp4") return; // finished already: showVideo's
-      const source = new MediaSource();
-      video.src = URL.createObjectURL(source);
+      const source = new MediaSource(), streamUrl = URL.createObjectURL(source);
+      video.src = streamUrl;
       video.hidden = false;
       await new Promise((resolve) => source.addEventListener("sourceopen", resolve, { once: true }));
+      // plays as soon as the first frames are in (once: a pause by the viewer stays a pause)
+      video.addEventListener("canplay", () => {
+        if (video.src !== streamUrl) return; // the finished MP4 took its place first
+        video.play().then(() => { el.dataset.streamPlayed = "1"; }, () => { /* autoplay refused: the controls */ });
+      }, { once: true });
       const buffer = source.addSourceBuffer(STREAM_TYPE);
       const reader = response.body.getReader();
       let bytes = 0;
@@ -242,24 +247,24 @@
         });
         bytes += value.length;
         el.dataset.streamBytes = String(bytes);
-        if (video.paused && video.readyState >= 2) video.play().catch(() => { /* autoplay refused: the controls */ });
       }
       source.endOfStream();
       el.dataset.streamed = "1";
       if (entry.finished) swapWhenIdle(entry);
     } catch (error) {
-      entry.streaming = false; // the finished MP4 replaces it when the job completes
+      entry.streaming = false; // the finished MP4 replaces it when the job completes (or now, if it has)
       el.dataset.streamError = error.message || String(error);
+      if (entry.finished) show(entry);
     }
   }
 
   // The finished MP4 in place of the stream (the same frames and sound; its exact duration, seekable) once the
-  // stream has ended and the clip is not playing: a swap never interrupts what someone watches
+  // stream has ended and the clip is not playing (it ended, or was paused): a swap never interrupts playback
   function swapWhenIdle(entry) {
     const video = entry.el.querySelector(".clip");
     if (entry.el.dataset.streamed !== "1") return; // still streaming: its end calls again
     if (video.paused || video.ended) show(entry);
-    else video.addEventListener("ended", () => show(entry), { once: true });
+    else for (const idle of ["ended", "pause"]) video.addEventListener(idle, () => show(entry), { once: true });
   }
 
   function show(entry) {
