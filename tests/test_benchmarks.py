@@ -278,6 +278,14 @@ def test_step_cache_smoke_reports_every_tier_and_a_mixed_pack_equal_to_its_parts
     assert mixed["tiers"] == [OFF, "high"] and mixed["each_equals_alone"] == [True, True] and result["ok"]
 
 
+def test_stream_decode_smoke_plays_the_first_frame_before_the_file_is_finished(tmp_path):
+    run = bench("stream_decode", "--smoke", json_path=tmp_path / "stream.json")
+    assert run.code == 0
+    streamed, whole = (run.result["in_process"]["128x64"][mode] for mode in ("streamed", "whole"))
+    assert 0 < streamed["first_byte_s"] <= streamed["first_frame_s"] < streamed["finished_s"]
+    assert whole["first_frame_s"] == whole["finished_s"]  # a plain MP4 plays once it is all there
+
+
 def test_lora_trace_smoke_serves_every_request_in_every_mode_with_the_same_outputs(tmp_path):
     run = bench("lora", "--smoke", "--steps", "4", json_path=tmp_path / "lora.json")
     assert run.code == 0

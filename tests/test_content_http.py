@@ -1,11 +1,15 @@
 """``GET /v1/videos/{id}/content`` over real HTTP on the session's server (its "content" application, the default's
 args): a download resumed with Range equals the whole, ETag and If-None-Match (304), If-Range, 416, the thumbnail
-and the spritesheet made from the clip's decoded frames, a bad variant. The parts alone: tests/test_content.py."""
+and the spritesheet made from the clip's decoded frames, a bad variant; while a job decodes, its fragmented MP4
+streamed and played as it arrives (issue 58). The parts alone: tests/test_content.py."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import queue
+import threading
+import time
 
 import av
 import numpy as np
@@ -76,6 +80,11 @@ def decoded(mp4: bytes) -> list[np.ndarray]:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
+def audio_packets(mp4: bytes) -> list[bytes]:
+    with av.open(io.BytesIO(mp4)) as container:
+        return [bytes(packet) for packet in container.demux(audio=0) if packet.size]
+
+
 def test_the_thumbnail_and_spritesheet_are_the_clips_frames(server, clip, tmp_path):
     video_id, mp4 = clip
     frames = decoded(mp4)
@@ -112,3 +121,73 @@ def test_the_openapi_document_names_the_variants_and_range(server):
     assert names["variant"]["schema"]["enum"] == ["video", "thumbnail", "spritesheet"]
     assert {"Range", "If-Range", "If-None-Match"} <= names.keys()
     assert {"200", "206", "304", "416"} <= content["responses"].keys()
+
+
+class _Arriving(io.RawIOBase):
+    """A file PyAV reads while the bytes arrive: ``read`` waits for the next chunk; ``None`` put ends it."""
+
+    def __init__(self):
+        self.chunks: queue.Queue[bytes | None] = queue.Queue()
+        self.buffer, self.ended = b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        while not self.buffer and not self.ended:
+            chunk = self.chunks.get()
+            self.ended, self.buffer = chunk is None, self.buffer + (chunk or b"")
+        size = len(self.buffer) if size is None or size < 0 else size
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+
+def test_a_decoding_clip_streams_as_a_fragmented_mp4_that_plays_before_the_job_completes(server):
+    """GET content while the job decodes: a fragmented MP4 parsed by PyAV as it arrives, frames decoded from it before
+    the job is completed, and all of them the finished clip's frames (its sound the same AAC packets)."""
+    with H3Client(server.url) as api:
+        video_id = api.create_video({"prompt": "a blue square moving right", "num_inference_steps": 2, "seconds": 14})[
+            "id"
+        ]
+        for event in api.follow(video_id):  # the stream opens once the job decodes
+            assert event["event"] not in ("completed", "failed", "cancelled"), event
+            if event["event"] == "decoding":
+                break
+        done_at: list[float] = []
+
+        def watch() -> None:  # when the record first reads completed
+            with H3Client(server.url) as poller:
+                poller.wait_video(video_id, poll_s=0.02)
+                done_at.append(time.monotonic())
+
+        arriving, frames = _Arriving(), []
+
+        def parse() -> None:
+            with av.open(arriving, "r", format="mp4") as container:
+                for frame in container.decode(video=0):
+                    frames.append((time.monotonic(), frame.to_ndarray(format="rgb24")))
+
+        threads = [threading.Thread(target=watch), threading.Thread(target=parse)]
+        for thread in threads:
+            thread.start()
+        received: list[tuple[float, bytes]] = []
+        with api.http.stream("GET", f"/v1/videos/{video_id}/content") as response:
+            assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+            assert response.headers["x-h3serve-stream"] == "fragmented-mp4" and "content-length" not in response.headers
+            for chunk in response.iter_bytes():
+                received.append((time.monotonic(), chunk))
+                arriving.chunks.put(chunk)
+        arriving.chunks.put(None)
+        for thread in threads:
+            thread.join(timeout=120)
+        assert done_at, "the job never completed"
+        before = [len(chunk) for at, chunk in received if at < done_at[0]]
+        assert len(before) >= 2, (before, len(received))  # chunks arrived while it still decoded
+        assert frames and frames[0][0] < done_at[0]  # and PyAV made frames of them before the job completed
+
+        finished = api.content(video_id)  # the completed job's MP4
+        whole = decoded(finished)
+        assert len(frames) == len(whole) > 10 * 24
+        assert all(np.array_equal(got, want) for (_, got), want in zip(frames, whole, strict=True))  # frame-exact
+        assert audio_packets(b"".join(chunk for _, chunk in received)) == audio_packets(finished)
+        api.delete(video_id)

@@ -99,6 +99,13 @@ def page_flow(server, browser) -> None:
     mine = browser.find_element(By.ID, f"job-{first}")
     wait(browser, lambda d: int(mine.get_attribute("data-previews")) >= 3, 120, "three distinct previews")
     video = mine.find_element(By.CSS_SELECTOR, "video.clip")
+    # issue 58: from its decoding event the card played its content as a stream (a fragmented MP4 through
+    # MediaSource); paused, the finished MP4 takes the stream's place
+    wait(browser, lambda d: mine.get_attribute("data-streamed") == "1", 120, "the stream to end")
+    assert int(mine.get_attribute("data-stream-bytes")) > 0 and mine.get_attribute("data-stream-error") is None
+    wait(browser, lambda d: mine.get_attribute("data-stream-played") == "1", 30, "the stream to play")
+    browser.execute_script("arguments[0].pause()", video)
+    wait(browser, lambda d: mine.get_attribute("data-clip") == "finished", 30, "the finished clip, after the stream")
     wait(browser, lambda d: d.execute_script("return arguments[0].readyState >= 1", video), 120, "the clip to load")
     duration = browser.execute_script("return arguments[0].duration", video)
     assert abs(duration - 124 / 24) < 0.1, duration  # the shortest clip: 124 frames at 24 fps

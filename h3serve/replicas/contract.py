@@ -200,8 +200,9 @@ class EngineLimits(BaseModel):
 
 
 # what ``on_request_event`` reports: queued (position, eta_s; again when either changes), started, step (step, steps,
-# eta_s), preview (step, steps, png), decoding (eta_s)
-REQUEST_EVENTS = ("queued", "started", "step", "preview", "decoding")
+# eta_s), preview (step, steps, png), decoding (eta_s), fragment (index, frames, data: the next bytes of the clip's
+# fragmented MP4 while it decodes, for a streamed request: ``Ticket.stream``)
+REQUEST_EVENTS = ("queued", "started", "step", "preview", "decoding", "fragment")
 CANCEL_STAGES = ("waiting", "running", "decoding")
 
 

@@ -73,6 +73,7 @@ class Ticket:
         self.prepares = 0  # more than one when it gave its prepared room to a request that outranks it
         # followed by a client (video jobs): previews under ``limits.preview``, and where it was last reported
         self.preview = False
+        self.stream = False  # followed video: its MP4 streamed while it decodes (``fragment`` events)
         self.previewing = False  # a preview of it is being rendered (one at a time)
         self.pending_preview: tuple[torch.Tensor, int, int] | None = None  # the newest capture waiting for that one
         self.last_preview: tuple[int, float] = (0, 0.0)  # (step, time.monotonic()) of its last capture

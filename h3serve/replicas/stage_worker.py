@@ -17,6 +17,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -35,6 +36,7 @@ from h3serve.pipelines.h3 import (
     RequestState,
 )
 from h3serve.pipelines.h3.handoff import payload_bytes
+from h3serve.pipelines.h3.media import Mp4Stream
 from h3serve.pipelines.h3.pipeline import H3Pipeline
 from h3serve.pipelines.h3.tiled_decode import TileRunner
 
@@ -112,7 +114,15 @@ class Stages(Protocol):
 
     async def prepare(self, ticket: Ticket) -> RequestState: ...
 
-    async def decode(self, ticket: Ticket) -> GeneratedMedia | EncodedMedia: ...
+    def streams(self) -> bool:
+        """Whether ``decode`` makes the clip's fragmented MP4 as it decodes (``emit``), known before it starts."""
+        ...
+
+    async def decode(self, ticket: Ticket, emit: Emit | None = None) -> GeneratedMedia | EncodedMedia: ...
+
+
+# the bytes of a clip's fragmented MP4 as its decode makes them, with the frames encoded so far (on the stage thread)
+Emit = Callable[[bytes, int], None]
 
 
 class LocalStages:
@@ -128,9 +138,27 @@ class LocalStages:
     async def prepare(self, ticket: Ticket) -> RequestState:
         return await self.worker.run(self.pipeline.prepare, ticket.request, ticket.step_cache, ticket.adapter)
 
-    async def decode(self, ticket: Ticket) -> GeneratedMedia | EncodedMedia:
-        runner = self.tiles() if self.tiles is not None else None  # the current group's (a replaced one's too)
-        return await self.worker.run(self.pipeline.decode, ticket.prepared, runner)
+    def _runner(self) -> TileRunner | None:
+        return self.tiles() if self.tiles is not None else None  # the current group's (a replaced one's too)
+
+    def streams(self) -> bool:
+        """A decode split over the group's ranks is blended whole, not streamed chunk by chunk (``decode_on_ranks``:
+        the two are exclusive, as ``TiledVideoDecodeStep`` says)."""
+        return self._runner() is None
+
+    async def decode(self, ticket: Ticket, emit: Emit | None = None) -> GeneratedMedia | EncodedMedia:
+        """The clip; ``emit``: also its fragmented MP4, fragment by fragment, while it decodes (``media.Mp4Stream``)."""
+        runner = self._runner()
+        if emit is None or runner is not None:
+            return await self.worker.run(self.pipeline.decode, ticket.prepared, runner)
+        return await self.worker.run(self._decode_streamed, ticket.prepared, emit)
+
+    def _decode_streamed(self, state: RequestState, emit: Emit) -> GeneratedMedia:
+        stream = Mp4Stream(self.pipeline.rules.fps, emit)
+        media = self.pipeline.decode(state, sink=stream)
+        stream.finish()
+        media.encoded_mp4 = stream.mp4()  # the stream's packets: the finished file is what was streamed
+        return media
 
 
 class RemoteStages:
@@ -164,8 +192,12 @@ class RemoteStages:
         logger.info("request %s: %d prepared bytes from the conditioner stage", ticket.id, prepared.nbytes)
         return await self.worker.run(self.pipeline.admit, ticket.request, prepared, ticket.step_cache, ticket.adapter)
 
-    async def decode(self, ticket: Ticket) -> GeneratedMedia | EncodedMedia:
-        """The decoder stage decodes (and encodes, for ``ticket.output``) its latents, copied to the host once."""
+    def streams(self) -> bool:
+        return False  # the decoder stage answers the whole clip (docs/DESIGN.md, issue 58)
+
+    async def decode(self, ticket: Ticket, emit: Emit | None = None) -> GeneratedMedia | EncodedMedia:
+        """The decoder stage decodes (and encodes, for ``ticket.output``) its latents, copied to the host once.
+        Nothing is streamed (``emit`` unused): the stage answers the whole clip (docs/DESIGN.md, issue 58)."""
         handoff = await self.worker.run(self.pipeline.decode_handoff, ticket.prepared)
         self.handoff_bytes["latents"] += handoff.nbytes
         with self._awaiting():
@@ -292,16 +324,30 @@ class StageLoop:
         self.progress.report_queue()
         self._wake_step.set()
 
+    def _emitter(self, ticket: Ticket) -> Emit:
+        """Each run of the stream's bytes, from the stage thread, as a ``fragment`` event on this loop (in order, and
+        before the decode's own end reaches it: both go through ``call_soon_threadsafe``)."""
+        loop = asyncio.get_running_loop()
+        count = iter(range(1 << 62))
+
+        def emit(data: bytes, frames: int) -> None:
+            fields = dict(index=next(count), frames=frames, data=data)
+            loop.call_soon_threadsafe(functools.partial(self.progress.event, ticket, "fragment", **fields))
+
+        return emit
+
     async def _decode(self, ticket: Ticket) -> None:
         if ticket.future.done():
             self.table.move(ticket, Stage.DONE)
             return
         self.table.move(ticket, Stage.DECODING)
-        self.progress.event(ticket, "decoding", eta_s=self.progress.decode_s.value)
+        streamed = ticket.stream and self.stages.streams()
+        # `streamed`: the ingress opens the clip's live MP4 for readers only when fragments will come
+        self.progress.event(ticket, "decoding", eta_s=self.progress.decode_s.value, streamed=streamed)
         started = time.perf_counter()
         ticket.marks["decode"] = time.monotonic()
         try:
-            media = await self.stages.decode(ticket)
+            media = await self.stages.decode(ticket, self._emitter(ticket) if streamed else None)
         except Exception as e:
             logger.error("request %s: decode failed", ticket.id, exc_info=True)
             if not self._poisoned(e):

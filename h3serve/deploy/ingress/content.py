@@ -5,6 +5,11 @@ answered 206 with ``Content-Range`` (``If-Range`` with the current ETag, else th
 416 with ``Content-Range: bytes */size``. A Range that does not parse, another unit, or several ranges get the whole
 file (200): RFC 9110 lets a server ignore Range, and a multipart answer buys a video player nothing. ``?variant=``
 picks the MP4 or an image made from its frames (``h3serve.deploy.jobs.variants``).
+
+While the job decodes on this ingress replica, the video is its fragmented MP4 as the decode makes it
+(``streamed``: ``h3serve.deploy.jobs.live``), from its first byte: no length, ETag or ranges yet (the bytes are not
+all known), and not cached. A stream cut short (the job failed, was cancelled) raises in the response's body
+(``StreamBroken``) rather than ending it as a whole one.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ from __future__ import annotations
 import re
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from h3serve.deploy.common.errors import APIError
+from h3serve.deploy.jobs.live import LiveClip
 from h3serve.deploy.jobs.variants import VARIANTS
 
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -87,3 +93,9 @@ def answer(request: Request, data: bytes, digest: str, variant: str) -> Response
     first, last = span
     headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
     return Response(data[first : last + 1], status_code=206, media_type=media_type, headers=headers)
+
+
+def streamed(clip: LiveClip) -> StreamingResponse:
+    """The decoding clip's fragmented MP4 from its first byte, each run as it comes (``LiveClip.read``)."""
+    headers = {"Cache-Control": "no-store", "Accept-Ranges": "none", "X-H3serve-Stream": "fragmented-mp4"}
+    return StreamingResponse(clip.read(), media_type=VARIANTS["video"][1], headers=headers)

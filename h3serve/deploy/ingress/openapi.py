@@ -94,7 +94,9 @@ CONTENT_PARAMETERS = [
 ]
 CONTENT_RESPONSES = {
     "200": {
-        "description": "the whole file; ETag (strong: its sha256) and Accept-Ranges: bytes",
+        "description": "the whole file; ETag (strong: its sha256) and Accept-Ranges: bytes. While the job decodes "
+        "(on the ingress that runs it), the video is its fragmented MP4 as the decode makes it, played as it arrives: "
+        "X-H3serve-Stream: fragmented-mp4, no length, ETag or ranges",
         "content": {
             media_type: {"schema": {"type": "string", "format": "binary"}}
             for media_type in dict.fromkeys(media for _, media in VARIANTS.values())

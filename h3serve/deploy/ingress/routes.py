@@ -599,6 +599,9 @@ class H3Ingress(derived.DerivedVideos):
         """The MP4 or an image of it (``?variant=``), with ETag and Range (``h3serve.deploy.ingress.content``)."""
         variant = content.variant_of(request)
         video = await self._job(request, video_id)
+        live = self.videos.live.get(video_id) if variant == "video" else None
+        if video["status"] != "completed" and live is not None:  # decoding here: its MP4 as it is made
+            return content.streamed(live)
         if video["status"] != "completed":
             raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
         media = await self.videos.media(video_id, variant)

@@ -31,6 +31,7 @@ from h3serve.deploy.common.retry import Backoff, retry
 from h3serve.deploy.common.serve_logging import audit
 from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data, job_stream, keep_stored, load_log
 from h3serve.deploy.jobs.idempotency import Idempotency
+from h3serve.deploy.jobs.live import LiveClips
 from h3serve.deploy.jobs.store import (
     FINISHED,
     REPLICA_LOST,
@@ -123,6 +124,7 @@ class VideoJobs:
         self.runners: dict[str, JobRunner] = {}
         self.flushers: dict[str, asyncio.Task] = {}  # video id -> the task writing its event log to the store
         self.events = JobEvents()  # the event logs of the jobs this replica runs
+        self.live = LiveClips()  # their fragmented MP4s while they decode (``live``)
         self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
         self.closing = False  # Serve stops this replica: it takes nothing over any more
@@ -461,6 +463,7 @@ class VideoJobs:
             try:
                 await self._save_log(runner)  # its last events, for the other replicas' readers
             finally:  # even when a cancel interrupts that write
+                self.live.end(runner.job_id, f"the job ended before its video did (HTTP {code})")
                 self.tasks.pop(runner.job_id, None)
                 self.runners.pop(runner.job_id, None)
                 self._notify(runner)
@@ -472,12 +475,20 @@ class VideoJobs:
         """The replica's events into the job's event log and (at most every PROGRESS_EVERY_S, and at once when it
         starts) its record, then its MP4 into the store."""
         written, status = 0.0, runner.record["video"]["status"]
+        self.live.end(runner.job_id, "the job's decode started again on another replica")
         async for event in stream:
             if "mp4" in event:
                 await self._io(runner.complete, event["mp4"])
+                self.live.end(runner.job_id)  # whole: its readers read on to the end
                 return
             if "event" not in event:
                 continue
+            if event["event"] == "fragment":  # bytes for the content's readers, not an event of the log
+                clip = self.live.get(runner.job_id) or self.live.start(runner.job_id)
+                clip.append(event["data"], event["frames"])
+                continue
+            if event["event"] == "decoding" and event.get("streamed"):  # a decode split over ranks is not
+                self.live.start(runner.job_id)
             kind, data = event_data(event)
             if kind not in TERMINAL:
                 self.events.publish(runner.job_id, kind, data)

@@ -399,12 +399,14 @@ class H3Replica:
         """Stream {"queued": True, "event": "queued", "position", "eta_s", "progress": [0, total]} once the engine
         accepted the request (QueueFull, EngineDraining, RequestError... raise before it), then the engine's events
         for it ({"event": kind, **fields, "progress": [done, total]}: ``replicas.REQUEST_EVENTS``: queue position
-        changes, started, each step, previews as PNG bytes, decoding), then {"mp4": bytes}.
+        changes, started, each step, previews as PNG bytes, decoding, the fragmented MP4's bytes while it decodes),
+        then {"mp4": bytes}.
         """
         self._watch_for_stop()
         deadline_s = self._deadline_s(request_id, deadline_s, deadline_at)
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "mp4")
         ticket.preview = True  # followed: previews under engine.preview
+        ticket.stream = True  # and its MP4 streamed while it decodes (decoded here: a decoder stage answers it whole)
         events = self.metrics.follow(ticket)
         try:
             position, eta_s = self.engine.queue_position(ticket), self.engine.eta_s(ticket)

@@ -22,6 +22,8 @@ class GeneratedMedia:
     audio: np.ndarray  # float32 [2, S] stereo
     fps: int
     sample_rate: int
+    # the MP4 already made of these frames and sound while they decoded (``media.Mp4Stream``): ``mp4`` returns it
+    encoded_mp4: bytes | None = dataclasses.field(default=None, repr=False)
 
     # media is imported on use: PyAV is needed to encode, not to build or run the model
     def png(self) -> bytes:
@@ -33,6 +35,8 @@ class GeneratedMedia:
     def mp4(self) -> bytes:
         from .media import encode_mp4
 
+        if self.encoded_mp4 is not None:
+            return self.encoded_mp4
         return encode_mp4(self.frames, self.fps, self.audio, self.sample_rate)
 
 

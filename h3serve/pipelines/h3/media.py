@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import io
 import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import av
 import numpy as np
@@ -118,6 +120,24 @@ def encode_mp4(frames, fps: int, audio=None, sample_rate: int = 16000, crf: int 
     n, height, width = arr.shape[:3]
     if n == 0:
         raise MediaError("frames", "must contain at least 1 frame, got 0")
+    _check_encoding(width, height, fps, crf, sample_rate)
+    wave = None if audio is None else _check_audio(audio)
+    fps, sample_rate = int(fps), int(sample_rate)  # plain ints for PyAV (numpy ints pass validation)
+
+    buf = io.BytesIO()
+    # No "+faststart": the mp4 muxer implements it as a second pass that
+    # reopens the output by filename, which fails on a BytesIO at close().
+    with av.open(buf, "w", format="mp4") as out:
+        video, sound = _add_streams(out, width, height, fps, crf, wave, sample_rate)
+        for packet in _encode_frames(video, arr, 0):
+            out.mux(packet)
+        out.mux(video.encode(None))
+        if sound is not None and wave is not None:
+            out.mux(_encode_audio(sound, wave, sample_rate))
+    return buf.getvalue()
+
+
+def _check_encoding(width: int, height: int, fps: int, crf: int, sample_rate: int) -> None:
     for name, size in (("height", height), ("width", width)):
         if size <= 0 or size % 2:
             raise MediaError(name, f"must be a positive even number (yuv420p halves chroma), got {size}")
@@ -128,35 +148,179 @@ def encode_mp4(frames, fps: int, audio=None, sample_rate: int = 16000, crf: int 
     # Checked even without audio, so a bad config fails before audio shows up.
     if not isinstance(sample_rate, numbers.Integral) or sample_rate not in AAC_SAMPLE_RATES:
         raise MediaError("sample_rate", f"must be one of {list(AAC_SAMPLE_RATES)}, got {sample_rate!r}")
-    wave = None if audio is None else _check_audio(audio)
-    fps, sample_rate = int(fps), int(sample_rate)  # plain ints for PyAV (numpy ints pass validation)
 
-    buf = io.BytesIO()
-    # No "+faststart": the mp4 muxer implements it as a second pass that
-    # reopens the output by filename, which fails on a BytesIO at close().
-    with av.open(buf, "w", format="mp4") as out:
-        video = out.add_stream("libx264", rate=fps)
-        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.options = {"crf": str(crf), "preset": X264_PRESET}
-        if wave is not None:
-            sound = out.add_stream("aac", rate=sample_rate, layout=_AUDIO_LAYOUTS[wave.shape[0]])
 
-        # Explicit pts so output depends only on the inputs.
-        tb = Fraction(1, fps)
-        for i, rgb in enumerate(arr):
-            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-            frame.pts, frame.time_base = i, tb
-            out.mux(video.encode(frame))
-        out.mux(video.encode(None))
+def _add_streams(out, width: int, height: int, fps: int, crf: int, wave: np.ndarray | None, sample_rate: int):
+    """The H.264 stream and (with ``wave``) the AAC one, set up alike for the whole MP4 and the fragmented one: the
+    same encoder on the same frames makes the same packets."""
+    video = out.add_stream("libx264", rate=fps)
+    video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+    video.options = {"crf": str(crf), "preset": X264_PRESET}
+    sound = None
+    if wave is not None:
+        sound = out.add_stream("aac", rate=sample_rate, layout=_AUDIO_LAYOUTS[wave.shape[0]])
+    return video, sound
 
-        if wave is not None:
-            # One frame for the whole waveform: PyAV re-chunks it into the
-            # encoder's 1024-sample AAC frames itself.
-            frame = av.AudioFrame.from_ndarray(wave, format="fltp", layout=sound.layout.name)
-            frame.sample_rate, frame.pts, frame.time_base = sample_rate, 0, Fraction(1, sample_rate)
-            out.mux(sound.encode(frame))
-            out.mux(sound.encode(None))
-    return buf.getvalue()
+
+def _encode_frames(video, frames: np.ndarray, first: int) -> Iterator:
+    """The packets the encoder has ready after ``frames`` (numbered from ``first``). Explicit pts so output depends
+    only on the inputs."""
+    tb = Fraction(1, video.codec_context.framerate)
+    for i, rgb in enumerate(frames, first):
+        frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+        frame.pts, frame.time_base = i, tb
+        yield from video.encode(frame)
+
+
+def _encode_audio(sound, wave: np.ndarray, sample_rate: int) -> list:
+    """Every AAC packet of ``wave``: one frame for the whole waveform, which PyAV re-chunks into the encoder's
+    1024-sample AAC frames itself."""
+    frame = av.AudioFrame.from_ndarray(wave, format="fltp", layout=sound.layout.name)
+    frame.sample_rate, frame.pts, frame.time_base = sample_rate, 0, Fraction(1, sample_rate)
+    return [*sound.encode(frame), *sound.encode(None)]
+
+
+class _Appended:
+    """A write-only file PyAV muxes into: what was written since the last ``take``."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        data, self.parts = b"".join(self.parts), []
+        return data
+
+
+class FragmentedMp4:
+    """A fragmented MP4 (an empty ``moov``, then a ``moof``/``mdat`` per frame) written as its frames come, for a
+    player to play while it arrives. The encoders and their settings are ``encode_mp4``'s and the frames go to them
+    in the same order, so the packets, and the frames and sound they decode to, are the whole MP4's.
+
+    The waveform comes first (``start``): a browser starts playing only once every track it was told of has data,
+    so each fragment carries the sound of its time. ``add`` returns the bytes made of the frames so far (the
+    encoder's lookahead holds the newest few back); ``finish`` the rest. One thread at a time."""
+
+    # frag_every_frame: the muxer writes a frame's fragment when the next packet arrives (frag_custom would need
+    # av_write_frame(NULL), which PyAV does not expose); flush_packets: each write reaches ``_Appended`` at once
+    MOVFLAGS = "frag_every_frame+empty_moov+default_base_moof"
+
+    def __init__(self, width: int, height: int, fps: int, sample_rate: int = 16000, crf: int = 23):
+        _check_encoding(width, height, fps, crf, sample_rate)
+        self.width, self.height, self.fps, self.sample_rate, self.crf = width, height, int(fps), int(sample_rate), crf
+        self.file = _Appended()
+        self.out: Any = None  # the container, once started
+        self.frames = 0
+        self.audio: list = []  # AAC packets not muxed yet, in time order
+        self.muxed: list = []  # every packet muxed, in order: ``whole`` muxes them again
+        self.leads: dict[int, int] = {}  # stream index -> what its timestamps are moved by (its first dts to 0)
+
+    def start(self, audio=None) -> bytes:
+        """Open the stream with its sound (None: no audio track); the header bytes."""
+        wave = None if audio is None else _check_audio(audio)
+        self.out = av.open(self.file, "w", format="mp4", options={"movflags": self.MOVFLAGS, "flush_packets": "1"})
+        self.video, sound = _add_streams(self.out, self.width, self.height, self.fps, self.crf, wave, self.sample_rate)
+        self.streams = [self.video] if sound is None else [self.video, sound]
+        if sound is not None and wave is not None:
+            self.audio = _encode_audio(sound, wave, self.sample_rate)
+        self.out.start_encoding()
+        return self.file.take()
+
+    def _mux(self, packets: list) -> None:
+        for packet in packets:
+            if packet.pts is not None and packet.time_base is not None:
+                self._mux_audio_until(float(packet.pts * packet.time_base))
+            self._mux_one(packet)
+
+    def _mux_one(self, packet) -> None:
+        self.muxed.append((packet.stream.index, packet.pts, packet.dts, packet.time_base, packet))
+        # Both encoders start before 0 (x264's B-frame delay, AAC's priming samples), each by its own amount; a
+        # fragmented MP4 has no edit list to say so, and its muxer stretched the later track's first sample (players
+        # then dropped frames). Each track starts at 0 instead: the sound plays |1024/rate - 2/fps| off the
+        # pictures in the stream (19 ms at 16 kHz and 24 fps), never in the finished file (``whole``)
+        lead = self.leads.setdefault(packet.stream.index, -packet.dts)
+        packet.pts, packet.dts = packet.pts + lead, packet.dts + lead
+        self.out.mux(packet)
+
+    def _mux_audio_until(self, seconds: float | None) -> None:
+        while self.audio and (seconds is None or float(self.audio[0].pts * self.audio[0].time_base) <= seconds):
+            self._mux_one(self.audio.pop(0))
+
+    def add(self, frames) -> bytes:
+        """Encode uint8 [f, H, W, 3] frames; the bytes made so far."""
+        if self.out is None:
+            raise RuntimeError("FragmentedMp4.add before start")
+        arr = _uint8_rgb(frames, "frames", "[F, H, W, 3]", ndim=4)
+        if arr.shape[1:3] != (self.height, self.width):
+            raise MediaError("frames", f"must be {self.height}x{self.width}, got {arr.shape[1]}x{arr.shape[2]}")
+        self._mux(list(_encode_frames(self.video, arr, self.frames)))
+        self.frames += len(arr)
+        return self.file.take()
+
+    def finish(self) -> bytes:
+        """Flush the encoder and the sound left; the last bytes."""
+        if self.out is None:
+            raise RuntimeError("FragmentedMp4.finish before start")
+        if self.frames == 0:
+            raise MediaError("frames", "must contain at least 1 frame, got 0")
+        self._mux(list(self.video.encode(None)))
+        self._mux_audio_until(None)
+        self.out.close()
+        return self.file.take()
+
+    def whole(self) -> bytes:
+        """After ``finish``: the same packets in a whole MP4, muxed as ``encode_mp4`` muxes its own (nothing is
+        encoded again, so the frames and sound are the stream's exactly; two ``encode_mp4`` runs of the same frames
+        differ: x264's frame threads are not deterministic here)."""
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mp4") as out:
+            streams = {s.index: out.add_stream_from_template(s) for s in self.streams}
+            for index, pts, dts, time_base, packet in self.muxed:  # as they were before the muxer rebased them
+                packet.stream, packet.time_base, packet.pts, packet.dts = streams[index], time_base, pts, dts
+                out.mux(packet)
+        return buf.getvalue()
+
+
+class Mp4Stream:
+    """A ``stages.MediaSink`` that writes the clip as a ``FragmentedMp4`` while it decodes: ``emit(data, frames)``
+    gets each run of bytes in order with the frames encoded so far (the header with the first frames: their size
+    opens it); ``finish`` emits the rest. Runs on the decoding thread; ``emit`` must hand off, not block."""
+
+    def __init__(self, fps: int, emit: Callable[[bytes, int], None], crf: int = 23):
+        self.fps, self.emit, self.crf = fps, emit, crf
+        self.wave: np.ndarray | None = None
+        self.sample_rate = 16000
+        self.writer: FragmentedMp4 | None = None
+
+    def audio(self, audio, sample_rate: int) -> None:
+        self.wave, self.sample_rate = audio, sample_rate
+
+    def frames(self, frames) -> None:
+        if self.writer is None:
+            height, width = np.shape(frames)[1:3]
+            self.writer = FragmentedMp4(width, height, self.fps, self.sample_rate, self.crf)
+            header = self.writer.start(self.wave)
+            self._emit(header + self.writer.add(frames))
+            return
+        self._emit(self.writer.add(frames))
+
+    def _emit(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.emit(data, self.writer.frames)
+
+    def finish(self) -> None:
+        if self.writer is None:
+            raise MediaError("frames", "must contain at least 1 frame, got 0")
+        self._emit(self.writer.finish())
+
+    def mp4(self) -> bytes:
+        """The finished file: the stream's own packets in a whole MP4 (``FragmentedMp4.whole``), so its frames and
+        sound are the stream's exactly, and no second encode is paid."""
+        assert self.writer is not None
+        return self.writer.whole()
 
 
 def _probe_png(data: bytes) -> MediaInfo:

@@ -38,7 +38,7 @@ from .preview import PreviewLayout, PreviewMap, preview_frames, strip_png
 from .request import GenerationRequest, ModelRules, RequestError
 from .request_state import RequestState, StepStats
 from .stage_models import config_only_component, held_modules, load_stage_components, prepare_shifted
-from .stages import DECODE_KEYS, H3Stages
+from .stages import DECODE_KEYS, H3Stages, MediaSink
 from .step_cache import CachedPack, PackCache, StepCachePolicy, skipped_block_rows
 from .tiled_decode import TileRunner
 
@@ -285,11 +285,16 @@ class H3Pipeline:
         return out
 
     @torch.no_grad()
-    def decode(self, state: RequestState, decode_tiles: TileRunner | None = None) -> GeneratedMedia:
-        """``decode_tiles``: who decodes the video VAE's tiles (``tiled_decode``: the same frames; the audio decoder
-        runs beside them); None: this pipeline's VAE, tile after tile."""
+    def decode(
+        self, state: RequestState, decode_tiles: TileRunner | None = None, sink: MediaSink | None = None
+    ) -> GeneratedMedia:
+        """The clip's media. ``decode_tiles``: who decodes the video VAE's tiles (``tiled_decode``: the same frames;
+        the audio decoder runs beside them); None: this pipeline's VAE, tile after tile. ``sink``: its sound, then its
+        frames chunk by chunk as the decode makes them (not with ``decode_tiles``)."""
         stages = self._local_stages("decode a request")
-        frames, audio, sample_rate = stages.finish(state.state, state.video_rows, state.audio_rows, decode_tiles)
+        frames, audio, sample_rate = stages.finish(
+            state.state, state.video_rows, state.audio_rows, decode_tiles, sink=sink
+        )
         return GeneratedMedia(frames, audio, self.rules.fps, sample_rate)
 
     def decode_handoff(self, state: RequestState) -> DecodeHandoff:

@@ -12,7 +12,7 @@ import concurrent.futures
 import io
 import os
 import tempfile
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from diffusers.modular_pipelines.minimax_h3.decoders import (
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam
 from PIL import Image
 
-from . import tiled_decode
+from . import chunked_decode, tiled_decode
 from .checkpoint import ImageOnlyQwen3VLProcessor
 from .request import GenerationRequest, ModelRules, Reference, RequestError
 from .tiled_decode import TileRunner
@@ -103,24 +103,79 @@ class _TiledVae:
         return getattr(self._vae, name)
 
 
+class MediaSink(Protocol):
+    """Takes a clip as its decode makes it: the sound whole, first, then the frames in order, chunk by chunk."""
+
+    def audio(self, audio: np.ndarray, sample_rate: int) -> None: ...  # float32 [2, S]
+
+    def frames(self, frames: np.ndarray) -> None: ...  # uint8 [f, H, W, 3]
+
+
+def uint8_frames(videos: torch.Tensor) -> np.ndarray:
+    """diffusers' ``videos`` [F, 3, H, W] in [0, 1] as uint8 [F, H, W, 3], rounded as diffusers' ``numpy_to_pil``."""
+    return (videos.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu().numpy()
+
+
+class _ChunkedVae:
+    """A video VAE whose ``decode`` hands each temporal chunk to ``on_chunk`` once it is final
+    (``chunked_decode``); the clip it returns is the VAE's own, bit for bit."""
+
+    def __init__(self, vae: Any, on_chunk):
+        self._vae, self._on_chunk = vae, on_chunk
+
+    def decode(self, latents: torch.Tensor, return_dict: bool = True):
+        assert not return_dict, "diffusers' decode step asks for a tuple"
+        pieces = []
+        for piece in chunked_decode.chunks(self._vae, latents):  # [1, 3, f, H, W]
+            self._on_chunk(piece)
+            pieces.append(piece)
+        return (torch.cat(pieces, dim=2),)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vae, name)
+
+
 class TiledVideoDecodeStep(MiniMaxH3VideoDecodeStep):
     """diffusers' video decode step; given ``decode_tiles`` (a ``tiled_decode.TileRunner``) the VAE's tiles are
-    decoded by it and blended by diffusers' own code (``tiled_decode``), the frames the same bits."""
+    decoded by it and blended by diffusers' own code (``tiled_decode``), the frames the same bits; given ``sink``
+    (a ``MediaSink``) each temporal chunk's frames go to it as soon as they are final (``chunked_decode``)."""
 
     @property
     def inputs(self) -> list[InputParam]:
         return [
             *super().inputs,
             InputParam(name="decode_tiles", default=None, description="decodes the VAE's tiles; None: the VAE"),
+            InputParam(name="sink", default=None, description="takes each final chunk's frames; None: nobody"),
         ]
 
     @torch.no_grad()
     def __call__(self, components, state: PipelineState):
-        run_tiles = self.get_block_state(state).decode_tiles
-        if run_tiles is None:
-            return super().__call__(components, state)
-        super().__call__(_WithVae(components, _TiledVae(components.vae, run_tiles)), state)
+        block_state = self.get_block_state(state)
+        run_tiles, sink = block_state.decode_tiles, block_state.sink
+        if run_tiles is not None and sink is not None:
+            raise ValueError("a decode streams its chunks or sends its tiles away, not both")
+        if run_tiles is not None:
+            super().__call__(_WithVae(components, _TiledVae(components.vae, run_tiles)), state)
+        elif sink is not None:
+            chunked = _ChunkedVae(components.vae, self._to_frames(components, sink))
+            super().__call__(_WithVae(components, chunked), state)
+        else:
+            super().__call__(components, state)
         return components, state
+
+    @staticmethod
+    def _to_frames(components, sink: MediaSink):
+        """A decoded chunk [1, 3, f, H, W] to ``sink`` as the step makes the clip's frames: the same elementwise
+        pixel scale, clamp and post-processing (the frames equal the whole clip's: ``tests/test_stream_decode.py``)."""
+        device = components._execution_device
+        pixel_mean = torch.tensor(components.pixel_mean, device=device).view(1, -1, 1, 1, 1)
+        pixel_std = torch.tensor(components.pixel_std, device=device).view(1, -1, 1, 1, 1)
+
+        def on_chunk(chunk: torch.Tensor) -> None:
+            video = (chunk.float() * pixel_std + pixel_mean).clamp(0, 1)
+            sink.frames(uint8_frames(components.video_processor.postprocess_video(video, output_type="pt")[0]))
+
+        return on_chunk
 
 
 class _VideoVaeStep(ModularPipelineBlocks):
@@ -276,12 +331,22 @@ class H3Stages:
         video_rows: torch.Tensor,
         audio_rows: torch.Tensor,
         decode_tiles: TileRunner | None = None,
+        sink: MediaSink | None = None,
     ) -> PipelineState:
         """After the loop, by diffusers' blocks: latents, ``videos`` [1, F, 3, H, W] in [0, 1], ``audio`` [1, 2, S].
 
         ``decode_tiles``: the video VAE's tiles are decoded by it (``tiled_decode``: the same frames), while the
-        audio decoder runs beside it on a thread of its own."""
+        audio decoder runs beside it on a thread of its own. ``sink``: the audio is decoded first and handed to it,
+        then each temporal chunk's frames as soon as they are final (a player of the stream needs every track's
+        data to start: the sound is what the stream's first fragment waits for, not the end)."""
         inputs = dict(latents=video_rows, audio_latents=audio_rows, **{k: state.get(k) for k in DECODE_KEYS})
+        if sink is not None:
+            audio = self._after_audio(**inputs)
+            sink.audio(audio.get("audio")[0].float().cpu().numpy(), int(audio.get("sampling_rate")))
+            out = self._after_video(output_type="pt", sink=sink, **inputs)
+            for key in ("audio", "sampling_rate"):
+                out.set(key, audio.get(key))
+            return out
         if decode_tiles is None:
             return self.after(output_type="pt", **inputs)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="audio-decode") as pool:
@@ -297,9 +362,9 @@ class H3Stages:
         video_rows: torch.Tensor,
         audio_rows: torch.Tensor,
         decode_tiles: TileRunner | None = None,
+        sink: MediaSink | None = None,
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """uint8 frames [F, H, W, 3], stereo audio [2, S] float32, and its sample rate."""
-        out = self.decode(state, video_rows, audio_rows, decode_tiles)
-        video = out.get("videos")[0]  # [F, 3, H, W]
-        frames = (video.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).cpu().numpy()  # as diffusers' numpy_to_pil
+        out = self.decode(state, video_rows, audio_rows, decode_tiles, sink)
+        frames = uint8_frames(out.get("videos")[0])  # [F, 3, H, W]
         return frames, out.get("audio")[0].float().cpu().numpy(), int(out.get("sampling_rate"))

@@ -156,6 +156,7 @@
       el.dataset.previews = String(entry.previews.size); // distinct previews shown so far
     } else if (kind === "decoding") {
       detail.textContent = "decoding" + eta(data.eta_s);
+      if (data.streamed) playStream(entry); // a decode split over ranks or a decoder stage sends the clip whole
     } else if (kind === "completed" || kind === "failed" || kind === "cancelled") {
       if (data.video) update(entry, Object.assign({}, data.video, { status: kind }));
       return true;
@@ -212,6 +213,66 @@
     }
   }
 
+  // While the job decodes, its content is a fragmented MP4 made as the decode goes: fetched as a stream and appended
+  // to a MediaSource, so the <video> plays from the first chunk. Where the browser cannot (no MediaSource, or not
+  // these codecs), or the stream breaks, the finished MP4 is shown when the job completes, as before.
+  const STREAM_TYPE = 'video/mp4; codecs="avc1.64001f, mp4a.40.2"';
+
+  async function playStream(entry) {
+    if (entry.streaming || entry.loading || !window.MediaSource || !MediaSource.isTypeSupported(STREAM_TYPE)) return;
+    entry.streaming = true;
+    const el = entry.el, video = el.querySelector(".clip");
+    try {
+      const response = await api(`/v1/videos/${entry.video.id}/content`);
+      if (response.headers.get("X-H3serve-Stream") !== "fragmented-mp4") return; // finished already: showVideo's
+      const source = new MediaSource(), streamUrl = URL.createObjectURL(source);
+      video.src = streamUrl;
+      video.hidden = false;
+      await new Promise((resolve) => source.addEventListener("sourceopen", resolve, { once: true }));
+      // plays as soon as the first frames are in (once: a pause by the viewer stays a pause)
+      video.addEventListener("canplay", () => {
+        if (video.src !== streamUrl) return; // the finished MP4 took its place first
+        video.play().then(() => { el.dataset.streamPlayed = "1"; }, () => { /* autoplay refused: the controls */ });
+      }, { once: true });
+      const buffer = source.addSourceBuffer(STREAM_TYPE);
+      const reader = response.body.getReader();
+      let bytes = 0;
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        await new Promise((resolve, reject) => {
+          buffer.addEventListener("updateend", resolve, { once: true });
+          buffer.addEventListener("error", reject, { once: true });
+          buffer.appendBuffer(value);
+        });
+        bytes += value.length;
+        el.dataset.streamBytes = String(bytes);
+      }
+      source.endOfStream();
+      el.dataset.streamed = "1";
+      if (entry.finished) swapWhenIdle(entry);
+    } catch (error) {
+      entry.streaming = false; // the finished MP4 replaces it when the job completes (or now, if it has)
+      el.dataset.streamError = error.message || String(error);
+      if (entry.finished) show(entry);
+    }
+  }
+
+  // The finished MP4 in place of the stream (the same frames and sound; its exact duration, seekable) once the
+  // stream has ended and the clip is not playing (it ended, or was paused): a swap never interrupts playback
+  function swapWhenIdle(entry) {
+    const video = entry.el.querySelector(".clip");
+    if (entry.el.dataset.streamed !== "1") return; // still streaming: its end calls again
+    if (video.paused || video.ended) show(entry);
+    else for (const idle of ["ended", "pause"]) video.addEventListener(idle, () => show(entry), { once: true });
+  }
+
+  function show(entry) {
+    const video = entry.el.querySelector(".clip");
+    if (video.src !== entry.finished) video.src = entry.finished;
+    entry.el.dataset.clip = "finished";
+  }
+
   // the MP4 through fetch (the token goes in a header), shown from a blob: URL, which the download link saves too
   async function showVideo(entry) {
     if (entry.loading) return;
@@ -221,7 +282,9 @@
       const blob = await (await api(`/v1/videos/${id}/content`)).blob();
       const url = URL.createObjectURL(blob);
       const video = el.querySelector(".clip");
-      video.src = url;
+      entry.finished = url;
+      if (entry.streaming) swapWhenIdle(entry);
+      else show(entry);
       video.hidden = false;
       const link = el.querySelector(".download");
       link.href = url;
