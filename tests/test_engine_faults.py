@@ -360,11 +360,11 @@ def test_a_cuda_fatal_error_in_a_decode_stops_the_engine_retryably_and_fails_its
     group = WorkerGroup.create(spec(1, tiny_checkpoint))  # its own: the engine gives it up
     decode = group.pipeline.decode
 
-    def poisoned_once(state):  # the real decode, after one injected device fault
+    def poisoned_once(state, *args, **kwargs):  # the real decode, after one injected device fault
         if not seen:
             seen.append(state)
             raise InjectedDeviceError("CUDA error: an illegal memory access was encountered (injected in a decode)")
-        return decode(state)
+        return decode(state, *args, **kwargs)
 
     seen: list = []
     monkeypatch.setattr(group.pipeline, "decode", poisoned_once)

@@ -199,11 +199,11 @@ class HeldDecode:
         self.real, self.prompt = pipeline.decode, prompt
         self.started, self.release = threading.Event(), threading.Event()
 
-    def __call__(self, state):
+    def __call__(self, state, *args, **kwargs):
         if state.request.prompt == self.prompt:
             self.started.set()
             assert self.release.wait(timeout=300), "the test never released the decode"
-        return self.real(state)
+        return self.real(state, *args, **kwargs)
 
 
 async def until(condition, interval_s: float = 0.02) -> None:
