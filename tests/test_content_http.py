@@ -12,6 +12,7 @@ import threading
 import time
 
 import av
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -118,7 +119,7 @@ def test_the_openapi_document_names_the_variants_and_range(server):
         doc = api.http.get("/openapi.json").raise_for_status().json()
     content = doc["paths"]["/v1/videos/{video_id}/content"]["get"]
     names = {p["name"]: p for p in content["parameters"]}
-    assert names["variant"]["schema"]["enum"] == ["video", "thumbnail", "spritesheet"]
+    assert names["variant"]["schema"]["enum"] == ["video", "thumbnail", "spritesheet", "joined"]
     assert {"Range", "If-Range", "If-None-Match"} <= names.keys()
     assert {"200", "206", "304", "416"} <= content["responses"].keys()
 
@@ -191,3 +192,69 @@ def test_a_decoding_clip_streams_as_a_fragmented_mp4_that_plays_before_the_job_c
         assert all(np.array_equal(got, want) for (_, got), want in zip(frames, whole, strict=True))  # frame-exact
         assert audio_packets(b"".join(chunk for _, chunk in received)) == audio_packets(finished)
         api.delete(video_id)
+
+
+def test_an_unfinished_job_not_decoding_yet_answers_409_with_retry_after(server):
+    """Before its decode streams, a job's content is a 409 that says when to come back (Retry-After), not a bare
+    refusal; once it finished unsuccessfully, a plain 409."""
+    with H3Client(server.url) as api:
+        video_id = api.create_video({"prompt": "not yet", "num_inference_steps": 50, "seconds": 14})["id"]
+        early = api.http.get(f"/v1/videos/{video_id}/content")
+        error = early.json()["error"]
+        assert early.status_code == 409 and early.headers["retry-after"] == "2", early.text
+        assert error["param"] == "video_id" and "streams from its decoding event on" in error["message"]
+        assert api.cancel(video_id)["status"] == "cancelled"
+        late = api.http.get(f"/v1/videos/{video_id}/content")
+        assert late.status_code == 409 and "retry-after" not in late.headers, late.text
+        api.delete(video_id)
+
+
+def test_a_stream_cut_short_by_a_cancel_is_aborted_not_ended_and_the_job_says_why(server):
+    """A client reading the stream when the job is cancelled mid-decode: the chunked body is aborted (httpx's
+    RemoteProtocolError, no terminating chunk: a player does not take the bytes for the whole file), those bytes hold
+    fewer frames than the clip, and the job reads cancelled. The cancel is sent after the first bytes; a decode that
+    finished first (the tiny model's 14 s clip decodes in about half a second) ended its stream whole and the job
+    completed: then a new job tries again, at most three times."""
+    with H3Client(server.url) as api:
+        for _ in range(3):
+            video_id = api.create_video({"prompt": "a cut short", "num_inference_steps": 2, "seconds": 14})["id"]
+            for event in api.follow(video_id):
+                assert event["event"] not in ("completed", "failed", "cancelled"), event
+                if event["event"] == "decoding":
+                    break
+            received: list[bytes] = []
+            cancel: list[int] = []
+            aborted: httpx.RemoteProtocolError | None = None
+            try:
+                with api.http.stream("GET", f"/v1/videos/{video_id}/content") as response:
+                    assert response.headers["x-h3serve-stream"] == "fragmented-mp4", response.headers
+                    for chunk in response.iter_bytes():
+                        received.append(chunk)
+                        if not cancel:  # the first bytes are here: the clip decodes
+                            cancel.append(api.http.post(f"/v1/videos/{video_id}/cancel").status_code)
+            except httpx.RemoteProtocolError as e:
+                aborted = e
+            job = api.wait_video(video_id)
+            if job["status"] == "completed":  # the decode won the race: its stream ended whole
+                assert aborted is None and cancel == [409], (aborted, cancel)
+                assert len(decoded(b"".join(received))) == round(float(job["seconds"]) * 24)
+                api.delete(video_id)
+                continue
+            assert job["status"] == "cancelled" and cancel == [200], (job, cancel)
+            assert aborted is not None and "incomplete chunked read" in str(aborted), aborted
+            assert len(received_frames(b"".join(received))) < round(float(job["seconds"]) * 24)  # not the whole
+            api.delete(video_id)
+            return
+        pytest.fail("the decode finished before the cancel three times")
+
+
+def received_frames(data: bytes) -> list:
+    """The frames PyAV decodes from a stream's bytes as far as they go (a cut one ends mid-fragment)."""
+    frames = []
+    try:
+        with av.open(io.BytesIO(data), "r", format="mp4") as container:
+            for frame in container.decode(video=0):
+                frames.append(frame)
+    except av.FFmpegError:
+        pass
+    return frames

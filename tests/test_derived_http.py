@@ -87,6 +87,38 @@ def test_extend_is_fl2va_from_the_source_last_frame_and_links_its_source(server,
         assert not np.array_equal(frames(http, completed(http, shifted)["id"]), ours)
 
 
+def test_extend_with_join_serves_the_source_and_the_extension_as_one_mp4(server, source):
+    """``join: true``: ``?variant=joined`` is the source's frames then the extension's after its first (which repeats
+    the source's last), within one more H.264 encode's loss, as long as both together, with their sound; a clip not
+    asked with join has none (404 naming the variant)."""
+    with client(server.root) as http:
+        body = {"prompt": "and it rolls on", "join": True}
+        response = http.post(f"{P}/v1/videos/{source['id']}/extend", json=body, headers=auth("alpha"))
+        extension = completed(http, response)
+        assert extension["join"] is True and extension["extended_from_video_id"] == source["id"]
+        joined = http.get(f"{P}/v1/videos/{extension['id']}/content?variant=joined", headers=auth("alpha"))
+        assert joined.status_code == 200 and joined.headers["content-type"] == "video/mp4" and joined.headers["etag"]
+        before, after = frames(http, source["id"]), frames(http, extension["id"])
+        with av.open(io.BytesIO(joined.content)) as container:
+            fps = container.streams.video[0].average_rate
+            got = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+            container.seek(0)
+            rate = container.streams.audio[0].codec_context.sample_rate
+            samples = sum(f.samples for f in container.decode(audio=0))
+        want = np.concatenate([before, after[1:]])  # [N_s + N_e - 1, H, W, 3]
+        assert got.shape == want.shape
+        psnr = 10 * np.log10(255**2 / np.mean((got.astype(np.float64) - want) ** 2))
+        assert psnr > 30, psnr  # one more encode at the served CRF; another clip's frames would be far below
+        seconds = len(want) / fps
+        assert abs(samples / rate - seconds) < 1024 / rate + 1e-9  # the sound as long as the frames (AAC frames)
+        ranged = http.get(
+            f"{P}/v1/videos/{extension['id']}/content?variant=joined", headers={"Range": "bytes=10-", **auth("alpha")}
+        )
+        assert ranged.status_code == 206 and ranged.content == joined.content[10:]
+        none = http.get(f"{P}/v1/videos/{source['id']}/content?variant=joined", headers=auth("alpha"))
+        assert error_of(none, 404)["param"] == "variant"
+
+
 def test_remix_keeps_the_seed_and_settings_and_changes_the_prompt(server, source):
     with client(server.root) as http:
         key = {"Idempotency-Key": "remix-once", **auth("alpha")}
@@ -143,6 +175,7 @@ def test_the_openapi_document_lists_both_routes_with_their_bodies(server):
         "seconds",
         "seed",
         "num_inference_steps",
+        "join",
         "priority",
         "timeout_s",
         "webhook",

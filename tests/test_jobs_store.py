@@ -440,6 +440,24 @@ def test_a_completed_job_keeps_its_request_as_settings_until_it_goes(url):
     assert b.delete(done.job_id) and b.settings(done.job_id) is None
 
 
+def test_an_extensions_joined_clip_is_stored_before_its_record_counted_in_its_bytes_and_removed_with_it(url):
+    """``complete(mp4, joined)``: the joined MP4 is there once the record says completed, on every replica; its bytes
+    count toward the byte cap (the oldest job goes for it); it goes with its job. A job without one reads None."""
+    clock, (a, b) = replicas(url, JobPolicy(ttl_s=3600, max_bytes=250, lease_s=60, max_unfinished=100))
+    plain = a.create(video(created_at=1))
+    plain.complete(b"p" * 100)
+    assert b.media(plain.job_id, "joined") is None
+    clock.now += 1
+    extension = a.create(video(created_at=2))
+    extension.complete(b"e" * 100, joined=b"j" * 120)
+    assert b.media(extension.job_id, "joined")[0] == b"j" * 120
+    assert b.media(extension.job_id)[0] == b"e" * 100
+    b.sweep()  # 100 + 220 bytes > 250: the older job goes, the extension with its joined clip stays
+    assert b.get(plain.job_id) is None and b.get(extension.job_id)["status"] == "completed"
+    assert b.delete(extension.job_id)
+    assert not MediaStore(url).exists(f"{extension.job_id}.joined.mp4")
+
+
 def test_a_record_names_its_runner_and_a_take_over_names_the_new_one(url):
     """``runner`` (the ingress replica's id, node and pid) is written with the job, and replaced by the one that took
     it over: an operator can tell which process runs a job, and a chaos test which process to kill."""

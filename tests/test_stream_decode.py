@@ -8,6 +8,8 @@ hands over the sound first, then the frames in order: the clip's own.
 """
 
 import io
+import threading
+import time
 
 import av
 import numpy as np
@@ -102,6 +104,38 @@ def test_a_fragmented_mp4_refuses_what_the_whole_one_refuses():
     writer.start(None)
     with pytest.raises(MediaError, match="frames: must be 64x96"):
         writer.add(np.zeros((1, 32, 96, 3), np.uint8))
+
+
+def test_the_streams_encoder_thread_emits_in_order_raises_its_error_on_the_decoder_and_closes():
+    """Mp4Stream encodes on its own thread: every run is emitted, in order, before ``finish`` returns; an encode error
+    (a chunk of another size) is raised on the decoding thread (the next ``frames`` or ``finish``); ``close`` ends the
+    thread of a decode that failed before ``finish``."""
+    emitted: list[tuple[bytes, int, str]] = []
+    stream = Mp4Stream(24, lambda data, frames: emitted.append((data, frames, threading.current_thread().name)))
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 255, (17, 64, 96, 3), dtype=np.uint8) for _ in range(4)]
+    for chunk in chunks:
+        stream.frames(chunk)
+    stream.finish()
+    assert [frames for _, frames, _ in emitted] == sorted(frames for _, frames, _ in emitted)
+    assert emitted[-1][1] == 68 and {name for _, _, name in emitted[:-1]} == {"h3serve-mp4-stream"}  # finish's: here
+    assert probe_media(stream.mp4()).frames == 68 and not stream._encoder.is_alive()
+
+    broken = Mp4Stream(24, lambda data, frames: None)
+    broken.frames(chunks[0])
+    broken.frames(np.zeros((17, 32, 96, 3), np.uint8))  # another size: the encoder thread fails
+    with pytest.raises(MediaError, match="frames: must be 64x96"):
+        for _ in range(50):  # raised at the first call after the thread failed
+            broken.frames(chunks[1])
+            time.sleep(0.05)
+        broken.finish()
+    broken.close()
+    assert not broken._encoder.is_alive()
+
+    failed = Mp4Stream(24, lambda data, frames: None)
+    failed.frames(chunks[0])  # then the decode raised: no finish
+    failed.close()
+    assert not failed._encoder.is_alive()
 
 
 def test_a_decode_with_a_sink_hands_over_the_sound_then_the_clips_own_frames(tiny_pipeline):

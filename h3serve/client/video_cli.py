@@ -246,4 +246,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = action("download", "download a finished job's MP4 (or an image of it), resuming a <output>.part")
     p.add_argument("id")
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--variant", default="video", choices=("video", "thumbnail", "spritesheet"))
+    p.add_argument("--variant", default="video", choices=("video", "thumbnail", "spritesheet", "joined"))

@@ -155,8 +155,11 @@ class LocalStages:
 
     def _decode_streamed(self, state: RequestState, emit: Emit) -> GeneratedMedia:
         stream = Mp4Stream(self.pipeline.rules.fps, emit)
-        media = self.pipeline.decode(state, sink=stream)
-        stream.finish()
+        try:
+            media = self.pipeline.decode(state, sink=stream)
+            stream.finish()
+        finally:
+            stream.close()  # a failed decode's encoder thread
         media.encoded_mp4 = stream.mp4()  # the stream's packets: the finished file is what was streamed
         return media
 

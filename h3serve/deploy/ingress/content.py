@@ -19,7 +19,7 @@ import re
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from h3serve.deploy.common.errors import APIError
+from h3serve.deploy.common.errors import RETRY_AFTER_S, APIError
 from h3serve.deploy.jobs.live import LiveClip
 from h3serve.deploy.jobs.variants import VARIANTS
 
@@ -35,6 +35,36 @@ def variant_of(request: Request) -> str:
         allowed = ", ".join(VARIANTS)
         raise APIError(400, f"variant: {variant[:40]!r} is not one of {allowed}", "variant")
     return variant
+
+
+def not_ready(video: dict, variant: str, runs_here: bool) -> APIError:
+    """409 for a job that is not completed. An unfinished one's says when to come back (``Retry-After``): its video
+    streams while it decodes only from the ingress replica running it (Serve cannot route a request to one replica),
+    so on another one a retry may land on the runner, and on the runner the stream opens with its ``decoding`` event.
+    """
+    video_id, status = video["id"], video["status"]
+    if status in ("completed", "failed", "cancelled") or variant != "video":
+        return APIError(409, f"video {video_id} is {status}, not completed", "video_id")
+    where = (
+        "it streams from its decoding event on; retry then"
+        if runs_here
+        else "while it decodes it streams only from the ingress replica running it; retry (a retry may reach that "
+        "replica), or wait until it is completed"
+    )
+    return APIError(
+        409, f"video {video_id} is {status}, not completed: {where}", "video_id", headers={"Retry-After": RETRY_AFTER_S}
+    )
+
+
+def missing(video: dict, variant: str) -> APIError:
+    """Why a completed job has no ``variant``: removed (TTL, byte cap, DELETE) since its record was read, or, for
+    ``joined``, never made (not an extension asked with ``join: true``, or its source was removed before it
+    completed)."""
+    video_id = video["id"]
+    if variant == "joined" and not video.get("join"):
+        why = "its source was removed before it completed" if "join" in video else "it is not an extend with join"
+        return APIError(404, f"video {video_id} has no joined clip: {why}", "variant")
+    return APIError(404, f"video {video_id} has expired", "video_id")
 
 
 def etag(digest: str) -> str:

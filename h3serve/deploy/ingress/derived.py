@@ -3,7 +3,10 @@
 remix (OpenAI's route): the source's request as it ran (seed, canvas, length, steps, cache tier, model or LoRA
 adapter, keyframes and references) with a new prompt. extend: FL2VA from the source's last frame, as decoded from its
 MP4 and sent to the model losslessly as a PNG, on the source's canvas (the MP4's frame size), with a new prompt; its
-seed, steps and length are the source's unless the body gives its own. Neither takes any other setting: a field that
+seed, steps and length are the source's unless the body gives its own. With ``join: true`` the two are also made into
+one MP4 when the extension completes (``variants.join``: the source's frames, then the extension's after its first),
+its content's ``?variant=joined``; its object says ``join: true`` (false when the source was removed before the
+extension completed: nothing to join). Neither takes any other setting: a field that
 would change what the source fixed is a 400 naming it (``POST /v1/videos`` sets those).
 
 The source must be the caller's (another tenant's is a 404, as every job route answers) and ``completed`` (else a
@@ -63,9 +66,14 @@ class RemixBody(DerivedBody):
 
 
 class ExtendBody(DerivedBody):
-    documented = ("prompt", "seconds", "seed", "num_inference_steps", "priority", "timeout_s", "webhook")
+    documented = ("prompt", "seconds", "seed", "num_inference_steps", "join", "priority", "timeout_s", "webhook")
     action = "extend"
     seconds: float | None = Field(default=None, description="the new clip's length; default: the source's")
+    join: bool = Field(
+        default=False,
+        description="also make the source and the new clip as one MP4 (its frames after the first, which repeats "
+        "the source's last), when the new clip completes: GET /v1/videos/{id}/content?variant=joined",
+    )
 
     @field_validator("seconds")
     @classmethod
@@ -137,7 +145,7 @@ async def derive(ingress: H3Ingress, request: Request, video_id: str, body_type:
         tenant = None if request.state.tenant is None else request.state.tenant.name
         if isinstance(body, ExtendBody):
             generation = await extended(ingress, video_id, body, source, rules)
-            links = {EXTEND_LINK: video_id}
+            links = {EXTEND_LINK: video_id, **({"join": True} if body.join else {})}
         else:
             generation = source.model_copy(update={"prompt": body.prompt})
             links = {REMIX_LINK: video_id}

@@ -67,7 +67,8 @@ CONTENT_PARAMETERS = [
         "description": "video: the MP4 (H.264 + AAC); thumbnail: its middle frame, full size, PNG; spritesheet: "
         f"{SPRITE_COLUMNS * SPRITE_ROWS} evenly spaced frames (first to last), a {SPRITE_COLUMNS}x{SPRITE_ROWS} grid, "
         f"row-major, each {SPRITE_TILE_WIDTH} px wide (a narrower clip: its width), JPEG. Images are made on first "
-        "request and kept as long as the clip",
+        "request and kept as long as the clip; joined: an extend with join's source and it as one MP4 (made when it "
+        "completes)",
     },
     {
         "name": "Range",
@@ -159,6 +160,11 @@ VIDEO = {
             "description": "an extension's source job, whose last frame this clip starts from (POST "
             "/v1/videos/{id}/extend); absent on other jobs",
         },
+        "join": {
+            "type": "boolean",
+            "description": "an extension asked with join: true; its content's ?variant=joined is the source and it as "
+            "one MP4 once it completes (false: the source was removed before it completed); absent on other jobs",
+        },
     },
 }
 VIDEO_ID = {"type": "string", "pattern": f"^{JOB_ID.pattern}$", "description": "as returned by POST /v1/videos"}
@@ -189,6 +195,12 @@ def field_docs(
         seconds["minimum"] = rules.min_seconds
     return {
         "prompt": {"type": "string", "minLength": 1, "maxLength": limits.max_prompt_chars},
+        "join": {
+            "type": "boolean",
+            "default": False,
+            "description": "extend only: also the source and the new clip as one MP4 (the new clip's frames after its "
+            "first, which repeats the source's last), made when it completes: GET .../content?variant=joined",
+        },
         "model": {
             "type": "string",
             **({"enum": model_ids} if model_ids else {}),

@@ -499,7 +499,7 @@ class H3Ingress(derived.DerivedVideos):
         adapter: str | None,
         cold: bool,
         rules: ModelRules,
-        links: dict[str, str] | None = None,
+        links: dict[str, Any] | None = None,
     ) -> dict:
         """Check ``generation_request``, record it as a queued job under the tenant's quota and queue it; its video
         object (with ``links``: remix's and extend's source job)."""
@@ -603,10 +603,10 @@ class H3Ingress(derived.DerivedVideos):
         if video["status"] != "completed" and live is not None:  # decoding here: its MP4 as it is made
             return content.streamed(live)
         if video["status"] != "completed":
-            raise APIError(409, f"video {video_id} is {video['status']}, not completed", "video_id")
+            raise content.not_ready(video, variant, video_id in self.videos.tasks)
         media = await self.videos.media(video_id, variant)
-        if media is None:  # removed (TTL, byte cap, DELETE) since the record was read
-            raise APIError(404, f"video {video_id} has expired", "video_id")
+        if media is None:  # removed (TTL, byte cap, DELETE) since the record was read, or never made
+            raise content.missing(video, variant)
         return content.answer(request, *media, variant)
 
     @app.delete("/v1/videos/{video_id}")

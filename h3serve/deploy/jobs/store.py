@@ -252,7 +252,8 @@ class JobStore:
     def media(self, job_id: str, variant: str = "video") -> tuple[bytes, str] | None:
         """A finished job's ``variant`` (``variants.VARIANTS``) and its sha256 (hex); None when its MP4 is gone. The
         MP4's digest is the record's (written at completion); an image variant is made from the MP4 on its first
-        request and stored beside it (``<id>.thumbnail.png``...), outside the byte cap's count (a few percent of it)."""
+        request and stored beside it (``<id>.thumbnail.png``...), outside the byte cap's count (a few percent of it);
+        an extension's ``joined`` clip is made when it completes (``JobRunner.complete``), None when it has none."""
         if not JOB_ID.fullmatch(job_id):
             return None
         if variant == "video":
@@ -264,6 +265,8 @@ class JobStore:
             return mp4, digest or hashlib.sha256(mp4).hexdigest()  # a record written before digests were kept
         name = f"{job_id}{VARIANTS[variant][0]}"
         data = self.store.get(name)
+        if data is None and variant not in MAKERS:  # made with the MP4 or not at all (``joined``)
+            return None
         if data is None:
             mp4 = self.store.get(f"{job_id}.mp4")
             if mp4 is None:
@@ -562,14 +565,18 @@ class JobRunner:
             self.update(status="queued", progress=0, queue_position=None, eta_seconds=None)
             return True
 
-    def complete(self, mp4: bytes) -> None:
-        """The MP4 first, then the record that says it is there; nothing when the record is final already (a cancel
-        won the race). Under the lock throughout, so a cancel on another thread comes wholly before or after."""
+    def complete(self, mp4: bytes, joined: bytes | None = None) -> None:
+        """The MP4 (and an extension's ``joined`` clip, counted in its bytes) first, then the record that says it is
+        there; nothing when the record is final already (a cancel won the race). Under the lock throughout, so a cancel
+        on another thread comes wholly before or after."""
         with self._lock:
             if self.record["video"]["status"] in FINISHED:
                 return
+            if joined is not None:
+                self.jobs.store.put(f"{self.job_id}{VARIANTS['joined'][0]}", joined)
             self.jobs.store.put(f"{self.job_id}.mp4", mp4)
-            self.record = {**self.record, "bytes": len(mp4), "sha256": hashlib.sha256(mp4).hexdigest()}  # the ETag
+            size = len(mp4) + (0 if joined is None else len(joined))
+            self.record = {**self.record, "bytes": size, "sha256": hashlib.sha256(mp4).hexdigest()}  # the ETag
             now = int(self.jobs.clock())
             self.update(
                 final=True,

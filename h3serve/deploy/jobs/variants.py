@@ -4,6 +4,9 @@
 SPRITE_COLUMNS x SPRITE_ROWS grid of evenly spaced frames (the first to the last), each scaled to SPRITE_TILE_WIDTH
 pixels wide, row-major, JPEG; a clip with fewer frames repeats some. Both are made once, on the first request, by
 whichever ingress gets it (``store.JobStore.media``); two ingresses making one at once write the same bytes.
+
+``joined``: an extension (``POST /v1/videos/{id}/extend`` with ``join: true``) after its source, one MP4 (``join``),
+made once when the extension completes and kept with it (its bytes counted in the store's cap), never on request.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "video": (".mp4", "video/mp4"),
     "thumbnail": (".thumbnail.png", "image/png"),
     "spritesheet": (".spritesheet.jpg", "image/jpeg"),
+    "joined": (".joined.mp4", "video/mp4"),
 }
 
 
@@ -87,6 +91,54 @@ def spritesheet(mp4: bytes) -> bytes:
     out = io.BytesIO()
     sheet.save(out, format="JPEG", quality=SPRITE_QUALITY)
     return out.getvalue()
+
+
+def _video_and_sound(mp4: bytes) -> tuple[np.ndarray, int, np.ndarray | None, int]:
+    """An MP4's frames [N, H, W, 3] uint8, its frame rate, its sound [C, S] float32 (None without) and sample rate."""
+    import av
+
+    with av.open(io.BytesIO(mp4)) as container:
+        video = container.streams.video[0]
+        fps = int(video.average_rate or video.guessed_rate)
+        audio = container.streams.audio[0] if container.streams.audio else None
+        rate = audio.codec_context.sample_rate if audio is not None else 0
+        frames, sound = [], []
+        for frame in container.decode(*(s for s in (video, audio) if s is not None)):  # one pass, both streams
+            if isinstance(frame, av.VideoFrame):
+                frames.append(frame.to_ndarray(format="rgb24"))  # [H, W, 3]
+            else:
+                sound.append(frame.to_ndarray())  # [C, n] float32: AAC decodes to planar float
+    return np.stack(frames), fps, np.concatenate(sound, axis=1) if sound else None, rate
+
+
+def _span(sound: np.ndarray, first: int, last: int) -> np.ndarray:
+    """Samples [first, last) of ``sound`` [C, S], silence past its end (AAC's frames rarely end on the video's)."""
+    part = sound[:, first:last]
+    return np.pad(part, ((0, 0), (0, last - first - part.shape[1])))
+
+
+def join(source: bytes, extension: bytes) -> bytes:
+    """The source's frames then the extension's after its first (FL2VA's first frame is the source's last: shown
+    once), the sound cut to match: the source's for its frames' time, then the extension's from its second frame's.
+    Both are decoded and encoded again as one MP4 with the served clips' encoder and settings (``encode_mp4``): H.264
+    has no frame to cut at but a keyframe, and the extension's only keyframe is the dropped frame. The frames are the
+    decoded ones within one more encode's loss."""
+    from h3serve.pipelines.h3.media import encode_mp4
+
+    before, fps, sound_before, rate = _video_and_sound(source)
+    after, fps_after, sound_after, rate_after = _video_and_sound(extension)
+    if (fps_after, after.shape[1:]) != (fps, before.shape[1:]) or rate_after != rate:
+        raise ValueError(
+            f"the extension ({after.shape[2]}x{after.shape[1]} at {fps_after} fps, {rate_after} Hz) does not match "
+            f"its source ({before.shape[2]}x{before.shape[1]} at {fps} fps, {rate} Hz)"
+        )
+    frames = np.concatenate([before, after[1:]])  # [N_s + N_e - 1, H, W, 3]
+    if sound_before is None or sound_after is None:
+        return encode_mp4(frames, fps)
+    edge, end = round(len(before) * rate / fps), round(len(after) * rate / fps)  # in samples
+    skip = round(rate / fps)  # the extension's first frame's time
+    sound = np.concatenate([_span(sound_before, 0, edge), _span(sound_after, skip, end)], axis=1)
+    return encode_mp4(frames, fps, sound, rate)
 
 
 MAKERS: dict[str, Callable[[bytes], bytes]] = {"thumbnail": thumbnail, "spritesheet": spritesheet}

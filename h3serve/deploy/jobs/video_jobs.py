@@ -42,6 +42,7 @@ from h3serve.deploy.jobs.store import (
     JobStore,
     LeaseLost,
 )
+from h3serve.deploy.jobs.variants import join
 from h3serve.deploy.jobs.webhooks import WebhookSender
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import DeadlineExceeded, EngineDraining
@@ -463,7 +464,9 @@ class VideoJobs:
             try:
                 await self._save_log(runner)  # its last events, for the other replicas' readers
             finally:  # even when a cancel interrupts that write
-                self.live.end(runner.job_id, f"the job ended before its video did (HTTP {code})")
+                # completed: every fragment came before the MP4 (a cancel that raced its record write lost)
+                whole = runner.record["video"]["status"] == "completed"
+                self.live.end(runner.job_id, None if whole else f"the job ended before its video did (HTTP {code})")
                 self.tasks.pop(runner.job_id, None)
                 self.runners.pop(runner.job_id, None)
                 self._notify(runner)
@@ -478,7 +481,8 @@ class VideoJobs:
         self.live.end(runner.job_id, "the job's decode started again on another replica")
         async for event in stream:
             if "mp4" in event:
-                await self._io(runner.complete, event["mp4"])
+                joined = await self._joined(runner, event["mp4"])
+                await self._io(runner.complete, event["mp4"], joined)
                 self.live.end(runner.job_id)  # whole: its readers read on to the end
                 return
             if "event" not in event:
@@ -509,6 +513,19 @@ class VideoJobs:
                 )
             await self._write(runner, **fields)
         raise RuntimeError("the replica's stream ended without a video")
+
+    async def _joined(self, runner: JobRunner, mp4: bytes) -> bytes | None:
+        """An extension asked with ``join``: its source then it, one MP4 (``variants.join``); None for any other job,
+        or when the source was removed before it completed (its object says so: ``join`` reads false)."""
+        video = runner.record["video"]
+        if not video.get("join"):
+            return None
+        source = await self._io(self.store.content, video["extended_from_video_id"])
+        if source is None:
+            logger.warning("video job %s: its source was removed before it completed; not joined", runner.job_id)
+            runner.record["video"] = {**video, "join": False}
+            return None
+        return await self._io(join, source, mp4)
 
     async def _resubmit(
         self,

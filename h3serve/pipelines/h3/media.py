@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import numbers
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -287,18 +289,45 @@ class FragmentedMp4:
 class Mp4Stream:
     """A ``stages.MediaSink`` that writes the clip as a ``FragmentedMp4`` while it decodes: ``emit(data, frames)``
     gets each run of bytes in order with the frames encoded so far (the header with the first frames: their size
-    opens it); ``finish`` emits the rest. Runs on the decoding thread; ``emit`` must hand off, not block."""
+    opens it); ``finish`` emits the rest. The encode runs on a thread of its own beside the decode (x264 and the
+    colour conversion release the GIL), at most ``AHEAD`` chunks behind it: the decode waits there rather than hold
+    more frames. ``emit`` is called on that thread (the last run, ``finish``'s, on the caller's) and must hand off,
+    not block; every call comes before ``finish`` returns. ``close`` ends the thread of a decode that failed (a no-op
+    after ``finish``)."""
+
+    AHEAD = 2  # chunks decoded but not yet encoded (a 1344x768 chunk of 17 frames: 53 MB)
 
     def __init__(self, fps: int, emit: Callable[[bytes, int], None], crf: int = 23):
         self.fps, self.emit, self.crf = fps, emit, crf
         self.wave: np.ndarray | None = None
         self.sample_rate = 16000
         self.writer: FragmentedMp4 | None = None
+        self._chunks: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=self.AHEAD)
+        self._encoder: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def audio(self, audio, sample_rate: int) -> None:
         self.wave, self.sample_rate = audio, sample_rate
 
     def frames(self, frames) -> None:
+        self._raise()
+        if self._encoder is None:
+            self._encoder = threading.Thread(target=self._encode, name="h3serve-mp4-stream", daemon=True)
+            self._encoder.start()
+        self._chunks.put(np.asarray(frames))  # [f, H, W, 3] uint8; blocks while AHEAD chunks wait
+
+    def _encode(self) -> None:
+        """The encoder thread: each chunk into the stream, in order, until None; the first error is kept for the
+        decoding thread (``_raise``) and the chunks after it are dropped."""
+        while (frames := self._chunks.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                self._add(frames)
+            except BaseException as e:  # noqa: BLE001 - raised on the decoding thread
+                self._error = e
+
+    def _add(self, frames: np.ndarray) -> None:
         if self.writer is None:
             height, width = np.shape(frames)[1:3]
             self.writer = FragmentedMp4(width, height, self.fps, self.sample_rate, self.crf)
@@ -311,10 +340,22 @@ class Mp4Stream:
         assert self.writer is not None
         self.emit(data, self.writer.frames)
 
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Stop the encoder thread (after its queued chunks) and wait for it."""
+        if self._encoder is not None and self._encoder.is_alive():
+            self._chunks.put(None)
+            self._encoder.join()
+
     def finish(self) -> None:
-        if self.writer is None:
+        if self._encoder is None:
             raise MediaError("frames", "must contain at least 1 frame, got 0")
-        self._emit(self.writer.finish())
+        self.close()
+        self._raise()
+        self._emit(self.writer.finish())  # type: ignore[union-attr]  # set by the first chunk, or _raise raised
 
     def mp4(self) -> bytes:
         """The finished file: the stream's own packets in a whole MP4 (``FragmentedMp4.whole``), so its frames and
