@@ -139,3 +139,44 @@ def test_an_unload_lets_running_requests_finish_with_the_adapter_and_refuses_new
         assert_same_media(finished, reference.pipeline.generate(request, adapter="style@0.9,detail"))
     finally:
         reference.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_adapter_loaded_at_run_time_reaches_every_sp_rank_and_a_restarted_worker(tiny_checkpoint, files):
+    """sp_degree 2: the worker rank reads the run-time adapter into rank 0's slot, a warm-up forward runs on it, and
+    a request on it equals sp_degree 1's; after rank 1 is killed (SIGKILL) its replacement loads it too."""
+    loras = LoraSpecs(loras={"style": files["style"]})
+    group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=30.0).model_copy(update={"loras": loras}))
+    composed, request = "style@0.7,detail@-0.8", clip("ferry horn", 3)
+
+    async def scenario():
+        engine = Engine(group, EngineLimits(max_active=4))
+        engine.warm_up()
+        await engine.load_adapter("detail", files["detail"])
+        assert engine.group.spec.loras.slots == {"style": 1, "detail": 2}  # what a restarted worker loads
+        first = await engine.submit(request, adapter=composed).future
+        engine.group.kill(1)
+        with pytest.raises(Exception, match="SP worker did not answer"):
+            await asyncio.to_thread(engine.check_health)
+        again = await engine.submit(request, adapter=composed).future  # on the replaced group
+        assert [r.started for r in engine.supervisor.history] == [(1,)]
+        await engine.unload_adapter("detail")
+        with pytest.raises(RequestError, match="no adapter 'detail'"):
+            engine.submit(request, adapter=composed)
+        assert engine.group.spec.loras.slots == {"style": 1}
+        await engine.close()
+        return first, again
+
+    try:
+        first, again = asyncio.run(scenario())
+    finally:
+        group.shutdown()
+    both = LoraSpecs(loras={"style": files["style"], "detail": files["detail"]})
+    reference = WorkerGroup.create(spec(1, tiny_checkpoint).model_copy(update={"loras": both}))
+    try:
+        alone = reference.pipeline.generate(request, adapter=composed)
+    finally:
+        reference.shutdown()
+    assert_same_media(first, alone)
+    assert_same_media(again, alone)
