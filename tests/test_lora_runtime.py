@@ -180,3 +180,44 @@ def test_an_adapter_loaded_at_run_time_reaches_every_sp_rank_and_a_restarted_wor
         reference.shutdown()
     assert_same_media(first, alone)
     assert_same_media(again, alone)
+
+
+def test_two_replicas_reconcile_against_one_registry(tiny_checkpoint, files, tmp_path):
+    """Two replicas' engines over one job store (``adapter_sync.ReplicaAdapters``, what each H3Replica runs): an
+    adapter registered once is loaded by the other before its first request on it, with the same output; one it
+    cannot load is refused there by name; a deletion is unloaded at its next reconcile."""
+    from h3serve.deploy.jobs.adapter_registry import AdapterRegistry
+    from h3serve.deploy.jobs.media_store import MediaStore
+    from h3serve.deploy.model_server.adapter_sync import ReplicaAdapters
+
+    store = MediaStore(str(tmp_path / "store"))
+    admin = AdapterRegistry(store)
+    loras = LoraSpecs(loras={"style": files["style"]})
+    groups = [WorkerGroup.create(spec(1, tiny_checkpoint).model_copy(update={"loras": loras})) for _ in range(2)]
+    request, composed = clip("ferry horn", 3), "style@0.7,detail@-0.8"
+
+    async def scenario():
+        engines = [Engine(group, EngineLimits(max_active=4)) for group in groups]
+        for engine in engines:
+            engine.warm_up()
+        a, b = (ReplicaAdapters(engine, AdapterRegistry(store, ttl_s=60.0)) for engine in engines)
+        await engines[0].load_adapter("detail", files["detail"])  # the replica the POST reached
+        admin.change(lambda specs: {**specs, "detail": files["detail"], "foreign": files["foreign"]})
+        await b.ensure(composed)  # read fresh although its cache is young
+        assert "detail" in groups[1].pipeline.denoiser.loras.loras
+        with pytest.raises(RequestError, match=r"adapter 'foreign' could not be loaded on this replica: .*to_q"):
+            await b.ensure("foreign")
+        outputs = [await engine.submit(request, adapter=composed).future for engine in engines]
+        admin.change(lambda specs: {n: s for n, s in specs.items() if n != "detail"})
+        await b.reconcile(fresh=True)
+        assert "detail" not in groups[1].pipeline.denoiser.loras.loras and a.deploy_time == {"style"}
+        for engine in engines:
+            await engine.close()
+        return outputs
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        for group in groups:
+            group.shutdown()
+    assert_same_media(first, second)
