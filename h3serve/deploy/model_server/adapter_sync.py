@@ -39,10 +39,7 @@ class ReplicaAdapters:
         here) what it no longer lists or lists with another spec."""
         async with self._lock:
             wanted = (await asyncio.to_thread(self.registry.read, fresh)).loras
-            for name, spec in self._runtime().items():
-                if unload and wanted.get(name) != spec:
-                    logger.info("adapter %s: no longer in the registry (or changed there): unloading it", name)
-                    await self.engine.unload_adapter(name)
+            stale = [name for name, spec in self._runtime().items() if wanted.get(name) != spec]
             for name in list(self.failed):
                 if name not in wanted:
                     del self.failed[name]
@@ -59,6 +56,9 @@ class ReplicaAdapters:
                     continue
                 self.failed.pop(name, None)
                 logger.info("adapter %s: loaded from the registry (%d bytes on each rank)", name, nbytes)
+            for name in stale if unload else ():  # last: an unload waits for the requests running on it here
+                logger.info("adapter %s: no longer in the registry (or changed there): unloading it", name)
+                await self.engine.unload_adapter(name)
 
     async def ensure(self, adapter: str | None) -> None:
         """Before a request on ``adapter`` (a ``composition_key``) is checked: the adapters it names that this
