@@ -218,12 +218,12 @@ def test_adapter_admin_bodies_are_checked_before_any_replica_and_users_are_refus
 
     specs = LoraSpecs(loras={"style": LoraSpec(path="s")})
 
-    def refused(body, h3_replicas=1):
+    def refused(body):
         with pytest.raises(APIError) as e:
-            adapter_spec(json.dumps(body).encode(), specs, max_steps=50, h3_replicas=h3_replicas)
+            adapter_spec(json.dumps(body).encode(), specs, max_steps=50)
         return e.value.status, e.value.param
 
-    name, spec = adapter_spec(b'{"name": "motion", "path": "/m", "scale": 0.5, "steps": 4}', specs, 50, 1)
+    name, spec = adapter_spec(b'{"name": "motion", "path": "/m", "scale": 0.5, "steps": 4}', specs, 50)
     assert (name, spec) == ("motion", LoraSpec(path="/m", scale=0.5, steps=4))
     assert refused({"name": "Motion 2", "path": "/m"}) == (400, "name")
     assert refused({"name": "style", "path": "/s"}) == (409, "name")  # already served: DELETE it first
@@ -231,7 +231,6 @@ def test_adapter_admin_bodies_are_checked_before_any_replica_and_users_are_refus
     assert refused({"name": "motion", "path": "s3://bucket/m"}) == (400, "path")
     assert refused({"name": "motion", "path": "/m", "steps": 80}) == (400, "steps")
     assert refused({"name": "motion", "path": "/m", "rank": 4})[0] == 400  # an unknown field
-    assert refused({"name": "motion", "path": "/m"}, h3_replicas=2) == (409, None)  # one replica only: fail closed
 
     check_admin(SimpleNamespace(state=SimpleNamespace(tenant=None)))  # open mode
     check_admin(SimpleNamespace(state=SimpleNamespace(tenant=Tenant("ops", "admin"))))

@@ -300,3 +300,56 @@ def test_a_remix_of_a_video_made_with_a_lora_list_runs_on_the_same_adapters(serv
         base = made(http, http.post("/v1/videos", json={**body, "prompt": "a gong"}))
     assert np.array_equal(remix, direct)  # the same adapters at the same weight
     assert not np.array_equal(remix, base) and not np.array_equal(remix, source_frames)
+
+
+def test_a_run_time_adapter_survives_a_killed_replica_and_is_in_the_openapi_document(server, ray_cluster, tmp_path):
+    """POST /v1/adapters records the adapter in the application's registry: after kill -9 of the H3Replica process,
+    the replica Serve starts in its place loads it before it serves (and warms it up), and the same seeded request
+    on it gives the same PNG. The POST body's schema is in /openapi.json; an fsspec URL is a 400 on path."""
+    import os
+    import signal
+
+    from diffusers import MiniMaxH3Transformer3DModel
+    from peft import LoraConfig
+    from ray.util.state import list_actors
+
+    from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
+    from tests.test_lora import EVERY_LAYER, lora_state_dict, save
+
+    base = MiniMaxH3Transformer3DModel.from_pretrained(random_tiny_checkpoint() / "transformer").eval()
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=EVERY_LAYER)
+    grain = save(tmp_path / "grain", lora_state_dict(base, config, 11), config)
+
+    def replica_pid() -> int | None:
+        actors = list_actors(address=ray_cluster.address, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+        pids = [a.pid for a in actors if a.class_name == f"ServeReplica:{server.name}:H3Replica"]
+        return pids[0] if len(pids) == 1 else None
+
+    body = {"prompt": "a gong", "size": "64x64", "num_inference_steps": 3, "seed": 5, "lora": ["grain", "style"]}
+    with client(server.url, timeout=300) as http:
+        doc = http.get("/openapi.json").json()
+        schema = doc["paths"]["/v1/adapters"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["required"] == ["name", "path"] and {"scale", "steps", "shift"} <= set(schema["properties"])
+        error = error_of(http.post("/v1/adapters", json={"name": "grain", "path": "memory://grain"}), 400)
+        assert error["param"] == "path", error
+
+        added = http.post("/v1/adapters", json={"name": "grain", "path": str(grain)})
+        assert added.status_code == 200, added.text
+        assert added.json()["generation"] >= 1
+        before = http.post("/v1/images/generations", json=body)
+        assert before.status_code == 200, before.text
+        pid = replica_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: replica_pid() not in (None, pid), timeout=120, interval=0.5, what="another H3Replica")
+
+        def served():
+            response = http.post("/v1/images/generations", json=body)
+            return response if response.status_code == 200 else None
+
+        after = wait_for(served, timeout=300, interval=2.0, what="the new replica serves the adapter")
+        assert after.json()["data"][0]["b64_json"] == before.json()["data"][0]["b64_json"]
+        deleted = http.delete("/v1/adapters/grain")
+        assert deleted.status_code == 200, deleted.text
+        error = error_of(http.delete("/v1/adapters/style"), 409)  # declared at deploy: the config's to change
+        assert "args.loras" in error["message"], error

@@ -139,3 +139,85 @@ def test_an_unload_lets_running_requests_finish_with_the_adapter_and_refuses_new
         assert_same_media(finished, reference.pipeline.generate(request, adapter="style@0.9,detail"))
     finally:
         reference.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_adapter_loaded_at_run_time_reaches_every_sp_rank_and_a_restarted_worker(tiny_checkpoint, files):
+    """sp_degree 2: the worker rank reads the run-time adapter into rank 0's slot, a warm-up forward runs on it, and
+    a request on it equals sp_degree 1's; after rank 1 is killed (SIGKILL) its replacement loads it too."""
+    loras = LoraSpecs(loras={"style": files["style"]})
+    group = WorkerGroup.create(spec(2, tiny_checkpoint, timeout=30.0).model_copy(update={"loras": loras}))
+    composed, request = "style@0.7,detail@-0.8", clip("ferry horn", 3)
+
+    async def scenario():
+        engine = Engine(group, EngineLimits(max_active=4))
+        engine.warm_up()
+        await engine.load_adapter("detail", files["detail"])
+        assert engine.group.spec.loras.slots == {"style": 1, "detail": 2}  # what a restarted worker loads
+        first = await engine.submit(request, adapter=composed).future
+        engine.group.kill(1)
+        with pytest.raises(Exception, match="SP worker did not answer"):
+            await asyncio.to_thread(engine.check_health)
+        again = await engine.submit(request, adapter=composed).future  # on the replaced group
+        assert [r.started for r in engine.supervisor.history] == [(1,)]
+        await engine.unload_adapter("detail")
+        with pytest.raises(RequestError, match="no adapter 'detail'"):
+            engine.submit(request, adapter=composed)
+        assert engine.group.spec.loras.slots == {"style": 1}
+        await engine.close()
+        return first, again
+
+    try:
+        first, again = asyncio.run(scenario())
+    finally:
+        group.shutdown()
+    both = LoraSpecs(loras={"style": files["style"], "detail": files["detail"]})
+    reference = WorkerGroup.create(spec(1, tiny_checkpoint).model_copy(update={"loras": both}))
+    try:
+        alone = reference.pipeline.generate(request, adapter=composed)
+    finally:
+        reference.shutdown()
+    assert_same_media(first, alone)
+    assert_same_media(again, alone)
+
+
+def test_two_replicas_reconcile_against_one_registry(tiny_checkpoint, files, tmp_path):
+    """Two replicas' engines over one job store (``adapter_sync.ReplicaAdapters``, what each H3Replica runs): an
+    adapter registered once is loaded by the other before its first request on it, with the same output; one it
+    cannot load is refused there by name; a deletion is unloaded at its next reconcile."""
+    from h3serve.deploy.jobs.adapter_registry import AdapterRegistry
+    from h3serve.deploy.jobs.media_store import MediaStore
+    from h3serve.deploy.model_server.adapter_sync import ReplicaAdapters
+
+    store = MediaStore(str(tmp_path / "store"))
+    admin = AdapterRegistry(store)
+    loras = LoraSpecs(loras={"style": files["style"]})
+    groups = [WorkerGroup.create(spec(1, tiny_checkpoint).model_copy(update={"loras": loras})) for _ in range(2)]
+    request, composed = clip("ferry horn", 3), "style@0.7,detail@-0.8"
+
+    async def scenario():
+        engines = [Engine(group, EngineLimits(max_active=4)) for group in groups]
+        for engine in engines:
+            engine.warm_up()
+        a, b = (ReplicaAdapters(engine, AdapterRegistry(store, ttl_s=60.0)) for engine in engines)
+        await engines[0].load_adapter("detail", files["detail"])  # the replica the POST reached
+        admin.change(lambda specs: {**specs, "detail": files["detail"], "foreign": files["foreign"]})
+        await b.ensure(composed)  # read fresh although its cache is young
+        assert "detail" in groups[1].pipeline.denoiser.loras.loras
+        with pytest.raises(RequestError, match=r"adapter 'foreign' could not be loaded on this replica: .*to_q"):
+            await b.ensure("foreign")
+        outputs = [await engine.submit(request, adapter=composed).future for engine in engines]
+        admin.change(lambda specs: {n: s for n, s in specs.items() if n != "detail"})
+        await b.reconcile(fresh=True)
+        assert "detail" not in groups[1].pipeline.denoiser.loras.loras and a.deploy_time == {"style"}
+        for engine in engines:
+            await engine.close()
+        return outputs
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        for group in groups:
+            group.shutdown()
+    assert_same_media(first, second)

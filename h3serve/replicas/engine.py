@@ -83,7 +83,9 @@ class Engine:
         self.last_warm_up: WarmUp | None = None  # what warm_up() ran and measured
         self._progress_at = time.monotonic()  # the watchdog: when work arrived (the loops keep their own clocks)
         self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
-        self.runtime_adapters = RuntimeAdapters(self.pipeline, self.requests, lambda: self.group.sp_degree)
+        # held by each step, and by a run-time adapter's load between two steps (its warm-up forward on every rank)
+        self.model_lock = asyncio.Lock()
+        self.runtime_adapters = RuntimeAdapters(self.executor, self.requests, self.model_lock)
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -371,7 +373,8 @@ class Engine:
         batch = self._schedule()
         gate = self.gate
         before = gate.before_forward if gate is not None and batch and acts_before_forward(gate) else None
-        outcome = await self.executor.step(batch, self.requests.with_states, before)
+        async with self.model_lock:
+            outcome = await self.executor.step(batch, self.requests.with_states, before)
         self._apply(outcome)
         if outcome.broken is not None:  # it could not be replaced (counted there): only a new replica helps
             self._stop_reason = f"SP worker group failed: {outcome.broken}"

@@ -124,6 +124,7 @@ class Executor:
         self.progress_at = time.monotonic()  # when a forward last finished, or a group was replaced
         # one thread for all model work: steps must not interleave on the device
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
+        self.warm_state: RequestState | None = None  # the warm-up's request, prepared (``warm_up``)
 
     @property
     def group(self) -> WorkerGroup:
@@ -156,6 +157,7 @@ class Executor:
         here, not on its first request). ``peak_rows``: then the same at that many rows (``warm_up_peak``)."""
         started = time.perf_counter()
         state = self.pipeline.prepare(self.warmup_request()) if state is None else state
+        self.warm_state = state  # kept: a run-time adapter's warm-up forward runs it again (``warm_up_adapter``)
         ((_, pack),) = self.pipeline.packs([state])
         prepared = time.perf_counter()
         self.group(pack)
@@ -187,6 +189,23 @@ class Executor:
             )
         peak = self.warm_up_peak(state, peak_rows) if peak_rows else None
         return WarmUp(seconds, pack.total_rows, pack.padding_rows, by_adapter, peak)
+
+    def warm_up_adapter(self, slot: int) -> float | None:
+        """One packed forward of the warm-up request on adapter ``slot`` on every rank (a run-time adapter, before it
+        is served, as ``warm_up`` does each deploy-time one); its seconds, or None when no warm-up ran
+        (``engine.warmup`` off). The caller holds the engine between steps (``Engine.model_lock``)."""
+        state = self.warm_state
+        if state is None:
+            return None
+        own_slot = state.adapter_slot
+        try:
+            state.adapter_slot = slot
+            ((_, pack),) = self.pipeline.packs([state])
+            started = time.perf_counter()
+            self.group(pack)
+            return time.perf_counter() - started
+        finally:
+            state.adapter_slot = own_slot
 
     def warm_up_peak(self, state: RequestState, max_rows: int) -> PeakWarmUp:
         """The first pack at the row budget is the warm-up's, not a user's: ``state``'s document padded to

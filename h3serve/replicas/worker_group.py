@@ -67,6 +67,7 @@ import ray
 import torch
 
 from h3serve.pipelines.h3 import H3Denoiser, H3Pipeline, tiled_decode
+from h3serve.pipelines.h3.lora_spec import LoraError, LoraSpecs
 from h3serve.pipelines.h3.memory import MeasuredUse
 from h3serve.pipelines.h3.packing import Pack, PackLayout, flatten_pack, pack_layout
 from h3serve.pipelines.h3.stage_models import load_tile_decoder
@@ -320,6 +321,13 @@ class SPWorker:
             logger.error("rank %d: step %d failed\n%s", self.rank, order.step, formatted(e))
             return RankOutcome.of(self.rank, order.step, e, sp)
         return RankOutcome.of(self.rank, order.step, None, sp)
+
+    @ray.method(concurrency_group="step")
+    def mirror_adapters(self, loras: LoraSpecs, retiring: dict[str, int]) -> list[str]:
+        """Rank 0's run-time adapters here, in its slots (``H3Denoiser.mirror_adapters``); between two steps, never
+        during one (the "step" group runs one call at a time)."""
+        assert self.denoiser is not None, "build() first"
+        return self.denoiser.mirror_adapters(loras, retiring)
 
     @ray.method(concurrency_group="step")
     def device_memory(self, reset: bool = False) -> MeasuredUse | None:
@@ -724,6 +732,22 @@ class WorkerGroup:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # gone already
                 pass
+
+    def mirror_adapters(self, loras: LoraSpecs, retiring: Mapping[str, int], timeout_s: float = 600.0) -> None:
+        """Every worker holds ``loras`` (served, or about to be) and ``retiring`` in rank 0's slots; from now a worker
+        this group starts again (``GroupSupervisor.replace``) loads ``loras`` too. LoraError (naming the rank) when a
+        worker cannot read one: the workers are then put back as they were, as far as they answer."""
+        calls = [w.mirror_adapters.remote(loras, dict(retiring)) for w in self.workers]
+        for rank, call in enumerate(calls, start=1):
+            try:
+                ray.get(call, timeout=timeout_s)
+            except LoraError as e:  # Ray's error for a task that raised one is an instance of it too
+                cause = getattr(e, "cause", e)
+                before = self.pipeline.denoiser
+                undo = [w.mirror_adapters.remote(before.loras, dict(before.retiring)) for w in self.workers]
+                ray.wait(undo, num_returns=len(undo), timeout=timeout_s)
+                raise LoraError(f"SP rank {rank}: {cause}") from None
+        self.spec = self.spec.model_copy(update={"loras": loras})
 
     def mark_broken(self, reason: str) -> None:
         if not self.broken_reason:

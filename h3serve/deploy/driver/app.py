@@ -39,7 +39,7 @@ def build_app(args: DeployArgs) -> Application:
             fanout = (args.stages.decode_split(),) if role == H3Decoder.role and args.stages is not None else ()
             stages.append(deployment.bind(args.checkpoint, args.device, args.dtype, args.vae_dtype, *fanout))
     spec = args.replica_spec(admission.resolution, admission.geometry, admission.plan)
-    replica = replica.bind(spec, args.engine, *stages)
+    replica = replica.bind(spec, args.engine, *stages, jobs=args.jobs)  # its run-time adapters' registry
     # sized from the engine's bounds and ingress.h3_replicas, so polls and /health never wait behind generations
     ingress = H3Ingress.options(**ingress_options(args))  # type: ignore[attr-defined]  # a Serve deployment
     return ingress.bind(replica, args, cold_start_rules(args, admission))

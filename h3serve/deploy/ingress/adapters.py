@@ -56,7 +56,11 @@ class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="its model id becomes '<served_model_name>:<name>'")
-    path: str = Field(min_length=1, description="a directory in diffusers' LoRA format the replicas can read")
+    path: str = Field(
+        min_length=1,
+        description="a local directory in diffusers' LoRA format that every H3Replica's node can read (a shared "
+        "volume); fsspec URLs (s3://...) are refused with a 400 on path",
+    )
     scale: float = Field(default=1.0, allow_inf_nan=False)
     steps: int | None = Field(default=None, ge=2)
     shift: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -69,14 +73,18 @@ def check_admin(request: Request) -> None:
         raise APIError(403, f"only an admin key may change the adapters; tenant {tenant.name!r} is a user")
 
 
-def adapter_spec(raw: bytes, specs: LoraSpecs, max_steps: int, h3_replicas: int) -> tuple[str, LoraSpec]:
-    """The name and spec of ``POST /v1/adapters``'s body, or 400 naming the field (409 when this deployment cannot
-    load adapters at run time)."""
-    if h3_replicas != 1:
-        # a Serve handle reaches one replica: loading on each of several is not built; fail closed
-        raise APIError(
-            409, f"adapters are loaded at run time only with one H3Replica (ingress.h3_replicas is {h3_replicas})"
-        )
+# the POST body's schema in /openapi.json (its route reads the raw body: FastAPI would not document it)
+ADAPTER_BODY_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": AdapterBody.model_json_schema()}},
+    }
+}
+ADAPTERS_TTL_S = 2.0  # how stale an ingress's copy of the adapter registry may be (a DELETE reaches every ingress)
+
+
+def adapter_spec(raw: bytes, specs: LoraSpecs, max_steps: int) -> tuple[str, LoraSpec]:
+    """The name and spec of ``POST /v1/adapters``'s body, or 400 naming the field (409 for a name served)."""
     try:
         body = AdapterBody.model_validate(parse_json_object(raw))
     except ValidationError as e:
@@ -102,3 +110,9 @@ def load_refused(error: BaseException) -> APIError | None:
     if isinstance(cause, LoraError):
         return APIError(400, f"path: {cause}", "path")
     return None
+
+
+def never_loaded(error: BaseException) -> bool:
+    """Whether a replica's refusal to unload an adapter says it does not serve it (it never ran a request on it, or
+    could not load it): nothing of it to wait for there."""
+    return isinstance(root_cause(error), LoraError)

@@ -41,7 +41,7 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from h3serve.deploy.common.args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs
+from h3serve.deploy.common.args import DRAIN_MARGIN_S, DeployArgs
 from h3serve.deploy.common.errors import (
     DEADLINE_MESSAGE,
     QUEUE_FULL_MESSAGE,
@@ -53,7 +53,16 @@ from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, Tena
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
 from h3serve.deploy.ingress import content, derived
-from h3serve.deploy.ingress.adapters import adapter_spec, check_admin, load_refused, lora_of, steps_on
+from h3serve.deploy.ingress.adapters import (
+    ADAPTER_BODY_SCHEMA,
+    ADAPTERS_TTL_S,
+    adapter_spec,
+    check_admin,
+    load_refused,
+    lora_of,
+    never_loaded,
+    steps_on,
+)
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
@@ -61,13 +70,13 @@ from h3serve.deploy.ingress.playground import playground_page
 from h3serve.deploy.ingress.quotas import Quotas
 from h3serve.deploy.ingress.routing import route
 from h3serve.deploy.ingress.tenants import Tenant, Tenants
+from h3serve.deploy.jobs.adapter_registry import AdapterRegistry, Adapters
 from h3serve.deploy.jobs.events import last_event_id
-from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.media_store import MediaStore, store_url
 from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
 from h3serve.deploy.jobs.video_jobs import RESUBMIT, VideoJobs, caused_by, ingress_identity
 from h3serve.deploy.jobs.webhooks import WebhookSender, job_webhook, resolve_secret
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules
-from h3serve.pipelines.h3.paths import cache_dir
 from h3serve.replicas import EngineDraining
 
 logger = logging.getLogger(__name__)
@@ -130,12 +139,6 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     return APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}").response()
 
 
-def store_url(config: JobStoreArgs, app_name: str) -> str:
-    """This application's part of the configured store (default: a directory under the h3serve cache)."""
-    base = config.store or str(cache_dir() / "videos")
-    return f"{base.rstrip('/')}/{app_name}"
-
-
 def list_query(request: Request) -> tuple[int, str | None, str]:
     """GET /v1/videos's limit, after and order, parsed here so that auth comes first."""
     query = request.query_params
@@ -196,10 +199,13 @@ class H3Ingress(derived.DerivedVideos):
         self.loras = dict(args.loras)
         self.lora_specs = args.lora_specs  # the adapters and the limits on composing them (a request's `lora`)
         self.adapter_ids = {f"{self.model_name}:{name}": name for name in self.loras}
-        self.h3_replicas = args.ingress.h3_replicas  # run-time adapters reach one replica (adapters.adapter_spec)
+        self.deploy_loras = dict(args.loras)  # never changed at run time; the registry's are added to them
         self.metrics = request_metrics()
         store = MediaStore(store_url(args.jobs, serve.get_replica_context().app_name), args.jobs.storage_options)
         store.check()  # an unusable store refuses to start, like a missing token
+        # the run-time adapters every ingress and H3Replica of this app serves (POST/DELETE /v1/adapters write it)
+        self.adapter_registry = AdapterRegistry(store, ADAPTERS_TTL_S)
+        self.adapters_generation = 0
         policy = JobPolicy(
             ttl_s=args.jobs.ttl_s,
             max_bytes=args.jobs.max_bytes,
@@ -243,6 +249,8 @@ class H3Ingress(derived.DerivedVideos):
         try:
             request_id = request.state.request_id = request_id_of(request)
             self._authorize(route, request)
+            if route not in PUBLIC_ROUTES:  # /health answers whatever the store does
+                await self._refresh_adapters()
             result = await handler()
             status = getattr(result, "status_code", 200)
             return result
@@ -677,12 +685,15 @@ class H3Ingress(derived.DerivedVideos):
         ]
         return {"object": "list", "data": [base, *adapters]}
 
-    @app.post("/v1/adapters")
+    @app.post("/v1/adapters", openapi_extra=ADAPTER_BODY_SCHEMA)
     @route("/v1/adapters")
     async def add_adapter(self, request: Request):
-        """Admin: load a LoRA adapter on the replica (checked against its checkpoint) and serve it from now."""
+        """Admin: load a LoRA adapter (checked against the checkpoint, warmed up, by one H3Replica), then record it in
+        the application's adapter registry: every ingress serves it from its next read of the registry, every other
+        H3Replica loads it before its first request on it (or at its next health check), a new one at its start."""
         check_admin(request)
-        name, spec = adapter_spec(await request.body(), self.lora_specs, self.limits.max_steps, self.h3_replicas)
+        await self._refresh_adapters(fresh=True)
+        name, spec = adapter_spec(await request.body(), self.lora_specs, self.limits.max_steps)
         try:
             nbytes = await self.replica.load_adapter.remote(name, spec)
         except Exception as e:
@@ -690,21 +701,62 @@ class H3Ingress(derived.DerivedVideos):
             if refused is None:
                 raise
             raise refused from None
-        self._serve_adapters({**self.loras, name: spec})
-        return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "bytes": nbytes}
+
+        def add(loras: dict) -> dict:
+            if name in loras:  # another admin added it meanwhile
+                raise APIError(409, f"name: adapter {name!r} is already served; DELETE it first", "name")
+            return {**loras, name: spec}
+
+        adapters = await asyncio.to_thread(self.adapter_registry.change, add)
+        self._serve_adapters(adapters)
+        return {
+            "object": "adapter",
+            "id": f"{self.model_name}:{name}",
+            "name": name,
+            "bytes": nbytes,
+            "generation": adapters.generation,
+            # one H3Replica loaded it before this answer; the others load it before serving a request on it
+            "loaded": "checked_and_registered",
+        }
 
     @app.delete("/v1/adapters/{name}")
     @route("/v1/adapters/{name}")
     async def delete_adapter(self, request: Request, name: str):
-        """Admin: refuse new requests on adapter ``name`` now; answer once its running requests finished with it."""
+        """Admin: take run-time adapter ``name`` out of the registry (every ingress refuses new requests on it from
+        its next read of the registry), then answer once the running requests on it of the H3Replica this call
+        reaches finished (the others unload it at their next health check, once theirs finished)."""
         check_admin(request)
+        await self._refresh_adapters(fresh=True)
+        if name in self.deploy_loras:
+            raise APIError(409, f"adapter {name[:80]!r} is declared in args.loras: remove it there and redeploy")
         if name not in self.loras:
             raise APIError(404, f"no adapter {name[:80]!r}; its adapters: {', '.join(sorted(self.loras)) or 'none'}")
-        self._serve_adapters({n: s for n, s in self.loras.items() if n != name})
-        await self.replica.unload_adapter.remote(name)
+
+        def remove(loras: dict) -> dict:
+            if name not in loras:
+                raise APIError(404, f"no adapter {name[:80]!r}: another call deleted it")
+            return {n: s for n, s in loras.items() if n != name}
+
+        self._serve_adapters(await asyncio.to_thread(self.adapter_registry.change, remove))
+        try:
+            await self.replica.unload_adapter.remote(name)
+        except Exception as e:  # that replica had not loaded it (it never ran a request on it): nothing to wait for
+            if not never_loaded(e):
+                raise
         return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "deleted": True}
 
-    def _serve_adapters(self, loras: dict) -> None:
+    async def _refresh_adapters(self, fresh: bool = False) -> None:
+        """The registry's adapters beside the deploy-time ones (read at most every ``ADAPTERS_TTL_S``)."""
+        registry = self.adapter_registry
+        adapters = registry.cached() if not fresh else None
+        if adapters is None:
+            adapters = await asyncio.to_thread(registry.read, fresh)
+        if adapters.generation != self.adapters_generation:
+            self._serve_adapters(adapters)
+
+    def _serve_adapters(self, adapters: Adapters) -> None:
+        loras = {**self.deploy_loras, **adapters.loras}
+        self.adapters_generation = adapters.generation
         self.loras = loras
         self.lora_specs = self.lora_specs.model_copy(update={"loras": loras})
         self.adapter_ids = {f"{self.model_name}:{n}": n for n in loras}

@@ -12,7 +12,18 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from h3serve.pipelines.h3.paths import cache_dir
+
+if TYPE_CHECKING:
+    from h3serve.deploy.common.args import JobStoreArgs
+
+
+def store_url(config: JobStoreArgs, app_name: str) -> str:
+    """This application's part of the configured store (default: a directory under the h3serve cache)."""
+    base = config.store or str(cache_dir() / "videos")
+    return f"{base.rstrip('/')}/{app_name}"
 
 
 class StoreError(RuntimeError):

@@ -48,13 +48,16 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from h3serve.attention import selector_calls
-from h3serve.deploy.common.args import DRAIN_MARGIN_S, DeployArgs
+from h3serve.deploy.common.args import DRAIN_MARGIN_S, DeployArgs, JobStoreArgs
 from h3serve.deploy.common.autoscaling import replica_stats
 from h3serve.deploy.common.errors import StageUnavailable
 from h3serve.deploy.common.metrics import GAUGE_REFRESH_S, RECORD_TIMEOUT_S, EngineMetrics, admission_recorder
 from h3serve.deploy.common.retry import Backoff, retry
 from h3serve.deploy.common.serve_controller import ReplicaStates
 from h3serve.deploy.common.serve_logging import log_through_serve
+from h3serve.deploy.jobs.adapter_registry import AdapterRegistry
+from h3serve.deploy.jobs.media_store import MediaStore, store_url
+from h3serve.deploy.model_server.adapter_sync import ReplicaAdapters
 from h3serve.pipelines.h3 import (
     DecodeHandoff,
     EncodedMedia,
@@ -246,9 +249,11 @@ class H3Replica:
         limits: EngineLimits,
         conditioner: DeploymentHandle | None = None,
         decoder: DeploymentHandle | None = None,
+        jobs: JobStoreArgs | None = None,
     ):
         """``conditioner``, ``decoder``: the stage deployments' handles (``args.stages``, and ``spec.stages``
-        "remote"); None: in process (``spec.stages`` "local")."""
+        "remote"); None: in process (``spec.stages`` "local"). ``jobs``: the application's job store, which holds
+        its run-time adapters (``adapter_sync``; None: this replica serves only those loaded through it)."""
         log_through_serve()
         staged = conditioner is not None and decoder is not None
         if staged != (spec.stages == "remote") or (conditioner is None) != (decoder is None):
@@ -305,6 +310,12 @@ class H3Replica:
                 group.shutdown()
                 raise
             logger.info("H3 replica warmed up: one packed forward on every rank took %.2f s", seconds)
+        self.adapters: ReplicaAdapters | None = None
+        if jobs is not None:  # the run-time adapters the other replicas serve, loaded and warmed up before serving
+            app_name = serve.get_replica_context().app_name
+            registry = AdapterRegistry(MediaStore(store_url(jobs, app_name), jobs.storage_options))
+            self.adapters = ReplicaAdapters(self.engine, registry)
+            await self.adapters.reconcile(fresh=True)
         logger.info("H3 replica ready: %s", spec.resolution.describe())
 
     async def _fit_preview(self, conditioner: DeploymentHandle | None) -> None:
@@ -347,9 +358,15 @@ class H3Replica:
         """What the served checkpoint generates (the ingress validates requests against it)."""
         return self.engine.pipeline.rules
 
-    def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
+    async def validate(self, request: GenerationRequest, adapter: str | None = None) -> int:
         """Check a request without queueing it (video jobs are validated before they are accepted)."""
+        await self._ensure(adapter)
         return self.engine.validate(request, adapter)
+
+    async def _ensure(self, adapter: str | None) -> None:
+        """The run-time adapters ``adapter`` names, loaded here from the registry if another replica loaded them."""
+        if self.adapters is not None and adapter is not None:
+            await self.adapters.ensure(adapter)
 
     async def load_adapter(self, name: str, spec: LoraSpec) -> int:
         """Serve LoRA adapter ``name`` from now (POST /v1/adapters); its bytes on this replica's rank. LoraError
@@ -375,6 +392,7 @@ class H3Replica:
         deadline as wall-clock time (``time.time()``), which the ingress sends: the wait for this replica counts."""
         self._watch_for_stop()
         deadline_s = self._deadline_s(request_id, deadline_s, deadline_at)
+        await self._ensure(adapter)
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "png")
         try:
             # shielded: a caller that goes away (Serve cancels this call when its HTTP client disconnects) must not
@@ -404,6 +422,7 @@ class H3Replica:
         """
         self._watch_for_stop()
         deadline_s = self._deadline_s(request_id, deadline_s, deadline_at)
+        await self._ensure(adapter)
         ticket = self._submit(request, request_id, deadline_s, priority, adapter, "mp4")
         ticket.preview = True  # followed: previews under engine.preview
         ticket.stream = True  # and its MP4 streamed while it decodes (decoded here: a decoder stage answers it whole)
@@ -560,6 +579,8 @@ class H3Replica:
         """The engine's loop, its SP workers and its step watchdog (EngineStalled when steps stopped)."""
         self._watch_for_stop()  # Serve calls this every few seconds from the start
         await asyncio.to_thread(self.engine.check_health)
+        if self.adapters is not None:  # adapters another replica added or removed: here too
+            self.adapters.in_background()
 
     def diagnostics(self) -> dict:
         waiting, active = self.engine.queue_depth

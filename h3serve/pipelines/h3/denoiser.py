@@ -4,7 +4,7 @@ which a replica checks again (capable, and available on this node) rather than t
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -101,8 +101,10 @@ class H3Denoiser:
             logger.info("LoRA adapters served in slots %s", loras.slots)
 
     # -- adapters at run time (``Engine.load_adapter`` / ``unload_adapter``) --------------------------------------
-    def add_adapter(self, name: str, spec: LoraSpec, max_bytes: int | None = None) -> int:
-        """Read adapter ``name`` onto every partition and serve it in a fresh slot; returns its bytes on this rank.
+    def stage_adapter(self, name: str, spec: LoraSpec, max_bytes: int | None = None) -> tuple[LoraSpecs, int, int]:
+        """Read adapter ``name`` onto every partition in a fresh slot, not yet served: (the specs that serve it, its
+        slot, its bytes on this rank). ``serve_staged`` then serves it (once the SP workers hold it and a warm-up
+        forward ran on its slot), or ``drop_staged`` frees it.
 
         Checked as a deploy-time adapter is (``load_partitions``: LoraError naming the mismatched module), and its
         bytes with every adapter's against ``max_bytes`` (``LoraLimits.max_adapter_bytes``: LoraError when over).
@@ -123,11 +125,26 @@ class H3Denoiser:
                 f"adapter {name!r} needs {added} bytes on each rank beside the {held} its adapters hold; "
                 f"lora_limits.max_adapter_bytes is {max_bytes}"
             )
-        slot = max([BASE_SLOT, *self.loras.slots.values(), *self.retiring.values()]) + 1
+        held_slots = {slot for by_slot in self.adapters.values() for slot in by_slot}
+        slot = max([BASE_SLOT, *self.loras.slots.values(), *self.retiring.values(), *held_slots]) + 1
         self.adapters = {p: {**by_slot, slot: placed[p]} for p, by_slot in self.adapters.items()}
-        self.loras = self.loras.adding(name, spec, slot)
-        logger.info("LoRA adapter %s loaded at run time in slot %d (%d bytes)", name, slot, added)
-        return added
+        return self.loras.adding(name, spec, slot), slot, added
+
+    def serve_staged(self, loras: LoraSpecs, slot: int, nbytes: int) -> None:
+        """Requests may name the adapter ``stage_adapter`` put in ``slot`` from now (``loras``: what it returned)."""
+        (name,) = [n for n, s in loras.slots.items() if s == slot]
+        self.loras = loras  # the caller changes nothing else in between (``RuntimeAdapters``: one change at a time)
+        logger.info("LoRA adapter %s loaded at run time in slot %d (%d bytes)", name, slot, nbytes)
+
+    def drop_staged(self, slot: int) -> None:
+        """Free the factors ``stage_adapter`` put in ``slot`` (it was never served)."""
+        self.adapters = {p: {s: a for s, a in by_slot.items() if s != slot} for p, by_slot in self.adapters.items()}
+
+    def add_adapter(self, name: str, spec: LoraSpec, max_bytes: int | None = None) -> int:
+        """``stage_adapter`` then ``serve_staged`` at once (one rank, no warm-up); returns its bytes on this rank."""
+        loras, slot, nbytes = self.stage_adapter(name, spec, max_bytes)
+        self.serve_staged(loras, slot, nbytes)
+        return nbytes
 
     def retire_adapter(self, name: str) -> None:
         """New requests on ``name`` are refused from now (it leaves ``loras``); its factors stay for the requests
@@ -150,6 +167,23 @@ class H3Denoiser:
                 del self.retiring[name]
             logger.info("LoRA adapters unloaded: %s", ", ".join(gone))
         return list(gone)
+
+    def mirror_adapters(self, loras: LoraSpecs, retiring: Mapping[str, int]) -> list[str]:
+        """An SP worker's adapters made rank 0's: ``loras`` served and ``retiring`` kept, in rank 0's slots (a pack
+        names slots, so every rank must hold the same factors in the same one); an adapter new here is read and
+        checked (LoraError naming the module, nothing changed), one rank 0 freed is freed. The names read."""
+        keep = {*loras.slots.values(), *retiring.values()}
+        have = {*self.loras.slots.items(), *self.retiring.items()}  # (name, slot): a freed slot may be reused
+        new = {name: slot for name, slot in loras.slots.items() if (name, slot) not in have}
+        adapters = {
+            p: {s: a for s, a in by_slot.items() if s in keep and s not in new.values()}
+            for p, by_slot in self.adapters.items()
+        }
+        for name, slot in new.items():
+            for partition, adapter in load_partitions(name, loras.loras[name], self.transformers).items():
+                adapters[partition][slot] = adapter.placed_for(self.transformers[partition])
+        self.adapters, self.loras, self.retiring = adapters, loras, dict(retiring)
+        return list(new)
 
     def rank_of(self, slots: Iterable[int]) -> int:
         """The sum of the adapters' ranks (each its largest layer's, on any partition): what a pack's deltas cost."""

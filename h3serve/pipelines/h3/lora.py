@@ -28,6 +28,10 @@ timestep. When an adapter of the pack targets it, the timestep axis is widened t
 timestep): ``time_proj``'s output is repeated once per slot group present, each group's copy gets
 its own adapter's deltas, and every block's ``adaln_indices`` and ``norm_out``'s ``timestep_indices``
 are shifted to the row's group. A pack whose adapters leave the timestep path alone runs it unchanged.
+
+Why over 600 lines: reading an adapter (diffusers' key routing, peft's rank/alpha derivation, the checks naming the
+module) and applying it (slots by stream, the hooks, the widened timestep path) share one type, ``LoraAdapter``, and
+its layer naming; the torch-free half (specs, slots, limits, composition) is ``lora_spec.py`` already.
 """
 
 from __future__ import annotations
