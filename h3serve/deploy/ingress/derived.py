@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -32,11 +32,45 @@ from h3serve.deploy.common.errors import APIError, FieldError
 from h3serve.deploy.ingress.bodies import Body, VideosBody, limits_of
 from h3serve.deploy.ingress.routing import route
 from h3serve.deploy.jobs.variants import decoded_frames, frame_count
+from h3serve.deploy.jobs.video_jobs import VideoJobs
 from h3serve.pipelines.h3 import GenerationRequest, ModelRules, RequestError
-from h3serve.pipelines.h3.lora_spec import parse_composition
+from h3serve.pipelines.h3.lora_spec import LoraSpecs, parse_composition
 
-if TYPE_CHECKING:
-    from h3serve.deploy.ingress.routes import H3Ingress
+
+class H3Ingress(Protocol):
+    """What a derived job needs of ``routes.H3Ingress`` (which inherits these routes): its jobs, models and adapters,
+    and the steps of ``POST /v1/videos`` it shares (parse, admit, scope a key, the model's rules, queue the job)."""
+
+    videos: VideoJobs
+    model_name: str
+    adapter_ids: dict[str, str]
+    lora_specs: LoraSpecs
+
+    @property
+    def model_ids(self) -> list[str]: ...
+
+    async def _parse(self, request: Request, model: Any) -> Any: ...
+
+    def _admit(self, request: Request, body: Body) -> Any: ...
+
+    @staticmethod
+    def _scope(route: str, request: Request) -> str: ...
+
+    async def _job(self, request: Request, video_id: str) -> dict: ...
+
+    async def _video_rules(self) -> tuple[bool, ModelRules]: ...
+
+    async def _queue_video(
+        self,
+        request: Request,
+        body: Any,
+        generation_request: GenerationRequest,
+        adapter: str | None,
+        cold: bool,
+        rules: ModelRules,
+        links: dict[str, Any] | None = None,
+    ) -> dict: ...
+
 
 router = APIRouter()
 REMIX_LINK, EXTEND_LINK = "remixed_from_video_id", "extended_from_video_id"
