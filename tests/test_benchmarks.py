@@ -655,3 +655,14 @@ def test_lora_compose_smoke_times_every_case_and_composed_equals_merged_by_hand(
     # the co-batched composition equals what a user gets by merging each request's adapters into the weights
     assert max(run.result["max_diff_vs_merged"]) < 1e-3
     assert "Composed LoRA requests: one packed step (CPU)" in run.out
+
+
+def test_cold_start_from_zero_reads_the_replica_s_log_lines_on_the_wall_clock():
+    """``cold_start --from-zero`` places the replica's warm-up and readiness by its Serve log lines: their local
+    time, to the millisecond, on the same clock as the POST's ``time.time()``."""
+    import datetime
+
+    from benchmarks.cold_start import _log_time
+
+    line = "INFO 2026-12-05 21:38:44,434 h3serve_H3Replica thx6mb14 -- H3 replica warmed up: one packed forward took"
+    assert _log_time(line) == datetime.datetime(2026, 12, 5, 21, 38, 44, 434000).timestamp()
