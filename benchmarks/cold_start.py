@@ -262,7 +262,7 @@ def from_zero(steps: int, layers: int | None) -> dict:
         watcher.start()
         time.sleep(1.0)
         replicas_before = dict(states)
-        jobs = []
+        jobs: list[dict] = []
         for label in ("first job (from zero)", "second job (warm)"):
             events: dict[str, float] = {}
             posted = time.time()
