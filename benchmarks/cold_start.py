@@ -2,6 +2,7 @@
 
     python -m benchmarks.cold_start [--smoke] [--steps N] [--no-served] [--json PATH]
     python -m benchmarks.cold_start --group [--layers N] [--json PATH]   # an sp=2 replica's start, large checkpoint
+    python -m benchmarks.cold_start --from-zero [--layers N] [--steps N] [--json PATH]   # a request to zero replicas
     PYTHONPATH=<another checkout> python benchmarks/cold_start.py ...   # the same phases with that checkout's h3serve
 
 Two measurements, one after the other:
@@ -17,6 +18,12 @@ Two measurements, one after the other:
           ``--layers`` blocks, fp32, random weights, written once into /tmp): ``WorkerGroup.create`` from its call
           to the group up, and each rank's load (when it was asked for, began and ended: ``LoadReport``; a checkout
           before it reports none, only the whole start). The page cache holds the checkpoint (just written or read).
+  zero    (``--from-zero``) `h3serve serve` of the default config with H3Replica scaled to zero (the backlog policy,
+          ``min_replicas`` 0, as tests/test_scale_from_zero.py serves it), then one video job POSTed while no replica
+          runs: each phase on the wall clock from the POST, read where it happens (Serve's replica states, polled; the
+          replica process's start; rank 0's ``LoadReport``; the replica's log lines for its warm-up and readiness;
+          the job's own events, followed live: started, first step, decoding, completed), then a second job, warm.
+          ``--layers N``: on the synthetic checkpoint of ``--group`` (``model: auto``) instead of the demo one.
 Run it under another checkout's PYTHONPATH (a ``git archive`` of the commit before) for the "before" column: the
 child, the command and the Ray workers all import that checkout's h3serve.
 """
@@ -29,6 +36,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROMPT = "a red circle moving left with a high beep"
 
@@ -116,8 +124,6 @@ def served(steps: int) -> dict[str, float]:
 def synthetic_checkpoint(layers: int) -> tuple[str, dict]:
     """The released layout with a transformer of hidden 1024 (32 heads of 32, SwiGLU 4096) and ``layers`` blocks:
     ~17.5M parameters a block, fp32 (written once; a later run reads it again)."""
-    from pathlib import Path
-
     from h3serve.pipelines.h3 import checkpoint as ckpt
 
     dims = {"num_attention_heads": 32, "attention_head_dim": 32, "hidden_size": 1024, "ffn_dim": 4096}
@@ -170,11 +176,145 @@ def group_start(layers: int) -> dict:
     return {"transformer_gib": nbytes / 2**30, "layers": layers, "create_s": up - started, "loads": loads}
 
 
+# the backlog policy from zero (tests/served_apps.py's COLD_AUTOSCALING), kept up long after its work: the benchmark
+# reads the replica's diagnostics once the jobs are done
+FROM_ZERO = {
+    "min_replicas": 0,
+    "max_replicas": 1,
+    "target_wait_s": 30,
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 600,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+    "expected_load_s": 60,
+}
+
+
+def _log_time(line: str) -> float:
+    """The wall clock of a Serve log line ("INFO 2026-12-05 21:38:44,434 app_H3Replica id -- ..."; local time)."""
+    import datetime
+
+    level, day, clock, *_ = line.split()
+    stamp = datetime.datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S,%f")
+    return stamp.timestamp()
+
+
+def _replica_log_times(app: str, replica_id: str) -> dict[str, float]:
+    """When the replica logged its warm-up and its readiness (its Serve log in this Ray session)."""
+    import pathlib
+
+    import ray
+
+    session = pathlib.Path(ray._private.worker._global_node.get_session_dir_path())
+    out: dict[str, float] = {}
+    for path in (session / "logs" / "serve").glob(f"replica_{app}_H3Replica_{replica_id}*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            for key, words in (("warmed up", "H3 replica warmed up"), ("ready", "H3 replica ready")):
+                if words in line and key not in out:
+                    out[key] = _log_time(line)
+    return out
+
+
+def from_zero(steps: int, layers: int | None) -> dict:
+    """One video job to the default config's app scaled to zero: every phase, seconds from its POST (wall clock)."""
+    import threading
+
+    import psutil
+    from ray import serve
+
+    from benchmarks.harness import ServedConfig, default_config
+    from h3serve.client import H3Client
+    from h3serve.deploy.driver.cli import BUILDER
+    from h3serve.replicas.worker_group import free_port
+
+    overlay: dict = {"autoscaling": FROM_ZERO}
+    checkpoint, gib = None, None
+    if layers:
+        checkpoint, _ = synthetic_checkpoint(layers)
+        overlay |= {"checkpoint": checkpoint, "model": "auto"}
+        gib = sum(f.stat().st_size for f in Path(checkpoint, "transformer").glob("*.safetensors")) / 2**30
+        for f in Path(checkpoint).rglob("*.safetensors"):  # into the page cache, as --group reads it
+            f.read_bytes()
+    config = default_config(free_port(), overlay)
+    (app,) = [a for a in config["applications"] if a.get("import_path") == BUILDER]
+    app["args"].pop("ingress", None)  # sized for autoscaling.max_replicas
+    app["deployments"] = [d for d in app["deployments"] if d["name"] != "H3Replica"]  # the builder's, autoscaled
+    name = app["name"]
+    states: dict[str, float] = {}  # Serve's replica state -> when it was first seen
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                replicas = serve.status().applications[name].deployments["H3Replica"].replica_states
+            except Exception:  # the app not deployed yet, or a status call that failed: poll again
+                replicas = {}
+            for state, count in replicas.items():
+                if count:
+                    states.setdefault(str(state), time.time())
+            stop.wait(0.2)
+
+    body = {"prompt": PROMPT, "num_inference_steps": steps}
+    out: dict = {"steps": steps, "checkpoint": checkpoint or "the shipped demo one", "transformer_gib": gib}
+    with ServedConfig(config) as server, H3Client(server.url, timeout=900) as client:
+        out["`h3serve serve` until it serves"] = server.startup_s
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        time.sleep(1.0)
+        replicas_before = dict(states)
+        jobs: list[dict] = []
+        for label in ("first job (from zero)", "second job (warm)"):
+            events: dict[str, float] = {}
+            posted = time.time()
+            video_id = client.create_video(body)["id"]
+            events["accepted"] = time.time()
+            for event in client.follow(video_id):
+                kind = event["event"]
+                if kind == "queued" and "queued" in events:
+                    kind = "queued at the replica"  # the second queued event: the replica took it (its position)
+                events.setdefault(kind, time.time())
+            job = client.wait_video(video_id, 0.05, 60)
+            if job["status"] != "completed":
+                raise RuntimeError(f"the {label} did not complete: {job}")
+            jobs.append({"label": label, "posted": posted, "events": {k: t - posted for k, t in events.items()}})
+        stop.set()
+        watcher.join()
+        handle = serve.get_deployment_handle("H3Replica", app_name=name)
+        diagnostics = handle.diagnostics.remote().result(timeout_s=60)
+        logged = _replica_log_times(name, diagnostics["replica"])  # while this Ray session is up
+        pid = diagnostics["pid"]
+        process = psutil.Process(pid).create_time() if psutil.pid_exists(pid) else None  # while it runs
+    posted = jobs[0]["posted"]
+    replica: dict[str, float] = {f"Serve: replica {s}": t - posted for s, t in states.items()}
+    if process is not None:
+        replica["replica process created"] = process - posted  # < 0: Ray gave the actor a pooled worker
+    for rank, load in diagnostics["rank_loads"].items():
+        replica[f"rank {rank} load began"] = load["started"] - posted
+        replica[f"rank {rank} load ended"] = load["finished"] - posted
+    for key, t in logged.items():
+        replica[f"replica {key} (its log)"] = t - posted
+    out |= {"replicas_before_the_job": replicas_before, "replica": replica, "jobs": jobs}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from benchmarks.harness import say, served_checkpoint, table
 
+    if args.from_zero:
+        result = from_zero(args.steps, args.layers)
+        say(
+            f"`h3serve serve` of the default config, H3Replica scaled to zero, until it serves: "
+            f"{result['`h3serve serve` until it serves']:.1f} s; replicas before the job: "
+            f"{result['replicas_before_the_job'] or 'none'}; checkpoint {result['checkpoint']}"
+        )
+        rows = sorted(result["replica"].items(), key=lambda kv: kv[1])
+        table(["the first job's replica (s from its POST)", "s"], rows, "from zero: the replica's start")
+        for job in result["jobs"]:
+            table([f"{job['label']}: event", "s from its POST"], list(job["events"].items()), "")
+        return result
+
     if args.group:
-        result = group_start(args.layers)
+        result = group_start(args.layers or 48)
         say(f"transformer {result['transformer_gib']:.2f} GiB; sp=2 group up in {result['create_s']:.2f} s")
         rows = [[rank, t["requested"], t["started"], t["finished"]] for rank, t in sorted(result["loads"].items())]
         table(["rank", "asked (s)", "load began (s)", "load ended (s)"], rows, "from WorkerGroup.create's call")
@@ -198,8 +338,12 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-served", dest="served", action="store_false", help="only the phases, no `h3serve serve`")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group", action="store_true", help="an sp=2 replica's start on a several-GiB checkpoint")
+    ap.add_argument("--from-zero", action="store_true", help="a video job to the default app scaled to zero")
     ap.add_argument(
-        "--layers", type=int, default=48, help="--group: the synthetic transformer's blocks (default 48: 3.3 GiB)"
+        "--layers",
+        type=int,
+        default=None,
+        help="--group: the synthetic transformer's blocks (default 48: 3.3 GiB); --from-zero: serve that checkpoint",
     )
 
 

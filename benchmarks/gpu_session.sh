@@ -6,25 +6,31 @@
 #
 # The parts, in order, each under its own hard cap (CAPS, seconds; tests/test_benchmarks.py holds the sum <= 360):
 #
-#   0. env           20 s  nvidia-smi, versions, h3serve's probe of the platform                    -> env.txt
+#   0. env           15 s  nvidia-smi, versions, h3serve's probe of the platform                    -> env.txt
 #   1. single+compile 170 s  the released 33.1B transformer built on the device (random bf16), one T2VA request
 #                          1344x768x124 (37,966 rows): s/step, MFU, peak memory; then diffusers' regional compile
 #                          of the repeated blocks and the same request compiled             -> gpu_pipeline.{log,json}
-#   2. reserve+pack2+max_rows 125 s  a new process (eager): the reserve measured by torch.cuda.mem_get_info at each
+#   2. reserve+pack2+max_rows 105 s  a new process (eager): the reserve measured by torch.cuda.mem_get_info at each
 #                          step (in use before the process, by nvidia-smi; the CUDA context before the model; a cuBLAS
 #                          GEMM's workspace; an NCCL communicator of one rank with device_id, a first all-reduce and
 #                          an all-to-all: ~5 s); one pack of two (124 + 141 frames, ~81k rows); then the warm-up at
 #                          the row budget (engine.max_rows_per_step 80,000) with mem_get_info before and after (what
 #                          the device holds outside torch's allocator, and the allocator's slack), against the memory
 #                          plan and its 4 GiB reserve, PROJECTED until this runs       -> gpu_pack.{log,json}
-#   3. smoke         45 s  the serving path on the device (generate on the tiny checkpoint, padded packs, a
+#   3. decode        30 s  a new process (no transformer): the released video VAE (random bf16, diffusers'
+#                          _keep_in_fp32_modules fp32, TF32) decodes one clip's latents [1, 24, 37, 48, 84]
+#                          serially, then split by its 196 whole tiles (each timed, blended by diffusers' code, frames
+#                          compared bit for bit): wall time, peak memory; the split over 2-8 decoders PROJECTED from
+#                          the tiles; then the audio VAE beside it                          -> gpu_decode.{log,json}
+#   4. smoke         40 s  the serving path on the device (generate on the tiny checkpoint, padded packs, a
 #                          released-size pack built there)                                          -> gpu_smoke.log
 #
-# 20 + 170 + 125 + 45 = 360 s. The machine's start comes on top (the device tool's, not this plan's). Attention is
-# torch_varlen (torch.nn.attention.varlen), the STAND-IN for flash-attn, which the lent machine lacks and which has no
-# offline wheel small enough to carry; every log and JSON names the backend it measured. Flex attention (cold Triton
-# compiles) is opt-in: --flex adds the kernels' GPU tests (40 s cap). What runs on CPU runs here, not there: the
-# meta-device projection (h3serve plan h3serve/deploy/serve_config.gpu.yaml --end-to-end) and every dry run.
+# 15 + 170 + 105 + 30 + 40 = 360 s (docs/BENCHMARKS.md section 6: what each part is projected to need). The machine's
+# start comes on top (the device tool's, not this plan's). Attention is torch_varlen (torch.nn.attention.varlen),
+# the STAND-IN for flash-attn, which the lent machine lacks and which has no offline wheel small enough to carry;
+# every log and JSON names the backend it measured. Flex attention (cold Triton compiles) is opt-in: --flex adds the
+# kernels' GPU tests (40 s cap). What runs on CPU runs here, not there: the meta-device projection (h3serve plan
+# h3serve/deploy/serve_config.gpu.yaml --end-to-end) and every dry run.
 #
 # Every part saves its result as it finishes (each JSON is rewritten after each sub-part, logs are unbuffered), so a
 # part cut at its cap loses only the sub-part it was in, and the parts after it still run.
@@ -56,7 +62,7 @@ for arg in "$@"; do
 done
 PY=${PYTHON:-python3}
 # each part's hard cap in seconds, in the order they run: the plan is their sum (<= 360)
-CAPS=(20 170 125 45)
+CAPS=(15 170 105 30 40)
 FLEX_CAP=40
 CARRY_LIMIT=$((64 * 1024 * 1024))  # what the device tool carries with the code
 WHEELS=("diffusers==0.42.1" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0"
@@ -91,7 +97,7 @@ if ! $PY -c "import diffusers, pydantic" 2>/dev/null; then
     export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 H3SERVE_CACHE=${H3SERVE_CACHE:-/tmp/h3serve-cache}
-$PY -c "import torch, diffusers, pydantic; import benchmarks.gpu_pipeline, benchmarks.gpu_smoke" \
+$PY -c "import torch, diffusers, pydantic, benchmarks.gpu_pipeline, benchmarks.gpu_decode, benchmarks.gpu_smoke" \
     || fail "the benchmarks do not import here (see above); nothing measured"
 
 if [ -n "$DRY" ]; then
@@ -110,7 +116,9 @@ else
     USED_BEFORE=(--used-before-mib "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)")
 fi
 mkdir -p "$DEST"
-echo "gpu_session: writing to $DEST (caps: ${CAPS[*]} s = $((CAPS[0] + CAPS[1] + CAPS[2] + CAPS[3])) s)"
+PLAN=0
+for cap in "${CAPS[@]}"; do PLAN=$((PLAN + cap)); done
+echo "gpu_session: writing to $DEST (caps: ${CAPS[*]} s = $PLAN s)"
 
 # 0. the machine, the libraries, h3serve's view of the platform, and which attention kernel the numbers are of
 export DRY DEVICE BACKEND PY
@@ -133,8 +141,12 @@ timeout "${CAPS[2]}" $PY -m benchmarks.gpu_pipeline ${MODE[@]+"${MODE[@]}"} --ba
     --parts reserve pack2 max_rows ${MAX_ROWS[@]+"${MAX_ROWS[@]}"} ${USED_BEFORE[@]+"${USED_BEFORE[@]}"} \
     --max-seconds $((CAPS[2] - 20)) --json "$DEST/gpu_pack.json" 2>&1 | tee "$DEST/gpu_pack.log"
 
-# 3. the serving path on the device: a tensor made on the wrong device fails every step of a replica
-timeout "${CAPS[3]}" $PY -m benchmarks.gpu_smoke ${MODE[@]+"${MODE[@]}"} 2>&1 | tee "$DEST/gpu_smoke.log"
+# 3. a new process (no transformer): one released clip's decode, serial then split by whole tiles, then its audio
+timeout "${CAPS[3]}" $PY -m benchmarks.gpu_decode ${MODE[@]+"${MODE[@]}"} --max-seconds $((CAPS[3] - 8)) \
+    --json "$DEST/gpu_decode.json" 2>&1 | tee "$DEST/gpu_decode.log"
+
+# 4. the serving path on the device: a tensor made on the wrong device fails every step of a replica
+timeout "${CAPS[4]}" $PY -m benchmarks.gpu_smoke ${MODE[@]+"${MODE[@]}"} 2>&1 | tee "$DEST/gpu_smoke.log"
 SMOKE=${PIPESTATUS[0]}
 
 # opt-in: flex attention's and the varlen kernels' GPU tests (cold Triton compiles)

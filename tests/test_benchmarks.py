@@ -361,8 +361,9 @@ def test_gpu_session_script_parses_and_carries_the_versions_installed_here():
 
 def test_gpu_session_plans_six_minutes_in_the_issue_s_order_with_the_stand_in_named():
     """Every part on the lent machine runs under its own cap, in order, and the caps add up to at most 6 minutes:
-    one request eager then compiled, then (a new process) a pack of two and the warm-up at the row budget, then the
-    serving path's smoke. torch_varlen is the stand-in and says so; flex is opt-in; nothing CPU-only runs there."""
+    one request eager then compiled, then (a new process) a pack of two and the warm-up at the row budget, then (a new
+    process) one released clip's decode, serial and by tiles, then the serving path's smoke. torch_varlen is the
+    stand-in and says so; flex is opt-in; nothing CPU-only runs there."""
     text = (REPO / "benchmarks" / "gpu_session.sh").read_text()
     (caps,) = re.findall(r"^CAPS=\(([0-9 ]+)\)$", text, re.M)
     caps = [int(c) for c in caps.split()]
@@ -370,7 +371,8 @@ def test_gpu_session_plans_six_minutes_in_the_issue_s_order_with_the_stand_in_na
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     capped = re.findall(r'timeout "\$\{CAPS\[(\d)\]\}" (\S+)(?: -m (\S+))?', code)
     assert [int(i) for i, *_ in capped] == list(range(len(caps)))  # every cap used once, in order
-    assert [m for *_, m in capped] == ["", "benchmarks.gpu_pipeline", "benchmarks.gpu_pipeline", "benchmarks.gpu_smoke"]
+    modules = [m for *_, m in capped]
+    assert modules == ["", *["benchmarks.gpu_pipeline"] * 2, "benchmarks.gpu_decode", "benchmarks.gpu_smoke"]
     assert re.findall(r"--parts ([a-z0-9_ ]+?) (?:--|\$)", code) == ["single compile", "reserve pack2 max_rows"]
     assert "BACKEND=torch_varlen" in code and "the STAND-IN for flash-attn" in code
     assert "meta_step" not in code and "gpu_kernels" not in code  # CPU-only and opt-in work stays off the device
@@ -389,6 +391,8 @@ def test_gpu_session_dry_run_runs_every_part_on_the_cpu(tmp_path):
     dest = tmp_path / "dry-run"
     assert sorted(p.name for p in dest.iterdir()) == [
         "env.txt",
+        "gpu_decode.json",
+        "gpu_decode.log",
         "gpu_pack.json",
         "gpu_pack.log",
         "gpu_pipeline.json",
@@ -406,6 +410,13 @@ def test_gpu_session_dry_run_runs_every_part_on_the_cpu(tmp_path):
     reserve = pack["reserve"]
     assert reserve["collectives_backend"] == "gloo" and reserve["nccl_world"] == 1
     assert "measured_bytes" not in reserve and "context_bytes" not in reserve
+    # the decode: serial, then split by whole tiles (frames equal bit for bit), then the audio; no device numbers
+    decode = json.loads((dest / "gpu_decode.json").read_text())
+    assert not decode["errors"] and not decode["skipped"] and decode["dtype"].startswith("bfloat16")
+    split = decode["split"]
+    assert decode["serial"]["s"] > 0 and split["equal"] and split["max_abs_diff"] == 0
+    assert split["tiles"] == len(split["tile_s"]) == 4 and decode["audio"]["s"] > 0
+    assert set(split["projected_split_s"]) == {"2", "4", "8"} and split["peak_bytes"] is None
 
 
 def test_default_clip_smoke_makes_a_clip_with_sound_through_the_cli(tmp_path):
@@ -644,3 +655,14 @@ def test_lora_compose_smoke_times_every_case_and_composed_equals_merged_by_hand(
     # the co-batched composition equals what a user gets by merging each request's adapters into the weights
     assert max(run.result["max_diff_vs_merged"]) < 1e-3
     assert "Composed LoRA requests: one packed step (CPU)" in run.out
+
+
+def test_cold_start_from_zero_reads_the_replica_s_log_lines_on_the_wall_clock():
+    """``cold_start --from-zero`` places the replica's warm-up and readiness by its Serve log lines: their local
+    time, to the millisecond, on the same clock as the POST's ``time.time()``."""
+    import datetime
+
+    from benchmarks.cold_start import _log_time
+
+    line = "INFO 2026-12-05 21:38:44,434 h3serve_H3Replica thx6mb14 -- H3 replica warmed up: one packed forward took"
+    assert _log_time(line) == datetime.datetime(2026, 12, 5, 21, 38, 44, 434000).timestamp()
