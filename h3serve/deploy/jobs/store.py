@@ -373,7 +373,8 @@ class JobStore:
         it lease_s after the final record (its writer died first), or its owner stopped beating for lease_s (died
         mid-retries). Claimed by ``claim_webhook`` with that owner: at least once across ingress deaths."""
         names = self.store.names()
-        present, now, pending = set(names), self.clock(), []
+        present, now = set(names), self.clock()
+        pending: builtins.list[tuple[dict, int, str | None]] = []
         for job_id, record in self._live_records(names).items():
             if record["video"]["status"] not in FINISHED or not record.get("webhook"):
                 continue

@@ -730,6 +730,6 @@ class VideoJobs:
                 runner.stopping = "shutdown"
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self.webhooks is not None:  # deliveries still retrying end with this ingress (at most once)
+        if self.webhooks is not None:  # deliveries still retrying stop here; another ingress resumes them
             await self.webhooks.close()
         self.io.shutdown(wait=False)
