@@ -114,6 +114,7 @@ class JobStore:
         self._finished: dict[str, dict] = {}  # finished records never change: read each once
         self._orphans: set[str] = set()  # MP4s without a record at the last sweep
         self._skipped: set[str] = set()  # files that are not job records, logged once each
+        self._delivered: set[str] = set()  # jobs whose webhook delivery has its outcome: not read again
         self._sweeping = threading.Lock()
         # called (on the thread that wrote it) with a record this store made final without its runner: a lapsed lease,
         # a cancel found at a take-over; the ingress sends its webhook (``video_jobs``). Never raises into the write.
@@ -376,7 +377,7 @@ class JobStore:
         present, now = set(names), self.clock()
         pending: builtins.list[tuple[dict, int, str | None]] = []
         for job_id, record in self._live_records(names).items():
-            if record["video"]["status"] not in FINISHED or not record.get("webhook"):
+            if record["video"]["status"] not in FINISHED or not record.get("webhook") or job_id in self._delivered:
                 continue
             if f"{job_id}.webhook" in present:  # delivered by a version that kept one marker: done
                 continue
@@ -391,6 +392,7 @@ class JobStore:
             except ValueError:
                 marker = None
             if not isinstance(marker, dict) or "delivered" in marker:
+                self._delivered.add(job_id)
                 continue
             if now - float(marker.get("beat_at", 0)) > record["lease_s"]:
                 if owners[-1] < MAX_DELIVERY_OWNERS:
@@ -523,6 +525,7 @@ class JobStore:
         for job_id in list(self._finished):
             if f"{job_id}.json" not in present:
                 del self._finished[job_id]
+        self._delivered &= set(self._finished)
         for name in names:  # a deleted job's runner can no longer write once its lease has passed
             deleted_id = job_id_of(name, ".deleted")
             if deleted_id is not None:
