@@ -3,7 +3,8 @@
 No lock and no actor: each running job has one writer, its *runner* (the ingress that accepted it),
 which rewrites the record on progress and at least every ``lease_s / 4`` (a heartbeat). Any replica
 reading a record whose heartbeat is older than ``lease_s`` saves it as failed (cancelled, with a cancel pending): its
-runner died. A
+runner died; fenced like a take-over (the reader that creates the next epoch's lease writes it, once, and its ingress
+sends the job's webhook). A
 runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict.
 DELETE of a running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write;
 finished jobs have no writer and are removed at once. A cancel asked on an ingress that is not the job's runner

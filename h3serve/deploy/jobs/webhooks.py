@@ -208,7 +208,8 @@ class WebhookSender:
             delivery = asyncio.ensure_future(
                 retry(attempt, self.backoff, lambda e: isinstance(e, DeliveryFailed), again)
             )
-            beating = asyncio.ensure_future(self._beat(delivery, beat, marker, io, beat_s))
+            ended = asyncio.Event()
+            beating = asyncio.ensure_future(self._beat(delivery, ended, beat, marker, io, beat_s))
             outcome: dict[str, Any]
             try:
                 status = await delivery
@@ -222,8 +223,9 @@ class WebhookSender:
                     logger.warning("webhook of video job %s: another ingress took its delivery over", job_id)
                     return
                 raise
-            finally:
-                beating.cancel()
+            finally:  # a beat in flight lands before the outcome, never over it
+                ended.set()
+                await asyncio.gather(beating, return_exceptions=True)
             await io(record, marker, {**outcome, "finished_at": time.time()})
         except asyncio.CancelledError:
             raise
@@ -232,11 +234,21 @@ class WebhookSender:
 
     @staticmethod
     async def _beat(
-        delivery: asyncio.Future, beat: Callable[[dict], bool], marker: dict, io: Callable, beat_s: float
+        delivery: asyncio.Future,
+        ended: asyncio.Event,
+        beat: Callable[[dict], bool],
+        marker: dict,
+        io: Callable,
+        beat_s: float,
     ) -> bool:
-        """Beat in the delivery's marker until it ends; cancel it (False) when a successor took it over."""
+        """Beat in the delivery's marker every ``beat_s`` until it has ``ended`` (True); cancel it (False) when a
+        successor took it over. Never cancelled mid-beat: a write finishing after the outcome's would hide it."""
         while True:
-            await asyncio.sleep(beat_s)
+            try:
+                await asyncio.wait_for(ended.wait(), beat_s)
+                return True
+            except asyncio.TimeoutError:
+                pass
             try:
                 mine = await io(beat, marker)
             except Exception:
