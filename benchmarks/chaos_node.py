@@ -1,7 +1,7 @@
 """Chaos: a lost node (issue 54). What becomes of the video jobs of a node that goes away with an H3Replica and an
 H3Ingress on it.
 
-    python -m benchmarks.chaos_node [--runs 1] [--replace-after 0] [--json PATH]
+    python -m benchmarks.chaos_node [--runs 1] [--replace-after 0 | --spare] [--json PATH]
 
 A two-node Ray cluster on this machine, each node a ``ray start --block`` of its own with a temp dir of its own (not
 ``ray.cluster_utils.Cluster``: that writes its address where every plain ``ray.init()`` on the machine looks, and
@@ -15,9 +15,12 @@ event streams are read through the proxy (reconnecting with Last-Event-ID after 
 once the first clip steps, the worker node is lost: its ``ray start`` and every process under it (raylet, object
 store, the replica, the ingress, idle workers) get SIGKILL at once, a pod or a VM gone. A replacement node with the
 same resources joins ``--replace-after`` seconds later (0: at once, a spare node; KubeRay replacing a pod takes
-longer). Every job is polled to its end. The table: jobs, outcomes, how many ran again (taken over from the lost
-ingress, or re-queued by the surviving one after the replica was lost), event streams that ended with the record's
-final status, the time until Ray declared the node dead, and the time to recover: from the loss to the last job's end.
+longer). ``--spare``: no replacement; a spare node with the same room (one ingress slot, one replica slot, nothing
+placed on it yet) joined once Serve was up, and the lost replicas restart there (a cluster with headroom, or a node
+pool that autoscaled earlier); one run. Every job is polled to its end. The table: jobs, outcomes, how many ran again
+(taken over from the lost ingress, or re-queued by the surviving one after the replica was lost), event streams that
+ended with the record's final status, the time until Ray declared the node dead, and the time to recover: from the
+loss to the last job's end.
 """
 
 from __future__ import annotations
@@ -100,9 +103,17 @@ def runner_of(store: Path, video_id: str) -> dict:
     return json.loads((store / f"{video_id}.json").read_text())["runner"]
 
 
-def lost_node(http: httpx.Client, store: Path, worker: Node, temp_dir: str, head: str, replace_after_s: float):
-    """One run: jobs on both ingress replicas, the worker node lost, a replacement after ``replace_after_s``."""
-    worker_id = next(i for i, n in alive_nodes().items() if n["Resources"].get("h3_replica_slot"))
+def lost_node(
+    http: httpx.Client,
+    store: Path,
+    worker: Node,
+    worker_id: str,
+    temp_dir: str,
+    head: str,
+    replace_after_s: float | None,
+):
+    """One run: jobs on both ingress replicas, the worker node (``worker_id``: the H3Replica's) lost, a replacement
+    after ``replace_after_s`` (None: none; a spare node already has room)."""
     ids: list[str] = []
     nodes: dict[str, set[str]] = {}  # node id -> the jobs an ingress replica there accepted
     while len(ids) < MAX_JOBS and not (len(nodes) == 2 and len(ids) >= 3):
@@ -129,8 +140,10 @@ def lost_node(http: httpx.Client, store: Path, worker: Node, temp_dir: str, head
 
         watcher = threading.Thread(target=declared_dead, daemon=True)
         watcher.start()
-        time.sleep(replace_after_s)
-        replacement = worker_node(temp_dir, head)
+        replacement = None
+        if replace_after_s is not None:
+            time.sleep(replace_after_s)
+            replacement = worker_node(temp_dir, head)
         videos = [poll(http, i) for i in ids]
         recover_s = time.monotonic() - lost
         ended = sum(ended_with(s.result(), v) for s, v in zip(streams, videos, strict=True))
@@ -156,6 +169,8 @@ def run(args) -> dict:
 
     from h3serve.replicas.worker_group import free_port
 
+    if args.spare and args.runs != 1:
+        raise SystemExit("--spare runs once (--runs 1): after a loss the spare holds the replica")
     temp_dir = tempfile.mkdtemp(prefix="h3chaos-")  # short: Ray's socket paths must fit 107 bytes
     port = free_port()
     head_address = f"{ray.util.get_node_ip_address()}:{port}"
@@ -196,8 +211,18 @@ def run(args) -> dict:
             say(f"h3serve serve on two nodes: up in {served.startup_s:.0f} s")
             jobs_store = store / app["name"]
             for i in range(args.runs):
-                result, replacement = lost_node(http, jobs_store, nodes[-1], temp_dir, head_address, args.replace_after)
-                nodes.append(replacement)
+                worker = nodes[-1]
+                worker_id = next(n for n, node in alive_nodes().items() if node["Resources"].get("h3_replica_slot"))
+                if args.spare:  # joins after the replica was placed: it holds nothing until the loss
+                    nodes.append(worker_node(temp_dir, head_address))
+                    wait_nodes(3)
+                    say("a spare node with room for the lost replicas joined")
+                replace_after = None if args.spare else args.replace_after
+                result, replacement = lost_node(
+                    http, jobs_store, worker, worker_id, temp_dir, head_address, replace_after
+                )
+                if replacement is not None:
+                    nodes.append(replacement)
                 runs.append(result)
                 say(
                     f"run {i + 1}: {outcomes(result['videos'])} in {result['recover_s']:.1f} s "
@@ -216,7 +241,8 @@ def run(args) -> dict:
     ended = f"{sum(r['streams'][0] for r in runs)}/{sum(r['streams'][1] for r in runs)}"
     again = f"{sum(r['taken_over'] for r in runs)} taken over, {sum(r['requeued'] for r in runs)} re-queued"
     row = [
-        f"lost node (H3Replica + 1 of 2 H3Ingress), replacement after {args.replace_after:g} s",
+        "lost node (H3Replica + 1 of 2 H3Ingress), "
+        + ("no replacement: a spare node had room" if args.spare else f"replacement after {args.replace_after:g} s"),
         len(runs),
         len(videos),
         outcomes(videos),
@@ -239,13 +265,20 @@ def run(args) -> dict:
     ]
     table(head_row, [row])
     ok = all(v["status"] == "completed" for v in videos) and len(set(ended.split("/"))) == 1
-    return {"runs": runs, "ok": ok, "replace_after_s": args.replace_after, "lease_s": LEASE_S}
+    replace_after_s = None if args.spare else args.replace_after
+    return {"runs": runs, "ok": ok, "replace_after_s": replace_after_s, "spare": args.spare, "lease_s": LEASE_S}
 
 
 def options(ap) -> None:
     ap.add_argument("--runs", type=int, default=1, help="times the node is lost (default 1)")
     ap.add_argument(
         "--replace-after", type=float, default=0.0, help="seconds from the loss to a replacement node (default 0)"
+    )
+    ap.add_argument(
+        "--spare",
+        action="store_true",
+        help="no replacement node: a spare node with room joins before the loss and the lost replicas restart there "
+        "(with --runs 1)",
     )
 
 

@@ -176,7 +176,7 @@ def _cli_apps(inputs: Inputs) -> list[dict]:
 
 
 # test_webhooks_http's: webhooks signed with WEBHOOK_SECRET, allowed to 127.0.0.1 over http (the test's receiver),
-# retried fast
+# retried fast; two ingress replicas and a short lease (a killed runner's job ends on the other in seconds)
 WEBHOOK_SECRET = "whsec_" + "aDNzZXJ2ZS13ZWJob29rLXRlc3Qtc2VjcmV0"  # base64 of "h3serve-webhook-test-secret"
 WEBHOOKS = {
     "secret_env": "H3_WEBHOOK_SECRET",
@@ -186,11 +186,14 @@ WEBHOOKS = {
     "max_retry_s": 1.0,
     "retry_for_s": 60,
 }
+WEBHOOKS_LEASE_S = 6
 
 
 def _webhook_apps(inputs: Inputs) -> list[dict]:
     app = _app(inputs, "webhooks", "/webhooks")
     app["args"]["jobs"]["webhooks"] = WEBHOOKS
+    app["args"]["jobs"]["lease_s"] = WEBHOOKS_LEASE_S
+    app["deployments"][0]["num_replicas"] = 2
     app["runtime_env"] = {"env_vars": {"H3_WEBHOOK_SECRET": WEBHOOK_SECRET}}
     return [app]
 

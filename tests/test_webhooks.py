@@ -131,7 +131,13 @@ def test_the_sender_retries_and_delivers_once_across_ingresses(tmp_path, receive
                 return await asyncio.to_thread(fn, *args)
 
             sender.start(
-                url, video, lambda s=store: s.claim_webhook(job_id), lambda o, s=store: s.record_webhook(job_id, o), io
+                url,
+                video,
+                lambda s=store: s.claim_webhook(job_id),
+                lambda m, s=store: s.beat_webhook(job_id, m),
+                lambda m, o, s=store: s.record_webhook(job_id, m, o),
+                io,
+                1.0,
             )
         for sender in senders:
             await asyncio.gather(*sender.tasks)
@@ -145,7 +151,7 @@ def test_the_sender_retries_and_delivers_once_across_ingresses(tmp_path, receive
 
 
 def test_a_target_that_never_answers_2xx_gives_up_within_retry_for_s(tmp_path):
-    config = WebhookArgs(allow=["127.0.0.1/32"], allow_http=True, first_retry_s=0.05, max_retry_s=0.1, retry_for_s=0.5)
+    config = WebhookArgs(allow=["127.0.0.1/32"], allow_http=True, first_retry_s=0.05, max_retry_s=0.1, retry_for_s=1.5)
     store = JobStore(MediaStore(str(tmp_path)), JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=9))
     job_id = f"video_{uuid.uuid4().hex}"
     runner = store.create({"id": job_id, "object": "video", "status": "queued", "progress": 0, "created_at": 0})
@@ -163,8 +169,10 @@ def test_a_target_that_never_answers_2xx_gives_up_within_retry_for_s(tmp_path):
             "http://127.0.0.1:9/hook",
             runner.record["video"],
             lambda: store.claim_webhook(job_id),
-            lambda o: store.record_webhook(job_id, o),
+            lambda m: store.beat_webhook(job_id, m),
+            lambda m, o: store.record_webhook(job_id, m, o),
             io,
+            1.0,
         )
         await asyncio.gather(*sender.tasks)
         return time.monotonic() - started
@@ -189,3 +197,219 @@ def test_a_requests_webhook_needs_a_secret_and_the_default_is_the_configs():
     assert (
         refused.value.status == 400 and refused.value.param == "webhook" and "169.254.169.254" in refused.value.message
     )
+
+
+# -- a job that ends without its runner; a delivery whose ingress dies; the address pinned -------------------------
+FAST = WebhookArgs(allow=["127.0.0.1/32"], allow_http=True, first_retry_s=0.05, max_retry_s=0.1, retry_for_s=30)
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1: answers 500 while ``failing``, else 204; keeps (headers, body) of each POST."""
+
+    def __init__(self, failing: bool = False):
+        self.failing, self.received = failing, []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                receiver.received.append((dict(self.headers), self.rfile.read(int(self.headers["content-length"]))))
+                self.send_response(500 if receiver.failing else 204)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def new_video() -> dict:
+    return {"id": f"video_{uuid.uuid4().hex}", "object": "video", "status": "queued", "progress": 0, "created_at": 0}
+
+
+@pytest.mark.parametrize("how", ["runner_lost", "cancel_pending", "cancel_on_another_ingress"])
+def test_a_job_that_ends_without_its_runner_sends_its_webhook_from_one_ingress(tmp_path, how):
+    """Its runner died (it never writes again): the job's lease lapses and two other ingresses read it at once (or one
+    is asked to cancel it): exactly one writes its final record (the next epoch's lease file) and sends its webhook."""
+    from h3serve.deploy.jobs.video_jobs import VideoJobs
+
+    receiver = Receiver()
+    now = [1000.0]
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=2, max_unfinished=9)
+    stores = [JobStore(MediaStore(str(tmp_path)), policy, clock=lambda: now[0]) for _ in range(3)]
+    video = new_video()
+    job_id = video["id"]
+    # the dead runner's job: its request stored (takeable, with attempts left) only where a cancel ends it
+    stored = b"{}" if how == "cancel_on_another_ingress" else None
+    assert stores[0].create(video, job=stored, webhook=receiver.url) is not None
+    if how == "cancel_pending":
+        stores[0].request_cancel(job_id)
+    now[0] += policy.lease_s + 1  # its runner stopped writing: the lease lapsed
+
+    async def two_ingresses():
+        ingresses = [VideoJobs(store, None, None, WebhookSender(FAST, SECRET)) for store in stores[1:]]  # type: ignore[arg-type]
+        if how == "cancel_on_another_ingress":
+            answers = await asyncio.gather(ingresses[0].cancel(job_id), ingresses[1].cancel(job_id))
+        else:
+            answers = await asyncio.gather(*(i.get(job_id) for i in ingresses), *(i.list() for i in ingresses))
+            answers = answers[:2]
+        for _ in range(100):  # the winner's delivery starts on its loop
+            await asyncio.sleep(0.05)
+            if receiver.received and not any(i.webhooks.tasks for i in ingresses):  # type: ignore[union-attr]
+                break
+        await asyncio.sleep(0.5)  # no second delivery follows
+        for ingress in ingresses:
+            await ingress.close()
+        return answers
+
+    try:
+        answers = asyncio.run(two_ingresses())
+    finally:
+        receiver.close()
+    final = stores[0].get(job_id)
+    assert final is not None
+    expected = "failed" if how == "runner_lost" else "cancelled"
+    assert final["status"] == expected and all(a["status"] == expected for a in answers), (final, answers)
+    if how == "runner_lost":
+        assert final["error"]["code"] == "runner_lost"
+    assert len(receiver.received) == 1, receiver.received  # one ingress sent it, once
+    headers, body = receiver.received[0]
+    assert verify_webhook(SECRET, headers, body) == final
+    assert stores[0].webhook(job_id)["delivered"]
+    assert json.loads((tmp_path / f"{job_id}.json").read_text())["epoch"] == 2  # the fenced writer's epoch
+    assert stores[1].pending_webhooks() == [] and stores[2].pending_webhooks() == []
+
+
+DELIVERING = """
+import asyncio, sys, time
+from h3serve.deploy.common.args import WebhookArgs
+from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.store import JobPolicy, JobStore
+from h3serve.deploy.jobs.video_jobs import VideoJobs
+from h3serve.deploy.jobs.webhooks import WebhookSender
+
+root, job_id, secret = sys.argv[1:]
+config = WebhookArgs(allow=["127.0.0.1/32"], allow_http=True, first_retry_s=0.2, max_retry_s=0.2, retry_for_s=600)
+store = JobStore(MediaStore(root), JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=1, max_unfinished=9))
+
+async def main():
+    ingress = VideoJobs(store, None, None, WebhookSender(config, secret))
+    ingress._notify(await ingress._io(store._read, job_id))
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_delivery_whose_ingress_is_killed_is_resumed_by_another_with_the_same_id(tmp_path):
+    """At least once: the ingress delivering a webhook (a real process, retrying a receiver that answers 500) is
+    killed with kill -9; while it lived its beats kept the delivery its own; once they are lease_s old another
+    ingress's sweep delivers it, as the next owner, under the same webhook-id."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from h3serve.deploy.jobs.video_jobs import VideoJobs
+
+    receiver = Receiver(failing=True)
+    policy = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=1, max_unfinished=9)
+    store = JobStore(MediaStore(str(tmp_path)), policy)
+    runner = store.create(new_video(), webhook=receiver.url)
+    assert runner is not None
+    runner.fail("500", "boom")
+    job_id = runner.job_id
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    child = subprocess.Popen([sys.executable, "-c", DELIVERING, str(tmp_path), job_id, SECRET], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(receiver.received) < 3 and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.1)
+        assert len(receiver.received) >= 3, "the first ingress never retried"
+        time.sleep(policy.lease_s * 1.5)
+        assert store.pending_webhooks() == []  # alive and beating: nobody else takes it
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    first = store.webhook(job_id)
+    assert first is not None and first["owner"] == 1 and "delivered" not in first
+    killed_after = len(receiver.received)
+    time.sleep(policy.lease_s * 1.5)  # its last beat is now older than the lease
+    receiver.failing = False
+
+    async def another_ingress():
+        ingress = VideoJobs(store, None, None, WebhookSender(FAST, SECRET))  # type: ignore[arg-type]
+        await ingress.sweep_once()
+        await asyncio.gather(*ingress.webhooks.tasks)  # type: ignore[union-attr]
+        await ingress.close()
+
+    try:
+        asyncio.run(another_ingress())
+    finally:
+        receiver.close()
+    assert len(receiver.received) == killed_after + 1  # the resumed delivery, answered 204 at once
+    assert {h["webhook-id"] for h, _ in receiver.received} == {first["id"]}  # one message: a receiver dedupes on it
+    assert verify_webhook(SECRET, *receiver.received[-1]) == store.get(job_id)
+    outcome = store.webhook(job_id)
+    assert outcome["owner"] == 2 and outcome["delivered"] and outcome["id"] == first["id"]
+    assert store.pending_webhooks() == []
+    assert store.delete(job_id) and not list(tmp_path.glob(f"{job_id}*"))
+
+
+def resolver(*answers: str, calls: list | None = None):
+    """A resolver (socket.getaddrinfo's shape) answering ``answers`` for any host, counting its calls in ``calls``."""
+    import socket
+
+    def resolve(host, port, type=0, **_):
+        if calls is not None:
+            calls.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port)) for address in answers]
+
+    return resolve
+
+
+def test_a_delivery_connects_to_the_address_it_checked():
+    """DNS rebinding: the sender resolves a host once per attempt, checks the addresses, and connects to the one it
+    checked with the host kept in the Host header: a name nothing else can resolve (.invalid) reaches the receiver
+    on 127.0.0.1; a name resolving to a private address, or to an allowed one beside a private one, is refused."""
+    receiver = Receiver()
+    calls: list[str] = []
+    url = f"http://hooks.invalid:{receiver.port}/hook"
+
+    async def deliver(resolve) -> int:
+        return await WebhookSender(FAST, SECRET, resolve=resolve)._attempt(url, "msg_pinned", b"{}")
+
+    try:
+        assert asyncio.run(deliver(resolver("127.0.0.1", calls=calls))) == 204
+        assert calls == ["hooks.invalid"]  # resolved once: httpx did not resolve it again (it could not)
+        headers, _ = receiver.received[0]
+        assert {k.lower(): v for k, v in headers.items()}["host"] == f"hooks.invalid:{receiver.port}"
+        for answers in (("10.0.0.1",), ("127.0.0.1", "10.0.0.1"), ("169.254.169.254",)):
+            with pytest.raises(WebhookRefused, match="jobs.webhooks.allow"):
+                asyncio.run(deliver(resolver(*answers)))
+        assert len(receiver.received) == 1
+    finally:
+        receiver.close()
+    with pytest.raises(WebhookRefused, match="10.0.0.1"):
+        check_target("https://hooks.invalid/hook", WebhookArgs(), resolver("10.0.0.1"))
+    assert check_target("https://hooks.invalid/hook", WebhookArgs(), resolver("93.184.216.34")) == "93.184.216.34"
+
+
+def test_a_pinned_url_keeps_its_host_for_tls():
+    from h3serve.deploy.jobs.webhooks import pinned
+
+    target, host, extensions = pinned("https://hooks.example.com/h3?x=1", "93.184.216.34")
+    assert str(target) == "https://93.184.216.34/h3?x=1"
+    assert host == {"host": "hooks.example.com"} and extensions == {"sni_hostname": "hooks.example.com"}
+    target, host, extensions = pinned("http://hooks.example.com:8080/h3", "2001:db8::1")
+    assert str(target) == "http://[2001:db8::1]:8080/h3" and host == {"host": "hooks.example.com:8080"}
+    assert extensions == {}

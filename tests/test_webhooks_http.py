@@ -1,22 +1,27 @@
 """Webhooks over real HTTP on the session's server (its "webhooks" application: jobs.webhooks signed with
 served_apps.WEBHOOK_SECRET, allowed to 127.0.0.1 only): a receiver on 127.0.0.1 that answers 500 twice sees a third
 attempt, signed so that the client's verify_webhook accepts it, carrying the final job object; the attempts are
-counted by outcome; targets outside the allow-list are a 400 naming ``webhook``. The parts alone:
-tests/test_webhooks.py."""
+counted by outcome; targets outside the allow-list are a 400 naming ``webhook``; a job whose runner ingress is killed
+with kill -9 and is then cancelled through the proxy sends its cancelled object once, from another ingress (the app
+runs two). The parts alone: tests/test_webhooks.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pytest
 
 from h3serve.client import H3Client, WebhookVerificationError, verify_webhook
-from tests.harness import H3SERVE, scrape, wait_for
-from tests.served_apps import WEBHOOK_SECRET
+from tests.harness import H3SERVE, client, gone, scrape, wait_for
+from tests.served_apps import WEBHOOK_SECRET, WEBHOOKS_LEASE_S
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
@@ -132,5 +137,44 @@ def test_a_cancelled_job_sends_its_final_object_once(server):
             headers, body = receiver.received[0]
             assert verify_webhook(WEBHOOK_SECRET, headers, body) == final
             api.delete(job["id"])
+    finally:
+        receiver.close()
+
+
+def test_a_job_whose_runner_ingress_is_killed_sends_its_cancelled_webhook_from_another(server):
+    """kill -9 of the ingress running a job, then a cancel through the proxy: the job ends cancelled by an ingress
+    that never ran it (the cancel found when its lease lapsed), which sends its webhook, once."""
+    receiver = Receiver(fail_first=0)
+    try:
+        with client(server.url) as http:
+            body = {"prompt": "a lost bell", "num_inference_steps": 50, "webhook": receiver.url}
+            created = http.post("/v1/videos", json=body)
+            assert created.status_code == 200, created.text
+            job_id = created.json()["id"]
+            runner = json.loads((server.store / f"{job_id}.json").read_text())["runner"]
+            assert b"H3Ingress" in Path(f"/proc/{runner['pid']}/cmdline").read_bytes(), runner
+            os.kill(runner["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            assert gone(runner["pid"], 10)
+
+            def cancelled():  # sent again while the proxy still routes to the dead replica
+                try:
+                    answer = http.post(f"/v1/videos/{job_id}/cancel")
+                except httpx.HTTPError:
+                    return None
+                return answer if answer.status_code < 500 else None
+
+            answer = wait_for(cancelled, timeout=60, interval=0.25, what="the cancel answered")
+            assert answer.status_code == 200 and answer.json()["status"] == "cancelled", answer.text
+            wait_for(lambda: receiver.received, timeout=60, interval=0.2, what="the webhook")
+            print(f"kill -9 of the runner ingress to its job's cancelled webhook: {time.monotonic() - killed:.1f} s")
+            time.sleep(WEBHOOKS_LEASE_S / 2)  # no second delivery follows (a sweep on every ingress ran meanwhile)
+            assert len(receiver.received) == 1, receiver.received
+            headers, sent = receiver.received[0]
+            final = http.get(f"/v1/videos/{job_id}").json()
+            assert verify_webhook(WEBHOOK_SECRET, headers, sent) == final and final["status"] == "cancelled"
+            delivery = json.loads((server.store / f"{job_id}.webhook1").read_text())
+            assert delivery["delivered"] and delivery["runner"]["pid"] != runner["pid"], delivery
+            http.delete(f"/v1/videos/{job_id}")
     finally:
         receiver.close()

@@ -180,8 +180,9 @@ class WebhookArgs(BaseModel):
         default=3600.0,
         gt=0,
         description="attempts stop once the next would start more than this long after the first (a non-2xx answer or "
-        "no answer is retried; the ingress that finished the job delivers it, and a delivery is recorded in the store "
-        "first, so it is attempted by one ingress only)",
+        "no answer is retried; the ingress that wrote the job's end delivers it, claimed in the store first so one "
+        "ingress attempts it; one that dies mid-retries is succeeded by another after lease_s, with the same "
+        "webhook-id)",
     )
 
     @field_validator("allow")

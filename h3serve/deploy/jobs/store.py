@@ -3,7 +3,8 @@
 No lock and no actor: each running job has one writer, its *runner* (the ingress that accepted it),
 which rewrites the record on progress and at least every ``lease_s / 4`` (a heartbeat). Any replica
 reading a record whose heartbeat is older than ``lease_s`` saves it as failed (cancelled, with a cancel pending): its
-runner died. A
+runner died; fenced like a take-over (the reader that creates the next epoch's lease writes it, once, and its ingress
+sends the job's webhook). A
 runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict.
 DELETE of a running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write;
 finished jobs have no writer and are removed at once. A cancel asked on an ingress that is not the job's runner
@@ -35,6 +36,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from h3serve.deploy.jobs.media_store import MediaStore
@@ -45,6 +47,10 @@ FINISHED = ("completed", "failed", "cancelled")
 JOB_ID = re.compile(r"video_[0-9a-f]{32}")
 RUNNER_LOST = "runner_lost"
 REPLICA_LOST = "replica_lost"  # the job's replica was lost under it on every one of its attempts
+# A webhook's delivery is owned by whoever creates ``<id>.webhook<n>`` (exclusive); an owner that stops beating for
+# lease_s (its ingress died mid-retries) is succeeded by the next n, up to this many owners (then it is given up).
+MAX_DELIVERY_OWNERS = 4
+WEBHOOK_FILES = tuple(f".webhook{n}" for n in range(1, MAX_DELIVERY_OWNERS + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +115,11 @@ class JobStore:
         self._finished: dict[str, dict] = {}  # finished records never change: read each once
         self._orphans: set[str] = set()  # MP4s without a record at the last sweep
         self._skipped: set[str] = set()  # files that are not job records, logged once each
+        self._delivered: set[str] = set()  # jobs whose webhook delivery has its outcome: not read again
         self._sweeping = threading.Lock()
+        # called (on the thread that wrote it) with a record this store made final without its runner: a lapsed lease,
+        # a cancel found at a take-over; the ingress sends its webhook (``video_jobs``). Never raises into the write.
+        self.on_final: Callable[[dict], None] | None = None
 
     def _skip(self, name: str, why: str) -> None:
         """A file in the store that is not one of our records is left alone; say so once, not on every listing."""
@@ -159,18 +169,30 @@ class JobStore:
             return record
         silent = now - record["updated_at"]
         ended = {"completed_at": int(now), "expires_at": int(now + self.policy.ttl_s)}
+        # fenced like a take-over: the one reader that creates the next epoch's lease writes the final record (and
+        # sends its webhook); the others answer with what it writes, or will write
+        epoch = record.get("epoch", 1) + 1
+        record = {**record, "epoch": epoch}
+        won = self.store.put_new(f"{video['id']}.lease{epoch}", b"")
+        if not won:
+            stored = self._read(video["id"])
+            if stored is not None and stored["video"]["status"] in FINISHED:
+                return stored
         if self.store.exists(f"{video['id']}.cancel"):  # its caller asked for its end before anyone ran it again
             record = {
                 **record,
                 "updated_at": now,
                 "video": {**video, **ended, "status": "cancelled", "queue_position": None, "eta_seconds": None},
             }
+            if not won:
+                return record
             logger.warning(
                 "video job %s lost its runner %.0f s ago with a cancel pending: cancelled", video["id"], silent
             )
             self._write(record)
             self.store.delete(f"{video['id']}.cancel", f"{video['id']}.request")
             self._finished[video["id"]] = record
+            self.ended(record)
             return record
         record = {
             **record,
@@ -187,10 +209,21 @@ class JobStore:
                 },
             },
         }
+        if not won:
+            return record
         logger.warning("video job %s lost its runner %.0f s ago: failed", video["id"], silent)
         self._write(record)
         self._finished[video["id"]] = record
+        self.ended(record)
         return record
+
+    def ended(self, record: dict) -> None:
+        """Tell the ingress (``on_final``) that this store wrote ``record``'s final status without a runner."""
+        if self.on_final is not None and record.get("webhook"):
+            try:
+                self.on_final(record)
+            except Exception:  # the sweeper's pickup (``pending_webhooks``) delivers it then
+                logger.exception("video job %s: its webhook could not be started", record["video"]["id"])
 
     def create(
         self,
@@ -300,19 +333,77 @@ class JobStore:
             self.store.put(f"{job_id}.deleted", json.dumps({"deleted_at": self.clock()}).encode())
         return True
 
-    def claim_webhook(self, job_id: str) -> bool:
-        """True for the one caller that creates ``<id>.webhook``: it delivers the job's webhook (``webhooks``)."""
-        return self.store.put_new(f"{job_id}.webhook", json.dumps({"claimed_at": self.clock()}).encode())
+    def claim_webhook(self, job_id: str, owner: int = 1, webhook_id: str | None = None) -> dict | None:
+        """The delivery of the job's webhook for the one caller that creates ``<id>.webhook<owner>`` (exclusive): its
+        marker (``owner``, the ``id`` every attempt sends: a successor keeps its predecessor's, so a receiver dedupes
+        on it, and ``beat_at``), or None (another ingress delivers it). Owner 1 is the ingress that wrote the final
+        record; a later one took over a delivery whose owner stopped beating (``pending_webhooks``)."""
+        marker = {
+            "owner": owner,
+            "id": webhook_id or f"msg_{uuid.uuid4().hex}",
+            "beat_at": self.clock(),
+            "runner": self.runner,
+        }
+        if not JOB_ID.fullmatch(job_id) or not 1 <= owner <= MAX_DELIVERY_OWNERS:
+            return None
+        return marker if self.store.put_new(f"{job_id}.webhook{owner}", json.dumps(marker).encode()) else None
 
-    def record_webhook(self, job_id: str, outcome: dict) -> None:
-        """The webhook's outcome (delivered or not, attempts) in ``<id>.webhook``, while the job is still there."""
+    def beat_webhook(self, job_id: str, marker: dict) -> bool:
+        """The delivery's owner is alive (every lease_s / 4 while it retries); False when a successor took it over
+        (this owner was thought dead: it stops, the successor delivers) or the job is gone."""
+        if self.store.exists(f"{job_id}.webhook{marker['owner'] + 1}") or not self.store.exists(f"{job_id}.json"):
+            return False
+        self.store.put(f"{job_id}.webhook{marker['owner']}", json.dumps({**marker, "beat_at": self.clock()}).encode())
+        return True
+
+    def record_webhook(self, job_id: str, marker: dict, outcome: dict) -> None:
+        """The webhook's outcome (delivered or not, attempts) in the owner's ``<id>.webhook<n>``, while the job is
+        still there."""
         if self.store.exists(f"{job_id}.json"):
-            self.store.put(f"{job_id}.webhook", json.dumps(outcome).encode())
+            self.store.put(f"{job_id}.webhook{marker['owner']}", json.dumps({**marker, **outcome}).encode())
 
     def webhook(self, job_id: str) -> dict | None:
-        """The job's webhook delivery record: claimed, then its outcome; None before any."""
-        raw = self.store.get(f"{job_id}.webhook") if JOB_ID.fullmatch(job_id) else None
-        return None if raw is None else json.loads(raw)
+        """The job's webhook delivery as its last owner wrote it: claimed (``beat_at``), then its outcome
+        (``delivered``); None before any."""
+        if not JOB_ID.fullmatch(job_id):
+            return None
+        for suffix in reversed(WEBHOOK_FILES):
+            raw = self.store.get(f"{job_id}{suffix}")
+            if raw is not None:
+                return json.loads(raw)
+        return None
+
+    def pending_webhooks(self) -> builtins.list[tuple[dict, int, str | None]]:
+        """(record, next owner, webhook id) of the finished jobs whose webhook no live ingress delivers: none claimed
+        it lease_s after the final record (its writer died first), or its owner stopped beating for lease_s (died
+        mid-retries). Claimed by ``claim_webhook`` with that owner: at least once across ingress deaths."""
+        names = self.store.names()
+        present, now = set(names), self.clock()
+        pending: builtins.list[tuple[dict, int, str | None]] = []
+        for job_id, record in self._live_records(names).items():
+            if record["video"]["status"] not in FINISHED or not record.get("webhook") or job_id in self._delivered:
+                continue
+            if f"{job_id}.webhook" in present:  # delivered by a version that kept one marker: done
+                continue
+            owners = [n for n, suffix in enumerate(WEBHOOK_FILES, 1) if f"{job_id}{suffix}" in present]
+            if not owners:
+                if now - record["updated_at"] > record["lease_s"]:
+                    pending.append((record, 1, None))
+                continue
+            raw = self.store.get(f"{job_id}.webhook{owners[-1]}")
+            try:
+                marker = json.loads(raw) if raw is not None else None
+            except ValueError:
+                marker = None
+            if not isinstance(marker, dict) or "delivered" in marker:
+                self._delivered.add(job_id)
+                continue
+            if now - float(marker.get("beat_at", 0)) > record["lease_s"]:
+                if owners[-1] < MAX_DELIVERY_OWNERS:
+                    pending.append((record, owners[-1] + 1, marker.get("id")))
+                else:
+                    self._skip(f"{job_id}.webhook{owners[-1]}", "is a webhook whose every owner died; given up")
+        return pending
 
     def request_cancel(self, job_id: str) -> None:
         """Ask the job's runner, wherever it runs, to cancel it (it sees this at its next write)."""
@@ -328,6 +419,7 @@ class JobStore:
             f"{job_id}.settings",
             f"{job_id}.events",
             f"{job_id}.webhook",
+            *(f"{job_id}{suffix}" for suffix in WEBHOOK_FILES),
             *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)),
         )
 
@@ -368,6 +460,7 @@ class JobStore:
                 runner.update(status="queued", progress=0, queue_position=None, eta_seconds=None)
             except JobCancelled:  # cancelled while it had no runner: that is its end
                 runner.cancel()
+                self.ended(runner.record)
                 return None
         logger.warning("video job %s: its runner stopped writing; taken over here (epoch %d)", job_id, epoch)
         return runner, job
@@ -436,6 +529,7 @@ class JobStore:
         for job_id in list(self._finished):
             if f"{job_id}.json" not in present:
                 del self._finished[job_id]
+        self._delivered &= set(self._finished)
         for name in names:  # a deleted job's runner can no longer write once its lease has passed
             deleted_id = job_id_of(name, ".deleted")
             if deleted_id is not None:
@@ -457,7 +551,14 @@ class JobStore:
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
         # a stored request without a record alike (create died between the two writes), and an event log (a deleted
         # job's runner writes its last one after removing the record)
-        suffixes = (".request", ".settings", ".events", ".webhook", *(suffix for suffix, _ in VARIANTS.values()))
+        suffixes = (
+            ".request",
+            ".settings",
+            ".events",
+            ".webhook",
+            *WEBHOOK_FILES,
+            *(suffix for suffix, _ in VARIANTS.values()),
+        )
         mp4s = {found for n in names for s in suffixes if (found := job_id_of(n, s)) is not None}
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:

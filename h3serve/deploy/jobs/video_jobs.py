@@ -129,9 +129,12 @@ class VideoJobs:
         self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
         self.closing = False  # Serve stops this replica: it takes nothing over any more
+        self.loop: asyncio.AbstractEventLoop | None = None  # the replica's, once it ran a store call
+        store.on_final = self._ended_elsewhere
 
     async def _io(self, fn: Callable, *args) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
+        self.loop = asyncio.get_running_loop()
+        return await self.loop.run_in_executor(self.io, fn, *args)
 
     # -- what the routes ask ---------------------------------------------------------------------
     def idempotent(self, headers, route: str, body):
@@ -248,6 +251,7 @@ class VideoJobs:
                 await self._io(
                     runner.fail, RUNNER_LOST, "the server running this job stopped and it could not be resumed"
                 )
+                self._notify(runner.record)
                 continue
             stored, stored_last = load_log(await self._io(self.store.events, job_id))
             after = max(stored_last, runner.record.get("event_id", 0)) + EVENT_ID_GAP
@@ -363,6 +367,7 @@ class VideoJobs:
         taken = self.store.take_over(video_id)
         if taken is not None:  # the cancel was withdrawn meanwhile (never by a caller): it is still asked of it
             taken[0].cancel()
+            self.store.ended(taken[0].record)
 
     # -- the sweeper -------------------------------------------------------------------------------
     def start_sweeper(self) -> None:
@@ -380,6 +385,7 @@ class VideoJobs:
             await self._io(self.store.sweep)
             await self._io(self.keys.sweep)
             await self.take_over()
+            await self._resume_webhooks()
         except Exception:
             logger.exception("sweeping the video job store failed; the next sweep retries")
 
@@ -469,7 +475,7 @@ class VideoJobs:
                 self.live.end(runner.job_id, None if whole else f"the job ended before its video did (HTTP {code})")
                 self.tasks.pop(runner.job_id, None)
                 self.runners.pop(runner.job_id, None)
-                self._notify(runner)
+                self._notify(runner.record)
                 self.metrics.observe(JOB_ROUTE, code, time.perf_counter() - started, model)
                 outcome = runner.record["video"]["status"] if code != 499 else runner.stopping or "stopped"
                 audit(runner.record.get("tenant"), runner.job_id, "run", outcome, request_id)
@@ -634,14 +640,39 @@ class VideoJobs:
             if interrupted:
                 raise asyncio.CancelledError
 
-    def _notify(self, runner: JobRunner) -> None:
-        """The job's webhook, when it has one and this runner wrote its final status (``webhooks``)."""
-        url, video = runner.record.get("webhook"), runner.record["video"]
+    def _notify(self, record: dict, owner: int = 1, webhook_id: str | None = None) -> None:
+        """The job's webhook, when it has one and its record is final: sent from here when this ingress wins its
+        delivery (``store.claim_webhook``: owner 1 is the writer of the final record; a later owner takes over a
+        delivery whose ingress died, ``_resume_webhooks``)."""
+        url, video = record.get("webhook"), record["video"]
         if self.webhooks is None or url is None or video["status"] not in FINISHED:
             return
-        job_id = runner.job_id
-        claim = functools.partial(self.store.claim_webhook, job_id)
-        self.webhooks.start(url, video, claim, functools.partial(self.store.record_webhook, job_id), self._io)
+        job_id = video["id"]
+        self.webhooks.start(
+            url,
+            video,
+            functools.partial(self.store.claim_webhook, job_id, owner, webhook_id),
+            functools.partial(self.store.beat_webhook, job_id),
+            functools.partial(self.store.record_webhook, job_id),
+            self._io,
+            self.store.policy.lease_s / 4,
+        )
+
+    def _ended_elsewhere(self, record: dict) -> None:
+        """``JobStore.on_final``, on a store thread: a final record this ingress wrote without running the job (its
+        lease lapsed, a cancel found at a take-over); its webhook goes from here, on the event loop."""
+        if self.loop is not None and not self.closing:
+            self.loop.call_soon_threadsafe(self._notify, record)
+
+    async def _resume_webhooks(self) -> None:
+        """Deliver the webhooks that no live ingress delivers (their writer or owner died): at least once."""
+        if self.webhooks is None or self.closing:
+            return
+        for record, owner, webhook_id in await self._io(self.store.pending_webhooks):
+            logger.warning(
+                "video job %s: no live ingress delivers its webhook; here (owner %d)", record["video"]["id"], owner
+            )
+            self._notify(record, owner, webhook_id)
 
     def _finished(self, runner: JobRunner) -> None:
         """The job's final event: its record's final status (the first one written wins a race with a cancel)."""
@@ -716,6 +747,6 @@ class VideoJobs:
                 runner.stopping = "shutdown"
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self.webhooks is not None:  # deliveries still retrying end with this ingress (at most once)
+        if self.webhooks is not None:  # deliveries still retrying stop here; another ingress resumes them
             await self.webhooks.close()
         self.io.shutdown(wait=False)

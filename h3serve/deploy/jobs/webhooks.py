@@ -2,16 +2,21 @@
 
 Signed as Standard Webhooks say (``h3serve.client.webhooks.sign``: HMAC-SHA256 over ``id.timestamp.body`` with the
 secret from the env var ``jobs.webhooks.secret_env`` names; the secret is never logged). Sent by the ingress that
-wrote the job's final status, once: it first creates ``<id>.webhook`` in the job store (exclusive on a shared
-directory; a check then a write on an object store), and only the ingress that created it delivers; the file then
-records the outcome. A non-2xx answer or none is retried with exponential backoff for ``retry_for_s``; each attempt
-is counted by outcome (``h3serve_webhook_attempts``). An ingress that dies mid-retries takes its delivery with it (at
-most once, not at least once).
+wrote the job's final status, whether it ran the job or not (a lapsed lease, a cancel of a job whose runner died:
+the store's fencing picks one writer): it first creates ``<id>.webhook1`` in the job store (exclusive on a shared
+directory; a check then a write on an object store) and only the ingress that created it delivers, beating in it
+while it retries; it then records the outcome there. At least once across ingress deaths: an ingress's sweeper
+delivers a final job's webhook that nobody claimed lease_s after the final write, or whose owner stopped beating for
+lease_s, as the next owner (``<id>.webhook2``..., the same ``webhook-id``, up to ``MAX_DELIVERY_OWNERS``). A non-2xx
+answer or none is retried with exponential backoff for ``retry_for_s``; each attempt is counted by outcome
+(``h3serve_webhook_attempts``).
 
 Not a way to make the server call anywhere: the target's host is resolved and every address must be public or in
 ``allow`` (no loopback, link-local (cloud metadata: 169.254.169.254), private, shared, reserved or multicast address
 otherwise), https unless ``allow_http``; checked at submit (a 400 naming ``webhook``) and again before each attempt
-(DNS may have changed). Redirects are not followed.
+(DNS may have changed). Each attempt connects to the address it checked (pinned: the URL's host kept in the Host
+header and TLS's SNI and certificate check), so a host re-resolving between the check and the connection (DNS
+rebinding) cannot send it elsewhere. Redirects are not followed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -69,9 +73,13 @@ def public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return address.is_global and not address.is_multicast
 
 
-def check_target(url: str, config: WebhookArgs) -> None:
-    """WebhookRefused unless ``url`` is http(s) (https only unless allow_http) and every address its host resolves to
-    is public or inside ``config.allow``. Blocking (DNS): run it off the event loop."""
+Resolver = Callable[..., list]  # socket.getaddrinfo's signature: tests point the sender at their own
+
+
+def check_target(url: str, config: WebhookArgs, resolve: Resolver = socket.getaddrinfo) -> str:
+    """The address to connect to (the first one ``url``'s host resolves to): WebhookRefused unless ``url`` is http(s)
+    (https only unless allow_http) and every address its host resolves to is public or inside ``config.allow``.
+    Blocking (DNS): run it off the event loop."""
     if len(url) > MAX_URL:
         raise WebhookRefused(f"is over {MAX_URL} characters")
     parts = urlsplit(url)
@@ -82,17 +90,34 @@ def check_target(url: str, config: WebhookArgs) -> None:
         raise WebhookRefused("must name a host (and no user or password)")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        infos = resolve(parts.hostname, port, type=socket.SOCK_STREAM)
     except (OSError, ValueError) as e:
         raise WebhookRefused(f"host {parts.hostname!r} does not resolve ({e})") from None
+    if not infos:
+        raise WebhookRefused(f"host {parts.hostname!r} resolves to no address")
     allowed = [ipaddress.ip_network(n, strict=False) for n in config.allow]
-    for info in infos:
-        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])  # an IPv6 scope id is not part of it
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]  # no IPv6 scope id
+    for address in addresses:
         if not public(address) and not any(address in network for network in allowed):
             raise WebhookRefused(
                 f"host {parts.hostname!r} resolves to {address}, which is not a public address nor in "
                 "jobs.webhooks.allow"
             )
+    return str(addresses[0])
+
+
+def pinned(url: str, address: str) -> tuple[httpx.URL, dict[str, str], dict[str, str]]:
+    """``url`` aimed at ``address`` (the one ``check_target`` passed), with the Host header and, for https, the TLS
+    server name (SNI, and the name the certificate is checked against) of ``url``'s own host: (url, headers,
+    request extensions)."""
+    original = httpx.URL(url)
+    host = original.host  # IDNA-encoded, no brackets
+    default = {"https": 443, "http": 80}[original.scheme]
+    header = host if original.port in (None, default) else f"{host}:{original.port}"
+    if ":" in host:
+        header = f"[{host}]" if original.port in (None, default) else f"[{host}]:{original.port}"
+    extensions = {"sni_hostname": host} if original.scheme == "https" else {}
+    return original.copy_with(host=address), {"host": header}, extensions
 
 
 async def checked_target(url: str, config: WebhookArgs) -> None:
@@ -117,8 +142,14 @@ async def job_webhook(asked: str | None, config: WebhookArgs, enabled: bool) -> 
 
 
 class WebhookSender:
-    def __init__(self, config: WebhookArgs, secret: str, metrics: WebhookMetrics | None = None):
-        self.config, self.secret = config, secret
+    def __init__(
+        self,
+        config: WebhookArgs,
+        secret: str,
+        metrics: WebhookMetrics | None = None,
+        resolve: Resolver = socket.getaddrinfo,
+    ):
+        self.config, self.secret, self.resolve = config, secret, resolve
         self.metrics = metrics or WebhookMetrics()
         self.backoff = Backoff(first_s=config.first_retry_s, max_s=config.max_retry_s, for_s=config.retry_for_s)
         self.tasks: set[asyncio.Task] = set()
@@ -127,13 +158,17 @@ class WebhookSender:
         self,
         url: str,
         video: dict,
-        claim: Callable[[], bool],
-        record: Callable[[dict], None],
+        claim: Callable[[], dict | None],
+        beat: Callable[[dict], bool],
+        record: Callable[[dict, dict], None],
         io: Callable[..., Awaitable[Any]],
+        beat_s: float,
     ) -> None:
-        """Deliver ``video`` to ``url`` in the background, if ``claim()`` (run on ``io``, a store write) says this
-        ingress is the one to; ``record(outcome)`` keeps the outcome in the store."""
-        task = asyncio.get_running_loop().create_task(self._deliver(url, video, claim, record, io))
+        """Deliver ``video`` to ``url`` in the background, if ``claim()`` (run on ``io``, a store write) gives this
+        ingress the delivery's marker (``JobStore.claim_webhook``: its owner and webhook id); ``beat(marker)`` every
+        ``beat_s`` while it retries (False: a successor took it over, this one stops); ``record(marker, outcome)``
+        keeps the outcome in the store."""
+        task = asyncio.get_running_loop().create_task(self._deliver(url, video, claim, beat, record, io, beat_s))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -141,15 +176,18 @@ class WebhookSender:
         self,
         url: str,
         video: dict,
-        claim: Callable[[], bool],
-        record: Callable[[dict], None],
+        claim: Callable[[], dict | None],
+        beat: Callable[[dict], bool],
+        record: Callable[[dict, dict], None],
         io: Callable[..., Awaitable[Any]],
+        beat_s: float,
     ) -> None:
         job_id = video["id"]
         try:
-            if not await io(claim):
+            marker = await io(claim)
+            if marker is None:
                 return  # another ingress delivers it (or did)
-            webhook_id = f"msg_{uuid.uuid4().hex}"
+            webhook_id = marker["id"]
             body = json.dumps(video).encode()
             attempts = 0
 
@@ -167,28 +205,71 @@ class WebhookSender:
                     wait_s,
                 )
 
+            delivery = asyncio.ensure_future(
+                retry(attempt, self.backoff, lambda e: isinstance(e, DeliveryFailed), again)
+            )
+            ended = asyncio.Event()
+            beating = asyncio.ensure_future(self._beat(delivery, ended, beat, marker, io, beat_s))
             outcome: dict[str, Any]
             try:
-                status = await retry(attempt, self.backoff, lambda e: isinstance(e, DeliveryFailed), again)
+                status = await delivery
                 outcome = {"delivered": True, "status": status, "attempts": attempts}
                 logger.info("webhook of video job %s delivered (HTTP %d, attempt %d)", job_id, status, attempts)
             except (DeliveryFailed, WebhookRefused) as e:
                 outcome = {"delivered": False, "error": str(e), "attempts": attempts}
                 logger.warning("webhook of video job %s not delivered after %d attempts: %s", job_id, attempts, e)
-            await io(record, {**outcome, "id": webhook_id, "finished_at": time.time()})
+            except asyncio.CancelledError:
+                if beating.done() and beating.result() is False:
+                    logger.warning("webhook of video job %s: another ingress took its delivery over", job_id)
+                    return
+                raise
+            finally:  # a beat in flight lands before the outcome, never over it
+                ended.set()
+                await asyncio.gather(beating, return_exceptions=True)
+            await io(record, marker, {**outcome, "finished_at": time.time()})
+        except asyncio.CancelledError:
+            raise
         except Exception:
             logger.exception("webhook of video job %s failed", job_id)
 
+    @staticmethod
+    async def _beat(
+        delivery: asyncio.Future,
+        ended: asyncio.Event,
+        beat: Callable[[dict], bool],
+        marker: dict,
+        io: Callable,
+        beat_s: float,
+    ) -> bool:
+        """Beat in the delivery's marker every ``beat_s`` until it has ``ended`` (True); cancel it (False) when a
+        successor took it over. Never cancelled mid-beat: a write finishing after the outcome's would hide it."""
+        while True:
+            try:
+                await asyncio.wait_for(ended.wait(), beat_s)
+                return True
+            except asyncio.TimeoutError:
+                pass
+            try:
+                mine = await io(beat, marker)
+            except Exception:
+                logger.exception("webhook of video job %s: beating failed; retrying", marker.get("id"))
+                continue
+            if not mine:
+                delivery.cancel()
+                return False
+
     async def _attempt(self, url: str, webhook_id: str, body: bytes) -> int:
-        """One POST; its HTTP status when 2xx, DeliveryFailed otherwise; WebhookRefused (not retried) when the target
-        no longer passes the check."""
+        """One POST, to the address the check passed (``pinned``); its HTTP status when 2xx, DeliveryFailed
+        otherwise; WebhookRefused (not retried) when the target no longer passes the check."""
         try:
-            await asyncio.to_thread(check_target, url, self.config)
+            address = await asyncio.to_thread(check_target, url, self.config, self.resolve)
         except WebhookRefused:
             self.metrics.attempt("refused")
             raise
+        target, host, extensions = pinned(url, address)
         timestamp = int(time.time())
         headers = {
+            **host,
             "content-type": "application/json",
             "webhook-id": webhook_id,
             "webhook-timestamp": str(timestamp),
@@ -196,8 +277,10 @@ class WebhookSender:
             "user-agent": "h3serve-webhooks",
         }
         try:
-            async with httpx.AsyncClient(timeout=self.config.timeout_s, follow_redirects=False) as http:
-                response = await http.post(url, content=body, headers=headers)
+            async with httpx.AsyncClient(
+                timeout=self.config.timeout_s, follow_redirects=False, trust_env=False
+            ) as http:
+                response = await http.post(target, content=body, headers=headers, extensions=extensions)
         except httpx.HTTPError as e:
             self.metrics.attempt("no_answer")
             raise DeliveryFailed(f"no answer: {type(e).__name__}") from None
@@ -208,6 +291,8 @@ class WebhookSender:
         return response.status_code
 
     async def close(self) -> None:
+        """This ingress stops: its deliveries still retrying end here; another ingress's sweeper resumes them once
+        their marker's beat is lease_s old (``JobStore.pending_webhooks``)."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
