@@ -391,4 +391,5 @@ def test_a_cuda_fatal_error_in_a_decode_stops_the_engine_retryably_and_fails_its
         assert isinstance(result, EngineStopped), result
         assert "rank 0 hit a CUDA-fatal error: its process is lost: InjectedDeviceError" in str(result), result
     assert engine.stats.failed_requests == {"worker_group": 2} and recorder.failed_requests == {"worker_group": 2}
-    assert recorder.failed_steps == {"worker_group": 1}
+    # the poisoning, and the step in flight then when clip-1 (prepared after clip-0) was a step behind: never "pack"
+    assert set(recorder.failed_steps) == {"worker_group"} and recorder.failed_steps["worker_group"] in (1, 2)
