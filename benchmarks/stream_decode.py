@@ -20,15 +20,34 @@ from __future__ import annotations
 
 import argparse
 import io
+import queue
 import statistics
 import time
 
 import av
 import torch
 
+from benchmarks import parallel_decode
 from benchmarks.harness import cli, say, table
 
-LARGER = (24, 40)  # latent height, width: 384x640 pixels
+
+class Arriving(io.RawIOBase):
+    """A file PyAV reads while the bytes arrive: ``read`` waits for the next chunk; ``None`` put ends it."""
+
+    def __init__(self):
+        self.chunks: queue.Queue[bytes | None] = queue.Queue()
+        self.buffer, self.ended = b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        while not self.buffer and not self.ended:
+            chunk = self.chunks.get()
+            self.ended, self.buffer = chunk is None, self.buffer + (chunk or b"")
+        size = len(self.buffer) if size is None or size < 0 else size
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
 
 
 def first_frame_at(marks: list[tuple[float, bytes]]) -> float:
@@ -46,23 +65,10 @@ def first_frame_at(marks: list[tuple[float, bytes]]) -> float:
 
 
 def handoffs(smoke: bool) -> tuple[str, dict]:
-    from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
+    """The tiny checkpoint and ``parallel_decode``'s handoffs: the default canvas's, and the larger one's."""
     from h3serve.pipelines.h3.checkpoint import random_tiny_checkpoint
-    from h3serve.pipelines.h3.handoff import DecodeHandoff
 
-    checkpoint = random_tiny_checkpoint()
-    pipeline = H3Pipeline.load(checkpoint, "torch_sdpa")
-    state = pipeline.prepare(GenerationRequest(prompt="a red circle moving left", num_inference_steps=2, seed=0))
-    while not state.done:
-        pipeline.step([state])
-    default = pipeline.decode_handoff(state)
-    out = {"128x64": default}
-    if not smoke:
-        frames, (h, w) = default.layout["num_latent_frames"], LARGER
-        rows = torch.randn(frames * (h // 2) * (w // 2), default.video_rows.shape[1], generator=torch.Generator())
-        layout = dict(default.layout, latent_height=h, latent_width=w)
-        out[f"{w * 16}x{h * 16}"] = DecodeHandoff(video_rows=rows, audio_rows=default.audio_rows, layout=layout)
-    return str(checkpoint), out
+    return str(random_tiny_checkpoint()), parallel_decode.handoffs(smoke)
 
 
 def in_process(smoke: bool, reps: int) -> dict:
@@ -124,27 +130,10 @@ def in_process(smoke: bool, reps: int) -> dict:
 def served(reps: int) -> dict:
     """The default config over HTTP: from the ``decoding`` event, the stream's first byte and first frame (parsed as
     it arrives) and the finished MP4 downloaded once the job completes."""
-    import queue
     import threading
 
     from benchmarks.harness import ServedDefault
     from h3serve.client import H3Client
-
-    class Arriving(io.RawIOBase):
-        def __init__(self):
-            self.chunks: queue.Queue[bytes | None] = queue.Queue()
-            self.buffer, self.ended = b"", False
-
-        def readable(self) -> bool:
-            return True
-
-        def read(self, size: int = -1) -> bytes:
-            while not self.buffer and not self.ended:
-                chunk = self.chunks.get()
-                self.ended, self.buffer = chunk is None, self.buffer + (chunk or b"")
-            size = len(self.buffer) if size is None or size < 0 else size
-            data, self.buffer = self.buffer[:size], self.buffer[size:]
-            return data
 
     results = []
     with ServedDefault() as server, H3Client(server.url) as api:

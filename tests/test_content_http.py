@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import queue
 import threading
 import time
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from benchmarks.stream_decode import Arriving
 from h3serve.client import H3Client
 from h3serve.deploy.jobs.variants import SPRITE_COLUMNS, SPRITE_ROWS, sprite_tile_size
 
@@ -124,25 +124,6 @@ def test_the_openapi_document_names_the_variants_and_range(server):
     assert {"200", "206", "304", "416"} <= content["responses"].keys()
 
 
-class _Arriving(io.RawIOBase):
-    """A file PyAV reads while the bytes arrive: ``read`` waits for the next chunk; ``None`` put ends it."""
-
-    def __init__(self):
-        self.chunks: queue.Queue[bytes | None] = queue.Queue()
-        self.buffer, self.ended = b"", False
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        while not self.buffer and not self.ended:
-            chunk = self.chunks.get()
-            self.ended, self.buffer = chunk is None, self.buffer + (chunk or b"")
-        size = len(self.buffer) if size is None or size < 0 else size
-        data, self.buffer = self.buffer[:size], self.buffer[size:]
-        return data
-
-
 def test_a_decoding_clip_streams_as_a_fragmented_mp4_that_plays_before_the_job_completes(server):
     """GET content while the job decodes: a fragmented MP4 parsed by PyAV as it arrives, frames decoded from it before
     the job is completed, and all of them the finished clip's frames (its sound the same AAC packets)."""
@@ -161,7 +142,7 @@ def test_a_decoding_clip_streams_as_a_fragmented_mp4_that_plays_before_the_job_c
                 poller.wait_video(video_id, poll_s=0.02)
                 done_at.append(time.monotonic())
 
-        arriving, frames = _Arriving(), []
+        arriving, frames = Arriving(), []
 
         def parse() -> None:
             with av.open(arriving, "r", format="mp4") as container:
