@@ -54,6 +54,17 @@ def tiny_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vaes(tiny_checkpoint):
+    """The tiny checkpoint's video VAE in fp32 and bf16, by dtype (the decode tests' tiles, chunks and streams)."""
+    import torch
+
+    from h3serve.pipelines.h3 import checkpoint as ckpt
+
+    index = ckpt.CheckpointIndex(tiny_checkpoint)
+    return {dtype: ckpt.load_model(index, "vae", dtype, "cpu") for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.fixture(scope="session")
 def tiny_pipeline(tiny_checkpoint):
     from h3serve.pipelines.h3 import H3Pipeline
 

@@ -13,19 +13,12 @@ from ray import serve
 from h3serve.deploy.common.args import DeployArgs, StagesArgs
 from h3serve.deploy.model_server.stage_deployments import H3Decoder
 from h3serve.pipelines.h3 import GenerationRequest, H3StageModels, tiled_decode
-from h3serve.pipelines.h3 import checkpoint as ckpt
 from h3serve.replicas import ReplicaSpec
 
 
 def two_way(vae):
     """A TileRunner that decodes the tiles in two separate runs, as two replicas would."""
     return lambda tiles: [t for run in tiled_decode.split(tiles, 2) for t in tiled_decode.decode_tiles(vae, run)]
-
-
-@pytest.fixture(scope="module")
-def vaes(tiny_checkpoint):
-    index = ckpt.CheckpointIndex(tiny_checkpoint)
-    return {dtype: ckpt.load_model(index, "vae", dtype, "cpu") for dtype in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,14 +17,7 @@ import pytest
 import torch
 
 from h3serve.pipelines.h3 import GenerationRequest, chunked_decode
-from h3serve.pipelines.h3 import checkpoint as ckpt
 from h3serve.pipelines.h3.media import FragmentedMp4, MediaError, Mp4Stream, encode_mp4, probe_media
-
-
-@pytest.fixture(scope="module")
-def vaes(tiny_checkpoint):
-    index = ckpt.CheckpointIndex(tiny_checkpoint)
-    return {dtype: ckpt.load_model(index, "vae", dtype, "cpu") for dtype in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
