@@ -178,28 +178,11 @@ class JobStore:
             stored = self._read(video["id"])
             if stored is not None and stored["video"]["status"] in FINISHED:
                 return stored
-        if self.store.exists(f"{video['id']}.cancel"):  # its caller asked for its end before anyone ran it again
-            record = {
-                **record,
-                "updated_at": now,
-                "video": {**video, **ended, "status": "cancelled", "queue_position": None, "eta_seconds": None},
-            }
-            if not won:
-                return record
-            logger.warning(
-                "video job %s lost its runner %.0f s ago with a cancel pending: cancelled", video["id"], silent
-            )
-            self._write(record)
-            self.store.delete(f"{video['id']}.cancel", f"{video['id']}.request")
-            self._finished[video["id"]] = record
-            self.ended(record)
-            return record
-        record = {
-            **record,
-            "updated_at": now,
-            "video": {
-                **video,
-                **ended,
+        cancelled = self.store.exists(f"{video['id']}.cancel")  # its caller asked for its end before anyone ran it
+        if cancelled:
+            final: dict = {"status": "cancelled", "queue_position": None, "eta_seconds": None}
+        else:
+            final = {
                 "status": "failed",
                 "error": {
                     "code": RUNNER_LOST,
@@ -207,12 +190,20 @@ class JobStore:
                     f"s ago (its lease is {record['lease_s']:g} s): it crashed or was restarted. Resubmit the "
                     "request",
                 },
-            },
-        }
+            }
+        record = {**record, "updated_at": now, "video": {**video, **ended, **final}}
         if not won:
             return record
-        logger.warning("video job %s lost its runner %.0f s ago: failed", video["id"], silent)
+        logger.warning(
+            "video job %s lost its runner %.0f s ago%s: %s",
+            video["id"],
+            silent,
+            " with a cancel pending" if cancelled else "",
+            final["status"],
+        )
         self._write(record)
+        if cancelled:
+            self.store.delete(f"{video['id']}.cancel", f"{video['id']}.request")
         self._finished[video["id"]] = record
         self.ended(record)
         return record
