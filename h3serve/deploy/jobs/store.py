@@ -24,6 +24,10 @@ job again. Every runner write first reads the stored epoch and refuses (LeaseLos
 runner that lost its lease never overwrites its successor. An ingress that stops cleanly dates its jobs' records
 back past their lease (``hand_over``) so that the next sweep anywhere takes them over. A completed job's request is
 kept as ``<id>.settings`` until the job goes (``settings``): remix and extend start from it.
+
+Over 600 lines: the records, their leases and fencing, retention, and the webhook deliveries' markers
+(``claim_webhook`` ... ``pending_webhooks``, ~70 lines) all read and write the same files under the same fencing. The
+markers are the part that could live apart (they need the store's records, clock and job-id rule); not split yet.
 """
 
 from __future__ import annotations
