@@ -102,12 +102,19 @@ def test_a_followed_request_reports_its_queue_position_eta_steps_previews_and_de
         assert all(f["eta_s"] is not None and f["eta_s"] >= 0 for f in step_events)
         previews = [f for k, f in events if k == "preview"]
         shown = [f["step"] for f in previews]
-        # the first step, then every second; one behind another request's decode shows the newest capture after it
-        assert shown == [1, 3, 5] if name == "r0" else (shown[0] == 1 and len(shown) >= 2 and set(shown) <= {1, 3, 5})
+        # the first step, then every second. A request whose step-1 render waits behind another's decode shows the
+        # newest capture after it, or none more when its own decode came first (a slow machine): a preview after
+        # the clip is done is of no use, so it is dropped, never shown late
+        if name == "r0":
+            assert shown == [1, 3, 5]
+            assert len({f["png"] for f in previews}) == 3  # it changes as it denoises
+        else:
+            assert shown[0] == 1 and shown == sorted(set(shown)) and set(shown) <= {1, 3, 5}, (name, shown)
         strip = Image.open(io.BytesIO(previews[0]["png"]))
         assert strip.format == "PNG" and strip.size == (3 * 4 + 2, 4)  # three 4x4 latent frames (64x64 canvas)
-        assert len({f["png"] for f in previews}) >= 2  # it changes as it denoises
-    assert 7 <= engine.stats.previews <= 9 and engine.row_step_rate is not None
+    # every capture (steps 1, 3, 5 of each) is taken; one is shown, replaced by a newer one, or dropped at the end
+    assert engine.stats.preview_captures == 9 and 5 <= engine.stats.previews <= 9
+    assert engine.row_step_rate is not None
 
 
 def test_cancel_leaves_the_queue_at_once_and_the_pack_at_the_next_step_boundary(solo):
