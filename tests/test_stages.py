@@ -580,17 +580,21 @@ def test_killing_a_stage_replica_mid_run_loses_no_request(server, ray_cluster, s
             stream = replica(STAGED).options(stream=True).generate_video.remote(request, f"{role}-{request_id}")
             return [chunk async for chunk in stream if "mp4" in chunk][-1]["mp4"]
 
+        # the stage's one replica's actor, found before the run: between seeing it at work and the kill there is
+        # no controller call, so a short call (the conditioner's) is still held when the kill lands
+        controller = ray.get_actor(*SERVE_CONTROLLER)
+        details = await controller.get_deployment_details.remote(STAGED, STAGE_DEPLOYMENT[role])
+        [victim] = details.replicas
+        actor = ray.get_actor(victim.actor_name, namespace="serve")
         videos = [asyncio.ensure_future(video(rid, request)) for rid, request in KILL_RUN.items()]
         while True:  # kill it while it works on a call (report() is answered during its work)
             report = await stage.report.remote()
             if report["ongoing"] > 0:
                 break
             assert not all(v.done() for v in videos), "every video finished before the stage was seen at work"
-            await asyncio.sleep(0.01)
-        controller = ray.get_actor(*SERVE_CONTROLLER)
-        details = await controller.get_deployment_details.remote(STAGED, STAGE_DEPLOYMENT[role])
-        [victim] = [r for r in details.replicas if r.replica_id == report["replica_id"]]
-        ray.kill(ray.get_actor(victim.actor_name, namespace="serve"), no_restart=True)
+            await asyncio.sleep(0.005)
+        ray.kill(actor, no_restart=True)
+        assert report["replica_id"] == victim.replica_id
         done = await asyncio.wait_for(asyncio.gather(*videos), timeout=600)
         return dict(zip(KILL_RUN, done, strict=True)), report
 
