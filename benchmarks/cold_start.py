@@ -121,6 +121,37 @@ def served(steps: int) -> dict[str, float]:
     return out
 
 
+def clip_warm_up(steps: int, runs: int) -> list[dict]:
+    """`h3serve serve` of the default config with ``engine.warmup_clip`` off and on, alternated ``runs`` times each:
+    the start, and the first and second video jobs (POST to MP4) at the served size, with the replica's clip."""
+    from ray import serve
+
+    from benchmarks.harness import ServedConfig, default_config, now
+    from h3serve.client import H3Client
+    from h3serve.deploy.driver.cli import BUILDER
+    from h3serve.replicas.worker_group import free_port
+
+    out = []
+    for run_no in range(runs):
+        for enabled in (False, True):
+            config = default_config(free_port(), {"engine": {"warmup_clip": {"enabled": enabled}}})
+            row: dict = {"run": run_no + 1, "warm-up clip": enabled}
+            with ServedConfig(config) as server, H3Client(server.url, timeout=900) as client:
+                row["`h3serve serve` until it serves"] = server.startup_s
+                for label in ("first video job", "second video job"):
+                    t0 = now()
+                    client.video_job({"prompt": PROMPT, "num_inference_steps": steps})
+                    row[label] = now() - t0
+                (name,) = [a["name"] for a in config["applications"] if a.get("import_path") == BUILDER]
+                handle = serve.get_deployment_handle("H3Replica", app_name=name)
+                row["clip"] = handle.diagnostics.remote().result(timeout_s=60)["warm_up_clip"]
+                # each job's decode on the replica (its marks), the one stage whose first call shows on a CPU
+                marks = sorted(handle.timelines.remote().result(timeout_s=60).values(), key=lambda m: m["submitted"])
+                row["decodes"] = [m["decoded"] - m["decode"] for m in marks]
+            out.append(row)
+    return out
+
+
 def synthetic_checkpoint(layers: int) -> tuple[str, dict]:
     """The released layout with a transformer of hidden 1024 (32 heads of 32, SwiGLU 4096) and ``layers`` blocks:
     ~17.5M parameters a block, fp32 (written once; a later run reads it again)."""
@@ -313,6 +344,26 @@ def run(args: argparse.Namespace) -> dict:
             table([f"{job['label']}: event", "s from its POST"], list(job["events"].items()), "")
         return result
 
+    if args.clip:
+        runs = clip_warm_up(args.steps, args.runs)
+        rows = [
+            [
+                r["run"],
+                "on" if r["warm-up clip"] else "off",
+                r["`h3serve serve` until it serves"],
+                r["first video job"],
+                r["second video job"],
+                r["decodes"][0],
+                r["decodes"][1],
+                "-" if r["clip"] is None else r["clip"]["decode_s"],
+            ]
+            for r in runs
+        ]
+        heads = ["run", "warm-up clip", "serve until serving", "first job", "second job", "its decode", "its decode"]
+        heads += ["clip's decode"]
+        table(heads, rows, "the default config, engine.warmup_clip off and on, alternated (seconds)")
+        return {"steps": args.steps, "runs": runs}
+
     if args.group:
         result = group_start(args.layers or 48)
         say(f"transformer {result['transformer_gib']:.2f} GiB; sp=2 group up in {result['create_s']:.2f} s")
@@ -339,6 +390,8 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group", action="store_true", help="an sp=2 replica's start on a several-GiB checkpoint")
     ap.add_argument("--from-zero", action="store_true", help="a video job to the default app scaled to zero")
+    ap.add_argument("--clip", action="store_true", help="the first job with engine.warmup_clip off and on")
+    ap.add_argument("--runs", type=int, default=2, help="--clip: runs of each, alternated (default 2)")
     ap.add_argument(
         "--layers",
         type=int,

@@ -509,13 +509,13 @@ def spec_for(backend: str, sp_degree: int = 1):
     )
 
 
-def replica_app(spec, name: str):
+def replica_app(spec, name: str, **limits):
     from h3serve.deploy.common.args import DeployArgs
     from h3serve.deploy.model_server.h3_replica import H3Replica
     from h3serve.replicas import EngineLimits
 
     options = H3Replica.deployment_options(DeployArgs(rank_resources={"CPU": 0.25}, sp_degree=spec.sp_degree))
-    return serve.deployment(H3Replica, **options).bind(spec, EngineLimits()), name
+    return serve.deployment(H3Replica, **options).bind(spec, EngineLimits(**limits)), name
 
 
 def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(ray_cluster):
@@ -537,14 +537,37 @@ def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(ray_cluster
     serve.delete(name)
 
 
+def test_a_warm_up_clip_the_model_refuses_fails_the_replica_closed_and_counts_it(ray_cluster):
+    """engine.warmup_clip at a size the served model refuses: no replica serves, the reason is in the status, and
+    the build failure is counted by the exception's name."""
+    metrics_port = ray_cluster.metrics_port
+    app, name = replica_app(spec_for("torch_sdpa"), "refused-clip", warmup_clip={"enabled": True, "num_frames": 6})
+    with pytest.raises(RuntimeError, match=f"Deploying application {name} failed"):
+        serve.run(app, name=name, route_prefix=None)
+    status = serve.status().applications[name]
+    assert status.status == "DEPLOY_FAILED"
+    assert "engine.warmup_clip" in status.deployments["H3Replica"].message
+
+    def counted():
+        samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
+        return [s for s in samples if s.labels.get("reason") == "ClipWarmUpRefused"]
+
+    wait_for(counted, timeout=60, what="replica build failure metric")
+    serve.delete(name)
+
+
 def test_a_stopped_replica_releases_its_sp_workers(ray_cluster):
     address = ray_cluster.address
-    app, name = replica_app(spec_for("torch_sdpa", sp_degree=2), "sp-teardown")
+    app, name = replica_app(spec_for("torch_sdpa", sp_degree=2), "sp-teardown", warmup_clip={"enabled": True})
     handle = serve.run(app, name=name, route_prefix=None)
     diagnostics = handle.diagnostics.remote().result()
     assert diagnostics["sp_degree"] == 2
     loads = diagnostics["rank_loads"]  # the replica's start: its worker's load asked for before rank 0 began its own
     assert sorted(loads) == [0, 1] and loads[1]["requested"] <= loads[0]["started"] < loads[0]["finished"]
+    # it was ready only after its warm-up clip: the served size's steps on both ranks, decoded, streamed, encoded
+    clip = diagnostics["warm_up_clip"]
+    assert clip["forwards"] == 1 and clip["streamed"] and clip["mp4_bytes"] > 0 and len(clip["frames"]) == 3
+    assert diagnostics["forwards"] == 0 and diagnostics["requests"] == {}  # counted nowhere
 
     def workers(state: str):
         return [

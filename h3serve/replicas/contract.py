@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from h3serve.pipelines.h3.request import RequestError
+from h3serve.pipelines.h3.request import GenerationRequest, RequestError
 from h3serve.pipelines.h3.step_cache_tiers import StepCacheTiers
 
 from .scheduler import Policy
@@ -71,6 +71,34 @@ class PreviewPolicy(BaseModel):
         return self.every_steps is not None or self.every_s is not None
 
 
+class ClipWarmUpPolicy(BaseModel):
+    """The warm-up clip (``h3serve/replicas/clip_warm_up.py``): one whole request at the served size before the
+    replica is ready."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool | None = Field(
+        default=None,
+        description="run it: true, false, or null for on CUDA only (kernels are picked per shape on a GPU's first "
+        "call; on a CPU the clip costs the replica's start about one default request, and gains little)",
+    )
+    width: int | None = Field(default=None, gt=0, description="its width; null (with height): the model's canvas")
+    height: int | None = Field(default=None, gt=0, description="its height; null (with width): the model's canvas")
+    num_frames: int | None = Field(
+        default=None, gt=0, description="its frames (17n+5 within the clip lengths); null: the shortest clip"
+    )
+    steps: int = Field(default=2, ge=2, le=8, description="its denoising steps (one forward fewer)")
+
+    def request(self) -> GenerationRequest:
+        return GenerationRequest(
+            prompt="warm-up clip",
+            width=self.width,
+            height=self.height,
+            num_frames=self.num_frames,
+            num_inference_steps=self.steps,
+        )
+
+
 class EngineLimits(BaseModel):
     """The bounds of one replica's engine (the ``engine:`` block of the deploy args)."""
 
@@ -130,6 +158,15 @@ class EngineLimits(BaseModel):
         "admission's memory plan: past it by more than the "
         "reserve, the replica refuses to serve (PlanExceeded). CPU replicas skip the forward at the row budget: "
         "nothing to measure, and its padding document costs seconds of CPU",
+    )
+    warmup_clip: ClipWarmUpPolicy = Field(
+        default_factory=ClipWarmUpPolicy,
+        description="after the warm-up forwards, one whole request at the served size (the model's canvas and "
+        "shortest clip unless set) through the replica's own path: prepare, every step on every rank, the decode "
+        "(streamed, or its tiles over the ranks with decode_on_ranks; with stages, by one decoder replica) and the "
+        "MP4, so the first user's clip pays no first-call costs (kernel choice per shape, the encoder's start). "
+        "Outside the request table: no event, metric or count. Needs warmup; a size the model refuses fails the "
+        "replica's build",
     )
     policy: Policy = Field(
         default="fcfs",
@@ -192,6 +229,12 @@ class EngineLimits(BaseModel):
         "latent -> RGB map fitted from the checkpoint's video VAE when the replica loads (never a VAE decode); "
         "rendered on the stage worker, off the step loop. Off unless a bound is set",
     )
+
+    @model_validator(mode="after")
+    def _clip_needs_warmup(self) -> EngineLimits:
+        if self.warmup_clip.enabled and not self.warmup:
+            raise ValueError("warmup_clip.enabled: true needs warmup: true (the clip runs after the warm-up forwards)")
+        return self
 
     @property
     def capacity(self) -> int:

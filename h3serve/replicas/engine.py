@@ -28,6 +28,7 @@ from h3serve.pipelines.h3.step_cache_tiers import StepCachePolicy
 
 from . import scheduler
 from .adapters import RuntimeAdapters
+from .clip_warm_up import ClipWarmUp, warm_up_clip
 from .contract import (
     EngineDraining,
     EngineLimits,
@@ -81,6 +82,7 @@ class Engine:
         self._ids, self._orders = itertools.count(), itertools.count()
         self.warmup_s: dict[str | None, float] = {}  # warm_up()'s forward seconds by adapter (None: the base model)
         self.last_warm_up: WarmUp | None = None  # what warm_up() ran and measured
+        self.last_clip_warm_up: ClipWarmUp | None = None  # what warm_up_clip() ran
         self._progress_at = time.monotonic()  # the watchdog: when work arrived (the loops keep their own clocks)
         self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
         # held by each step, and by a run-time adapter's load between two steps (its warm-up forward on every rank)
@@ -289,6 +291,21 @@ class Engine:
         self.warmup_s = warm.by_adapter
         self.progress.meter.seed(warm.rows - warm.padding_rows, warm.seconds)
         return warm.seconds
+
+    @property
+    def clip_warm_up_due(self) -> bool:
+        """Whether ``warm_up_clip`` runs at start: ``limits.warmup_clip.enabled``, or on CUDA when it is None."""
+        enabled = self.limits.warmup_clip.enabled
+        return self.limits.warmup and (enabled if enabled is not None else self.executor.device.type == "cuda")
+
+    async def warm_up_clip(self) -> ClipWarmUp:
+        """One whole request at the served size through this engine's stages and ranks, discarded, before the first
+        submit (``clip_warm_up``); raises ClipWarmUpRefused (the size) or what the clip's run raised."""
+        if self._task is not None:
+            raise RuntimeError("warm_up_clip() runs before the first submit")
+        request = self.limits.warmup_clip.request()
+        self.last_clip_warm_up = await warm_up_clip(request, self.pipeline, self.executor, self.stages)
+        return self.last_clip_warm_up
 
     @property
     def _busy(self) -> bool:

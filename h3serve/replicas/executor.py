@@ -421,6 +421,19 @@ class Executor:
         outcome.forwards.append(Forward(tuple(tickets), tuple(errors), stats, seconds))
         return None
 
+    async def denoise(self, state: RequestState) -> tuple[int, int]:
+        """Every step of ``state`` alone on every rank, as a pack of one (the warm-up clip); its forwards and its
+        pack's rows. Raises what the step raised (PackFailed, WorkerGroupBroken, the state's own error)."""
+        forwards = rows = 0
+        while not state.done:
+            ((states, pack),) = await self.run_blocking(self.pipeline.packs, [state])
+            out = await self.group.forward_async(pack, self.run_blocking, self.step_bound_s)
+            (error,) = await self.run_blocking(self._apply, states, pack, out)
+            if error is not None:
+                raise error
+            forwards, rows = forwards + 1, pack.total_rows
+        return forwards, rows
+
     def _raise_if_fatal(self, error: BaseException) -> None:
         """A CUDA-fatal error on rank 0 (packing, applying a step's output) is this process's, not the pack's data:
         WorkerGroupBroken, not recoverable here, so the engine stops and the replica is replaced."""

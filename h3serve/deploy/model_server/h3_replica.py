@@ -4,7 +4,9 @@ Start: the worker group is built (failing closed), then one warm-up forward (``e
 ``__init__`` returns, so kernel setup and compilation never land on the first user: Serve reports a replica
 ready only after its constructor. With stage deployments of their own (``args.stages``: ``spec.stages`` is
 "remote") rank 0 holds no text encoder and no VAE, so the warm-up request is prepared by the conditioner stage
-(the constructor is async to await it) and its one forward runs here. A stage call whose stage replica dies
+(the constructor is async to await it) and its one forward runs here. Then, on CUDA (``engine.warmup_clip``), a
+whole clip at the served size through the same stages, so the VAE's and the encoder's first calls at that size
+are not the first user's either. A stage call whose stage replica dies
 under it is made again on a live one (``ServeStages``): the request waits, it does not fail.
 
 Serving: ``generate_image`` / ``generate_video`` submit to the engine with the
@@ -310,6 +312,13 @@ class H3Replica:
                 group.shutdown()
                 raise
             logger.info("H3 replica warmed up: one packed forward on every rank took %.2f s", seconds)
+            if self.engine.clip_warm_up_due:  # the served size's first calls, before the first user's clip
+                try:
+                    await self.engine.warm_up_clip()
+                except Exception as e:
+                    self._record_build_failure(backend, e, during="its warm-up clip")
+                    group.shutdown()
+                    raise
         self.adapters: ReplicaAdapters | None = None
         if jobs is not None:  # the run-time adapters the other replicas serve, loaded and warmed up before serving
             app_name = serve.get_replica_context().app_name
@@ -584,6 +593,7 @@ class H3Replica:
 
     def diagnostics(self) -> dict:
         waiting, active = self.engine.queue_depth
+        clip = self.engine.last_clip_warm_up
         return {
             "replica": serve.get_replica_context().replica_id.unique_id,
             "pid": os.getpid(),
@@ -615,6 +625,8 @@ class H3Replica:
             "row_step_rate": self.engine.row_step_rate,  # rows of packed forward per second: what ETAs divide by
             "cancelled": dict(self.engine.stats.cancelled),
             "previews": self.engine.stats.previews,
+            # the warm-up clip at the served size (engine.warmup_clip), what it ran and took; None: not run
+            "warm_up_clip": None if clip is None else dataclasses.asdict(clip),
             "draining": self.draining,
             # what this replica serves now: request id -> how far it got (forwards 0: not started), its priority
             "requests": {
