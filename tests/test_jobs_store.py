@@ -8,7 +8,8 @@ import uuid
 import pytest
 
 from h3serve.deploy.jobs.media_store import MediaStore, StoreError
-from h3serve.deploy.jobs.store import RUNNER_LOST, JobGone, JobPolicy, JobStore, LeaseLost
+from h3serve.deploy.jobs.records import RUNNER_LOST
+from h3serve.deploy.jobs.store import JobGone, JobPolicy, JobStore, LeaseLost
 
 POLICY = JobPolicy(ttl_s=3600, max_bytes=10**9, lease_s=60, max_unfinished=100)
 
@@ -299,7 +300,8 @@ def test_a_record_keeps_its_request_id_and_counts_its_submissions(url):
 def test_a_cancel_asked_on_another_replica_reaches_the_runner_at_its_next_write(url):
     """Ingress A runs the job; B is asked to cancel it: B writes the request, A's next write raises JobCancelled, A
     records it cancelled (finished: its record never changes again, the request file is gone) and B reads that."""
-    from h3serve.deploy.jobs.store import FINISHED, JobCancelled
+    from h3serve.deploy.jobs.records import FINISHED
+    from h3serve.deploy.jobs.store import JobCancelled
 
     clock, (a, b) = replicas(url)
     runner = a.create(video(), "req-1")

@@ -16,7 +16,7 @@ from h3serve.client.webhooks import sign
 from h3serve.deploy.common.args import WebhookArgs
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.store import JobPolicy, JobStore
-from h3serve.deploy.jobs.webhooks import WebhookRefused, WebhookSender, check_target
+from h3serve.deploy.jobs.webhooks import Delivery, WebhookRefused, WebhookSender, check_target
 
 SECRET = "whsec_c2VjcmV0LWZvci10ZXN0cw=="
 
@@ -130,14 +130,17 @@ def test_the_sender_retries_and_delivers_once_across_ingresses(tmp_path, receive
             async def io(fn, *args):
                 return await asyncio.to_thread(fn, *args)
 
+            markers = store.webhook_markers
             sender.start(
-                url,
-                video,
-                lambda s=store: s.claim_webhook(job_id),
-                lambda m, s=store: s.beat_webhook(job_id, m),
-                lambda m, o, s=store: s.record_webhook(job_id, m, o),
-                io,
-                1.0,
+                Delivery(
+                    url,
+                    video,
+                    lambda m=markers: m.claim(job_id),
+                    lambda marker, m=markers: m.beat(job_id, marker),
+                    lambda marker, o, m=markers: m.record(job_id, marker, o),
+                    io,
+                    1.0,
+                )
             )
         for sender in senders:
             await asyncio.gather(*sender.tasks)
@@ -145,7 +148,7 @@ def test_the_sender_retries_and_delivers_once_across_ingresses(tmp_path, receive
     asyncio.run(both())
     assert len(received) == 3  # one sender: 500, 500, 200
     assert all(verify_webhook(SECRET, headers, body) == video for headers, body in received)
-    outcome = stores[1].webhook(job_id)
+    outcome = stores[1].webhook_markers.get(job_id)
     assert outcome["delivered"] and outcome["attempts"] == 3 and outcome["status"] == 200
     assert stores[0].delete(job_id) and not list(tmp_path.glob(f"{job_id}*"))
 
@@ -165,20 +168,23 @@ def test_a_target_that_never_answers_2xx_gives_up_within_retry_for_s(tmp_path):
 
         started = time.monotonic()
         # port 9 (discard) on loopback: nothing listens, the connection is refused at once
+        markers = store.webhook_markers
         sender.start(
-            "http://127.0.0.1:9/hook",
-            runner.record["video"],
-            lambda: store.claim_webhook(job_id),
-            lambda m: store.beat_webhook(job_id, m),
-            lambda m, o: store.record_webhook(job_id, m, o),
-            io,
-            1.0,
+            Delivery(
+                "http://127.0.0.1:9/hook",
+                runner.record["video"],
+                lambda: markers.claim(job_id),
+                lambda m: markers.beat(job_id, m),
+                lambda m, o: markers.record(job_id, m, o),
+                io,
+                1.0,
+            )
         )
         await asyncio.gather(*sender.tasks)
         return time.monotonic() - started
 
     assert asyncio.run(deliver()) < 5
-    outcome = store.webhook(job_id)
+    outcome = store.webhook_markers.get(job_id)
     assert not outcome["delivered"] and outcome["attempts"] >= 3 and "no answer" in outcome["error"]
 
 
@@ -282,9 +288,9 @@ def test_a_job_that_ends_without_its_runner_sends_its_webhook_from_one_ingress(t
     assert len(receiver.received) == 1, receiver.received  # one ingress sent it, once
     headers, body = receiver.received[0]
     assert verify_webhook(SECRET, headers, body) == final
-    assert stores[0].webhook(job_id)["delivered"]
+    assert stores[0].webhook_markers.get(job_id)["delivered"]
     assert json.loads((tmp_path / f"{job_id}.json").read_text())["epoch"] == 2  # the fenced writer's epoch
-    assert stores[1].pending_webhooks() == [] and stores[2].pending_webhooks() == []
+    assert stores[1].webhook_markers.pending() == [] and stores[2].webhook_markers.pending() == []
 
 
 DELIVERING = """
@@ -334,13 +340,13 @@ def test_a_delivery_whose_ingress_is_killed_is_resumed_by_another_with_the_same_
             time.sleep(0.1)
         assert len(receiver.received) >= 3, "the first ingress never retried"
         time.sleep(policy.lease_s * 1.5)
-        assert store.pending_webhooks() == []  # alive and beating: nobody else takes it
+        assert store.webhook_markers.pending() == []  # alive and beating: nobody else takes it
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
     finally:
         if child.poll() is None:
             child.kill()
-    first = store.webhook(job_id)
+    first = store.webhook_markers.get(job_id)
     assert first is not None and first["owner"] == 1 and "delivered" not in first
     killed_after = len(receiver.received)
     time.sleep(policy.lease_s * 1.5)  # its last beat is now older than the lease
@@ -359,9 +365,9 @@ def test_a_delivery_whose_ingress_is_killed_is_resumed_by_another_with_the_same_
     assert len(receiver.received) == killed_after + 1  # the resumed delivery, answered 204 at once
     assert {h["webhook-id"] for h, _ in receiver.received} == {first["id"]}  # one message: a receiver dedupes on it
     assert verify_webhook(SECRET, *receiver.received[-1]) == store.get(job_id)
-    outcome = store.webhook(job_id)
+    outcome = store.webhook_markers.get(job_id)
     assert outcome["owner"] == 2 and outcome["delivered"] and outcome["id"] == first["id"]
-    assert store.pending_webhooks() == []
+    assert store.webhook_markers.pending() == []
     assert store.delete(job_id) and not list(tmp_path.glob(f"{job_id}*"))
 
 

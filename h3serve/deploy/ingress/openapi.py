@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from h3serve.deploy.common.args import RequestLimits
 from h3serve.deploy.jobs.idempotency import KEY
-from h3serve.deploy.jobs.store import JOB_ID
+from h3serve.deploy.jobs.records import JOB_ID
 from h3serve.deploy.jobs.variants import SPRITE_COLUMNS, SPRITE_ROWS, SPRITE_TILE_WIDTH, VARIANTS
 from h3serve.pipelines.h3 import ModelRules
 from h3serve.replicas import MAX_PRIORITY, MIN_PRIORITY

@@ -1,16 +1,15 @@
 """Video jobs, shared by every ingress replica through a media store: ``<id>.json`` (the record) and ``<id>.mp4``.
 
-No lock and no actor: each running job has one writer, its *runner* (the ingress that accepted it),
-which rewrites the record on progress and at least every ``lease_s / 4`` (a heartbeat). Any replica
-reading a record whose heartbeat is older than ``lease_s`` saves it as failed (cancelled, with a cancel pending): its
-runner died; fenced like a take-over (the reader that creates the next epoch's lease writes it, once, and its ingress
-sends the job's webhook). A
-runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict.
-DELETE of a running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write;
-finished jobs have no writer and are removed at once. A cancel asked on an ingress that is not the job's runner
-writes ``<id>.cancel``, which the runner sees at its next write (a progress write, at most ``lease_s / 4`` away)
-and answers by stopping the job and recording it ``cancelled``. A sweeper on every replica applies the TTL, the
-byte cap (oldest finished first) and the job count, and clears what crashed writers left behind.
+No lock and no actor: each running job has one writer, its *runner* (the ingress that accepted it), which rewrites
+the record on progress and at least every ``lease_s / 4`` (a heartbeat). Any replica reading a record whose heartbeat
+is older than ``lease_s`` saves it as failed (cancelled, with a cancel pending): its runner died; fenced like a
+take-over (the reader that creates the next epoch's lease writes it, once, and its ingress sends the job's webhook). A
+runner that has not written for ``lease_s / 2`` stops on its own, so it never overwrites that verdict. DELETE of a
+running job writes a tombstone (``<id>.deleted``) that the runner sees at its next write; finished jobs have no writer
+and are removed at once. A cancel asked on an ingress that is not the job's runner writes ``<id>.cancel``, which the
+runner sees at its next write (a progress write, at most ``lease_s / 4`` away) and answers by stopping the job and
+recording it ``cancelled``. A sweeper on every replica applies the TTL, the byte cap (oldest finished first) and the
+job count, and clears what crashed writers left behind.
 Retention: a finished job stays until its ``expires_at`` (``ttl_s``) unless the byte cap needs its MP4's room (oldest
 first); nothing is removed to make room for a new job. Unfinished jobs have their own cap (``max_unfinished``): a
 new one over it is refused (the route answers 429). The cap is read from a listing, not a lock: ingress replicas
@@ -25,9 +24,8 @@ runner that lost its lease never overwrites its successor. An ingress that stops
 back past their lease (``hand_over``) so that the next sweep anywhere takes them over. A completed job's request is
 kept as ``<id>.settings`` until the job goes (``settings``): remix and extend start from it.
 
-Over 600 lines: the records, their leases and fencing, retention, and the webhook deliveries' markers
-(``claim_webhook`` ... ``pending_webhooks``, ~70 lines) all read and write the same files under the same fencing. The
-markers are the part that could live apart (they need the store's records, clock and job-id rule); not split yet.
+What a record is (its id rule, states, shape) is ``records``; the webhook deliveries' markers beside a finished
+record are ``webhook_markers`` (``JobStore.webhook_markers``, given this store's listing of live records).
 """
 
 from __future__ import annotations
@@ -37,24 +35,18 @@ import dataclasses
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.records import FINISHED, JOB_ID, RUNNER_LOST, is_record, job_id_of, owned
 from h3serve.deploy.jobs.variants import MAKERS, VARIANTS
+from h3serve.deploy.jobs.webhook_markers import DELIVERY_FILES, WebhookMarkers
 
 logger = logging.getLogger(__name__)
-FINISHED = ("completed", "failed", "cancelled")
-JOB_ID = re.compile(r"video_[0-9a-f]{32}")
-RUNNER_LOST = "runner_lost"
-REPLICA_LOST = "replica_lost"  # the job's replica was lost under it on every one of its attempts
-# A webhook's delivery is owned by whoever creates ``<id>.webhook<n>`` (exclusive); an owner that stops beating for
-# lease_s (its ingress died mid-retries) is succeeded by the next n, up to this many owners (then it is given up).
-MAX_DELIVERY_OWNERS = 4
-WEBHOOK_FILES = tuple(f".webhook{n}" for n in range(1, MAX_DELIVERY_OWNERS + 1))
+# what a job keeps beside its record and MP4, removed with it (or, without a record, as a crashed writer's leftovers)
+SIDE_FILES = (".request", ".settings", ".events", *DELIVERY_FILES, *(s for s, _ in VARIANTS.values() if s != ".mp4"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,34 +57,6 @@ class JobPolicy:
     max_unfinished: int  # queued or in_progress jobs at once; one more is refused (finished ones are not counted)
     max_attempts: int = 3  # runs of a job on a replica, counting those lost under it (a poison job stops here)
     idempotency_window_s: float = 86400.0  # an Idempotency-Key answers its retries this long (idempotency.py)
-
-
-def is_record(record) -> bool:
-    """Whether parsed JSON has the shape this module writes (a stray or hand-edited file may not)."""
-    if not isinstance(record, dict) or not isinstance(record.get("video"), dict):
-        return False
-    video = record["video"]
-    return (
-        isinstance(record.get("updated_at"), (int, float))
-        and isinstance(record.get("lease_s"), (int, float))
-        and isinstance(record.get("bytes"), int)
-        and isinstance(video.get("id"), str)
-        and video.get("status") in ("queued", "in_progress", *FINISHED)
-        and isinstance(video.get("created_at"), (int, float))
-    )
-
-
-def owned(record: dict, tenant: str | None) -> bool:
-    """Whether ``tenant`` may see the job (None: any caller may: an admin, or a server without tenants)."""
-    return tenant is None or record.get("tenant") == tenant
-
-
-def job_id_of(name: str, suffix: str) -> str | None:
-    """The job id of a store name like ``video_<32 hex>.json``; None for anything else in the store."""
-    if not name.endswith(suffix):
-        return None
-    job_id = name.removesuffix(suffix)
-    return job_id if JOB_ID.fullmatch(job_id) else None
 
 
 class JobGone(Exception):
@@ -119,8 +83,9 @@ class JobStore:
         self._finished: dict[str, dict] = {}  # finished records never change: read each once
         self._orphans: set[str] = set()  # MP4s without a record at the last sweep
         self._skipped: set[str] = set()  # files that are not job records, logged once each
-        self._delivered: set[str] = set()  # jobs whose webhook delivery has its outcome: not read again
         self._sweeping = threading.Lock()
+        # its finished jobs' webhook deliveries (``<id>.webhook<n>``), read from the records listed here
+        self.webhook_markers = WebhookMarkers(store, self._live_records, clock, runner)
         # called (on the thread that wrote it) with a record this store made final without its runner: a lapsed lease,
         # a cancel found at a take-over; the ingress sends its webhook (``video_jobs``). Never raises into the write.
         self.on_final: Callable[[dict], None] | None = None
@@ -217,7 +182,7 @@ class JobStore:
         if self.on_final is not None and record.get("webhook"):
             try:
                 self.on_final(record)
-            except Exception:  # the sweeper's pickup (``pending_webhooks``) delivers it then
+            except Exception:  # the sweeper's pickup (``WebhookMarkers.pending``) delivers it then
                 logger.exception("video job %s: its webhook could not be started", record["video"]["id"])
 
     def create(
@@ -328,78 +293,6 @@ class JobStore:
             self.store.put(f"{job_id}.deleted", json.dumps({"deleted_at": self.clock()}).encode())
         return True
 
-    def claim_webhook(self, job_id: str, owner: int = 1, webhook_id: str | None = None) -> dict | None:
-        """The delivery of the job's webhook for the one caller that creates ``<id>.webhook<owner>`` (exclusive): its
-        marker (``owner``, the ``id`` every attempt sends: a successor keeps its predecessor's, so a receiver dedupes
-        on it, and ``beat_at``), or None (another ingress delivers it). Owner 1 is the ingress that wrote the final
-        record; a later one took over a delivery whose owner stopped beating (``pending_webhooks``)."""
-        marker = {
-            "owner": owner,
-            "id": webhook_id or f"msg_{uuid.uuid4().hex}",
-            "beat_at": self.clock(),
-            "runner": self.runner,
-        }
-        if not JOB_ID.fullmatch(job_id) or not 1 <= owner <= MAX_DELIVERY_OWNERS:
-            return None
-        return marker if self.store.put_new(f"{job_id}.webhook{owner}", json.dumps(marker).encode()) else None
-
-    def beat_webhook(self, job_id: str, marker: dict) -> bool:
-        """The delivery's owner is alive (every lease_s / 4 while it retries); False when a successor took it over
-        (this owner was thought dead: it stops, the successor delivers) or the job is gone."""
-        if self.store.exists(f"{job_id}.webhook{marker['owner'] + 1}") or not self.store.exists(f"{job_id}.json"):
-            return False
-        self.store.put(f"{job_id}.webhook{marker['owner']}", json.dumps({**marker, "beat_at": self.clock()}).encode())
-        return True
-
-    def record_webhook(self, job_id: str, marker: dict, outcome: dict) -> None:
-        """The webhook's outcome (delivered or not, attempts) in the owner's ``<id>.webhook<n>``, while the job is
-        still there."""
-        if self.store.exists(f"{job_id}.json"):
-            self.store.put(f"{job_id}.webhook{marker['owner']}", json.dumps({**marker, **outcome}).encode())
-
-    def webhook(self, job_id: str) -> dict | None:
-        """The job's webhook delivery as its last owner wrote it: claimed (``beat_at``), then its outcome
-        (``delivered``); None before any."""
-        if not JOB_ID.fullmatch(job_id):
-            return None
-        for suffix in reversed(WEBHOOK_FILES):
-            raw = self.store.get(f"{job_id}{suffix}")
-            if raw is not None:
-                return json.loads(raw)
-        return None
-
-    def pending_webhooks(self) -> builtins.list[tuple[dict, int, str | None]]:
-        """(record, next owner, webhook id) of the finished jobs whose webhook no live ingress delivers: none claimed
-        it lease_s after the final record (its writer died first), or its owner stopped beating for lease_s (died
-        mid-retries). Claimed by ``claim_webhook`` with that owner: at least once across ingress deaths."""
-        names = self.store.names()
-        present, now = set(names), self.clock()
-        pending: builtins.list[tuple[dict, int, str | None]] = []
-        for job_id, record in self._live_records(names).items():
-            if record["video"]["status"] not in FINISHED or not record.get("webhook") or job_id in self._delivered:
-                continue
-            if f"{job_id}.webhook" in present:  # delivered by a version that kept one marker: done
-                continue
-            owners = [n for n, suffix in enumerate(WEBHOOK_FILES, 1) if f"{job_id}{suffix}" in present]
-            if not owners:
-                if now - record["updated_at"] > record["lease_s"]:
-                    pending.append((record, 1, None))
-                continue
-            raw = self.store.get(f"{job_id}.webhook{owners[-1]}")
-            try:
-                marker = json.loads(raw) if raw is not None else None
-            except ValueError:
-                marker = None
-            if not isinstance(marker, dict) or "delivered" in marker:
-                self._delivered.add(job_id)
-                continue
-            if now - float(marker.get("beat_at", 0)) > record["lease_s"]:
-                if owners[-1] < MAX_DELIVERY_OWNERS:
-                    pending.append((record, owners[-1] + 1, marker.get("id")))
-                else:
-                    self._skip(f"{job_id}.webhook{owners[-1]}", "is a webhook whose every owner died; given up")
-        return pending
-
     def request_cancel(self, job_id: str) -> None:
         """Ask the job's runner, wherever it runs, to cancel it (it sees this at its next write)."""
         self.store.put(f"{job_id}.cancel", json.dumps({"cancelled_at": self.clock()}).encode())
@@ -409,12 +302,7 @@ class JobStore:
         # the record first: 404 at once
         self.store.delete(f"{job_id}.json", f"{job_id}.mp4", f"{job_id}.deleted", f"{job_id}.cancel")
         self.store.delete(
-            *(f"{job_id}{suffix}" for suffix, _ in VARIANTS.values() if suffix != ".mp4"),
-            f"{job_id}.request",
-            f"{job_id}.settings",
-            f"{job_id}.events",
-            f"{job_id}.webhook",
-            *(f"{job_id}{suffix}" for suffix in WEBHOOK_FILES),
+            *(f"{job_id}{suffix}" for suffix in SIDE_FILES),
             *(f"{job_id}.lease{e}" for e in range(2, self.policy.max_attempts + 2)),
         )
 
@@ -524,7 +412,6 @@ class JobStore:
         for job_id in list(self._finished):
             if f"{job_id}.json" not in present:
                 del self._finished[job_id]
-        self._delivered &= set(self._finished)
         for name in names:  # a deleted job's runner can no longer write once its lease has passed
             deleted_id = job_id_of(name, ".deleted")
             if deleted_id is not None:
@@ -546,14 +433,7 @@ class JobStore:
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
         # a stored request without a record alike (create died between the two writes), and an event log (a deleted
         # job's runner writes its last one after removing the record)
-        suffixes = (
-            ".request",
-            ".settings",
-            ".events",
-            ".webhook",
-            *WEBHOOK_FILES,
-            *(suffix for suffix, _ in VARIANTS.values()),
-        )
+        suffixes = (".mp4", *SIDE_FILES)
         mp4s = {found for n in names for s in suffixes if (found := job_id_of(n, s)) is not None}
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}
         for job_id in orphans & self._orphans:

@@ -32,18 +32,10 @@ from h3serve.deploy.common.serve_logging import audit
 from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data, job_stream, keep_stored, load_log
 from h3serve.deploy.jobs.idempotency import Idempotency
 from h3serve.deploy.jobs.live import LiveClips
-from h3serve.deploy.jobs.store import (
-    FINISHED,
-    REPLICA_LOST,
-    RUNNER_LOST,
-    JobCancelled,
-    JobGone,
-    JobRunner,
-    JobStore,
-    LeaseLost,
-)
+from h3serve.deploy.jobs.records import FINISHED, REPLICA_LOST, RUNNER_LOST
+from h3serve.deploy.jobs.store import JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
 from h3serve.deploy.jobs.variants import join
-from h3serve.deploy.jobs.webhooks import WebhookSender
+from h3serve.deploy.jobs.webhooks import Delivery, WebhookSender
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import DeadlineExceeded, EngineDraining
 
@@ -642,20 +634,22 @@ class VideoJobs:
 
     def _notify(self, record: dict, owner: int = 1, webhook_id: str | None = None) -> None:
         """The job's webhook, when it has one and its record is final: sent from here when this ingress wins its
-        delivery (``store.claim_webhook``: owner 1 is the writer of the final record; a later owner takes over a
+        delivery (``WebhookMarkers.claim``: owner 1 is the writer of the final record; a later owner takes over a
         delivery whose ingress died, ``_resume_webhooks``)."""
         url, video = record.get("webhook"), record["video"]
         if self.webhooks is None or url is None or video["status"] not in FINISHED:
             return
-        job_id = video["id"]
+        job_id, markers = video["id"], self.store.webhook_markers
         self.webhooks.start(
-            url,
-            video,
-            functools.partial(self.store.claim_webhook, job_id, owner, webhook_id),
-            functools.partial(self.store.beat_webhook, job_id),
-            functools.partial(self.store.record_webhook, job_id),
-            self._io,
-            self.store.policy.lease_s / 4,
+            Delivery(
+                url,
+                video,
+                functools.partial(markers.claim, job_id, owner, webhook_id),
+                functools.partial(markers.beat, job_id),
+                functools.partial(markers.record, job_id),
+                self._io,
+                self.store.policy.lease_s / 4,
+            )
         )
 
     def _ended_elsewhere(self, record: dict) -> None:
@@ -668,7 +662,7 @@ class VideoJobs:
         """Deliver the webhooks that no live ingress delivers (their writer or owner died): at least once."""
         if self.webhooks is None or self.closing:
             return
-        for record, owner, webhook_id in await self._io(self.store.pending_webhooks):
+        for record, owner, webhook_id in await self._io(self.store.webhook_markers.pending):
             logger.warning(
                 "video job %s: no live ingress delivers its webhook; here (owner %d)", record["video"]["id"], owner
             )

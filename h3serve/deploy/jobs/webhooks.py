@@ -22,6 +22,7 @@ rebinding) cannot send it elsewhere. Redirects are not followed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -141,6 +142,22 @@ async def job_webhook(asked: str | None, config: WebhookArgs, enabled: bool) -> 
     return asked
 
 
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """One job's webhook, as one ingress delivers it: ``video`` POSTed to ``url`` if ``claim()`` (run on ``io``, a store
+    write) gives this ingress the delivery's marker (``WebhookMarkers.claim``: its owner and webhook id);
+    ``beat(marker)`` every ``beat_s`` while it retries (False: a successor took it over, this one stops);
+    ``record(marker, outcome)`` keeps the outcome in the store."""
+
+    url: str
+    video: dict
+    claim: Callable[[], dict | None]
+    beat: Callable[[dict], bool]
+    record: Callable[[dict, dict], None]
+    io: Callable[..., Awaitable[Any]]
+    beat_s: float
+
+
 class WebhookSender:
     def __init__(
         self,
@@ -154,41 +171,20 @@ class WebhookSender:
         self.backoff = Backoff(first_s=config.first_retry_s, max_s=config.max_retry_s, for_s=config.retry_for_s)
         self.tasks: set[asyncio.Task] = set()
 
-    def start(
-        self,
-        url: str,
-        video: dict,
-        claim: Callable[[], dict | None],
-        beat: Callable[[dict], bool],
-        record: Callable[[dict, dict], None],
-        io: Callable[..., Awaitable[Any]],
-        beat_s: float,
-    ) -> None:
-        """Deliver ``video`` to ``url`` in the background, if ``claim()`` (run on ``io``, a store write) gives this
-        ingress the delivery's marker (``JobStore.claim_webhook``: its owner and webhook id); ``beat(marker)`` every
-        ``beat_s`` while it retries (False: a successor took it over, this one stops); ``record(marker, outcome)``
-        keeps the outcome in the store."""
-        task = asyncio.get_running_loop().create_task(self._deliver(url, video, claim, beat, record, io, beat_s))
+    def start(self, delivery: Delivery) -> None:
+        """Run ``delivery`` in the background (it goes on only if its claim gives this ingress the marker)."""
+        task = asyncio.get_running_loop().create_task(self._deliver(delivery))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _deliver(
-        self,
-        url: str,
-        video: dict,
-        claim: Callable[[], dict | None],
-        beat: Callable[[dict], bool],
-        record: Callable[[dict, dict], None],
-        io: Callable[..., Awaitable[Any]],
-        beat_s: float,
-    ) -> None:
-        job_id = video["id"]
+    async def _deliver(self, delivery: Delivery) -> None:
+        url, job_id = delivery.url, delivery.video["id"]
         try:
-            marker = await io(claim)
+            marker = await delivery.io(delivery.claim)
             if marker is None:
                 return  # another ingress delivers it (or did)
             webhook_id = marker["id"]
-            body = json.dumps(video).encode()
+            body = json.dumps(delivery.video).encode()
             attempts = 0
 
             async def attempt() -> int:
@@ -205,14 +201,14 @@ class WebhookSender:
                     wait_s,
                 )
 
-            delivery = asyncio.ensure_future(
+            sending = asyncio.ensure_future(
                 retry(attempt, self.backoff, lambda e: isinstance(e, DeliveryFailed), again)
             )
             ended = asyncio.Event()
-            beating = asyncio.ensure_future(self._beat(delivery, ended, beat, marker, io, beat_s))
+            beating = asyncio.ensure_future(self._beat(delivery, sending, ended, marker))
             outcome: dict[str, Any]
             try:
-                status = await delivery
+                status = await sending
                 outcome = {"delivered": True, "status": status, "attempts": attempts}
                 logger.info("webhook of video job %s delivered (HTTP %d, attempt %d)", job_id, status, attempts)
             except (DeliveryFailed, WebhookRefused) as e:
@@ -226,36 +222,30 @@ class WebhookSender:
             finally:  # a beat in flight lands before the outcome, never over it
                 ended.set()
                 await asyncio.gather(beating, return_exceptions=True)
-            await io(record, marker, {**outcome, "finished_at": time.time()})
+            await delivery.io(delivery.record, marker, {**outcome, "finished_at": time.time()})
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("webhook of video job %s failed", job_id)
 
     @staticmethod
-    async def _beat(
-        delivery: asyncio.Future,
-        ended: asyncio.Event,
-        beat: Callable[[dict], bool],
-        marker: dict,
-        io: Callable,
-        beat_s: float,
-    ) -> bool:
-        """Beat in the delivery's marker every ``beat_s`` until it has ``ended`` (True); cancel it (False) when a
-        successor took it over. Never cancelled mid-beat: a write finishing after the outcome's would hide it."""
+    async def _beat(delivery: Delivery, sending: asyncio.Future, ended: asyncio.Event, marker: dict) -> bool:
+        """Beat in the delivery's marker every ``beat_s`` until it has ``ended`` (True); cancel its ``sending``
+        (False) when a successor took it over. Never cancelled mid-beat: a write finishing after the outcome's would
+        hide it."""
         while True:
             try:
-                await asyncio.wait_for(ended.wait(), beat_s)
+                await asyncio.wait_for(ended.wait(), delivery.beat_s)
                 return True
             except asyncio.TimeoutError:
                 pass
             try:
-                mine = await io(beat, marker)
+                mine = await delivery.io(delivery.beat, marker)
             except Exception:
                 logger.exception("webhook of video job %s: beating failed; retrying", marker.get("id"))
                 continue
             if not mine:
-                delivery.cancel()
+                sending.cancel()
                 return False
 
     async def _attempt(self, url: str, webhook_id: str, body: bytes) -> int:
@@ -292,7 +282,7 @@ class WebhookSender:
 
     async def close(self) -> None:
         """This ingress stops: its deliveries still retrying end here; another ingress's sweeper resumes them once
-        their marker's beat is lease_s old (``JobStore.pending_webhooks``)."""
+        their marker's beat is lease_s old (``WebhookMarkers.pending``)."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
