@@ -22,7 +22,10 @@ Two measurements, one after the other:
           ``min_replicas`` 0, as tests/test_scale_from_zero.py serves it), then one video job POSTed while no replica
           runs: each phase on the wall clock from the POST, read where it happens (Serve's replica states, polled; the
           replica process's start; rank 0's ``LoadReport``; the replica's log lines for its warm-up and readiness;
-          the job's own events, followed live: started, first step, decoding, completed), then a second job, warm.
+          the job's own events, followed live: started, each step, decoding, completed, each beside the engine's
+          own marks of the request (``H3Replica.timelines``: first_step, last_step, decode...)), then a second job,
+          warm. ``started`` comes at the end of the first forward, and ``--steps N`` is N - 1 forwards (sigma
+          points, the terminal zero included): with ``--steps 2`` started, step 1/1 and decoding come together.
           ``--layers N``: on the synthetic checkpoint of ``--group`` (``model: auto``) instead of the demo one.
 Run it under another checkout's PYTHONPATH (a ``git archive`` of the commit before) for the "before" column: the
 child, the command and the Ray workers all import that checkout's h3serve.
@@ -294,20 +297,35 @@ def from_zero(steps: int, layers: int | None) -> dict:
         time.sleep(1.0)
         replicas_before = dict(states)
         jobs: list[dict] = []
-        for label in ("first job (from zero)", "second job (warm)"):
+        for n, label in enumerate(("first job (from zero)", "second job (warm)")):
             events: dict[str, float] = {}
-            posted = time.time()
-            video_id = client.create_video(body)["id"]
+            request_id = f"cold-start-{os.getpid()}-{n}"
+            posted, clock = time.time(), time.time() - time.monotonic()
+            video_id = client.create_video(body, headers={"X-Request-Id": request_id})["id"]
             events["accepted"] = time.time()
             for event in client.follow(video_id):
                 kind = event["event"]
                 if kind == "queued" and "queued" in events:
                     kind = "queued at the replica"  # the second queued event: the replica took it (its position)
+                elif kind in ("step", "preview"):  # every one: they come one a forward, as the forwards end
+                    kind = f"{kind} {event['data']['step']}/{event['data']['steps']}"
                 events.setdefault(kind, time.time())
             job = client.wait_video(video_id, 0.05, 60)
             if job["status"] != "completed":
                 raise RuntimeError(f"the {label} did not complete: {job}")
-            jobs.append({"label": label, "posted": posted, "events": {k: t - posted for k, t in events.items()}})
+            # the engine's own marks of the request (time.monotonic() on the replica's node, this one): what each
+            # event's arrival is set beside. ``started`` is sent at the end of the first forward (its mark
+            # first_step); num_inference_steps N is N - 1 forwards (sigma points, the terminal zero included)
+            handle = serve.get_deployment_handle("H3Replica", app_name=name)
+            marks = handle.timelines.remote([request_id]).result(timeout_s=60).get(request_id, {})
+            jobs.append(
+                {
+                    "label": label,
+                    "posted": posted,
+                    "events": {k: t - posted for k, t in events.items()},
+                    "engine": {k: t + clock - posted for k, t in marks.items()},
+                }
+            )
         stop.set()
         watcher.join()
         handle = serve.get_deployment_handle("H3Replica", app_name=name)
@@ -341,7 +359,8 @@ def run(args: argparse.Namespace) -> dict:
         rows = sorted(result["replica"].items(), key=lambda kv: kv[1])
         table(["the first job's replica (s from its POST)", "s"], rows, "from zero: the replica's start")
         for job in result["jobs"]:
-            table([f"{job['label']}: event", "s from its POST"], list(job["events"].items()), "")
+            table([f"{job['label']}: event at the client", "s from its POST"], list(job["events"].items()), "")
+            table([f"{job['label']}: the engine's mark", "s from its POST"], list(job["engine"].items()), "")
         return result
 
     if args.clip:

@@ -238,6 +238,20 @@ def _lora_app(inputs: Inputs) -> dict:
     return app
 
 
+# test_events_live's: a transformer wide enough that one step of the default clip takes ~0.5-2 s on 2 cores (hidden
+# 1024, 3 blocks: 52M parameters, 0.2 GiB in fp32, written in ~2 s), so a burst of held events would show
+LIVE_TRANSFORMER = {"num_attention_heads": 32, "attention_head_dim": 32, "hidden_size": 1024, "ffn_dim": 4096}
+
+
+def _live_apps(inputs: Inputs) -> list[dict]:
+    from h3serve.pipelines.h3.checkpoint import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(
+        inputs.tmp / "live-h1024-l3", seed=0, transformer={**LIVE_TRANSFORMER, "num_layers": 3}
+    )
+    return [_app(inputs, "liveevents", "/liveevents", checkpoint=str(checkpoint), model="auto")]
+
+
 # test module -> its applications (the first is the one its ``server`` fixture hands out)
 APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_api_backpressure": _flood_apps,
@@ -250,6 +264,7 @@ APPS: dict[str, Callable[[Inputs], list[dict]]] = {
     "test_derived_http": _derived_apps,
     "test_deploy_default": lambda inputs: [_app(inputs, "default", "/default")],
     "test_events_http": _events_apps,
+    "test_events_live": _live_apps,
     "test_ingress_replicas": _ingresses_apps,
     "test_lora_http": lambda inputs: [_lora_app(inputs)],
     "test_scale_from_zero": _cold_apps,
