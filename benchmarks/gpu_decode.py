@@ -37,7 +37,7 @@ import torch
 from h3serve.pipelines.h3 import tiled_decode
 from h3serve.pipelines.h3.shapes import human_bytes, keeps_fp32
 
-from .harness import Budget, attempt, cli, say, table, write_json
+from .harness import Budget, attempt, cli, no_cuda, say, table, write_json
 
 PARTS = ["serial", "split", "audio"]
 RELEASED_DECODE_FLOPS = 1_893e12  # one released clip's video decode, counted on meta (BENCHMARKS.md section 19)
@@ -247,9 +247,8 @@ class Bench:
 def run(args: argparse.Namespace) -> dict:
     mode = "cpu" if args.cpu_dry_run else "full"
     s = SETTINGS[mode]
-    if s["device"] == "cuda" and not torch.cuda.is_available():
-        say("no CUDA device: nothing measured (use --cpu-dry-run to exercise the script on CPU)")
-        return {"mode": mode, "error": "no CUDA device"}
+    if (refused := no_cuda(mode, s["device"])) is not None:
+        return refused
     budget = Budget(args.max_seconds)
     res: dict = {"mode": mode, "skipped": budget.skipped}
     with torch.inference_mode():

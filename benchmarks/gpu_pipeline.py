@@ -66,7 +66,7 @@ from h3serve.pipelines.h3.shapes import (
     transformer_config,
 )
 
-from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, say, table, write_json
+from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, no_cuda, say, table, write_json
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
 PARTS = ["single", "packing", "compile", "pack2", "max_rows", "reserve"]
@@ -518,9 +518,8 @@ def options(ap: argparse.ArgumentParser) -> None:  # --json: every number, rewri
 def run(args: argparse.Namespace) -> dict:
     mode = "cpu" if args.cpu_dry_run else "full"
     s = SETTINGS[mode]
-    if s["device"] == "cuda" and not torch.cuda.is_available():
-        say("no CUDA device: nothing measured (use --cpu-dry-run to exercise the script on CPU)")
-        return {"mode": mode, "error": "no CUDA device"}
+    if (refused := no_cuda(mode, s["device"])) is not None:
+        return refused
     budget = Budget(args.max_seconds)
     say(f"{probe_platform(s['device']).describe()}; torch {torch.__version__}")
     res: dict = {"mode": mode, "skipped": budget.skipped}

@@ -616,3 +616,12 @@ async def at_times(arrivals: Iterable[tuple[float, Any]], send: Callable[[int, A
 # -- GPU scripts ----------------------------------------------------------------------------------
 
 PEAK_TFLOPS = BF16_DENSE_TFLOPS  # H200 SXM bf16 dense, NVIDIA spec (h3serve plan projects with the same)
+
+
+def no_cuda(mode: str, device: str) -> dict | None:
+    """A GPU script's result when its mode wants CUDA and this machine has none (said; nothing measured); None: the
+    device is there (or the mode runs on CPU), go on."""
+    if device != "cuda" or torch.cuda.is_available():
+        return None
+    say("no CUDA device: nothing measured (use --cpu-dry-run to exercise the script on CPU)")
+    return {"mode": mode, "error": "no CUDA device"}

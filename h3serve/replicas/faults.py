@@ -48,7 +48,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -56,26 +56,18 @@ from .cuda_faults import InjectedDeviceError
 
 logger = logging.getLogger(__name__)
 
-Point = Literal[
+# the points inside a step's forward (where ``oom`` and ``cuda_fatal`` fit), then the others
+StepPoint = Literal[
     "before_first_collective",
     "receive_buffer",
     "between_all_to_alls",
     "after_attention",
     "final_gather",
     "all_gather",
-    "step_cache_decision",
-    "join",
-    "abort",
 ]
+Point = Literal[StepPoint, "step_cache_decision", "join", "abort"]
 Action = Literal["raise", "oom", "hang", "freeze", "kill", "disagree", "cuda_fatal", "cuda_fatal_late"]
-STEP_POINTS = (
-    "before_first_collective",
-    "receive_buffer",
-    "between_all_to_alls",
-    "after_attention",
-    "final_gather",
-    "all_gather",
-)
+STEP_POINTS: tuple[str, ...] = get_args(StepPoint)
 BLOCK_POINTS = ("between_all_to_alls", "after_attention", "all_gather")  # ``Fault.block`` says which one
 ALL_TO_ALLS_PER_BLOCK = 4  # q, k, v to heads, the output back to rows
 

@@ -17,8 +17,11 @@ ongoing request for Serve while it lasts); ``ingress_options`` gives Serve those
 
 Over 600 lines on purpose: every route is a method of the one Serve deployment class (``@serve.ingress`` binds
 FastAPI's routes on it), each a few lines over what it calls (``h3serve.deploy.ingress.bodies``,
-``h3serve.deploy.jobs``, the H3
-replicas' handle); split, a route would live apart from the ``_call`` that authorizes, maps and counts it.
+``h3serve.deploy.jobs``, the H3 replicas' handle). Groups that need only a few of the ingress's attributes live in
+their own routers, methods of a base class ``H3Ingress`` inherits (a Protocol there says what they need of it):
+remix and extend (``h3serve.deploy.ingress.derived``), the admin's adapter routes
+(``h3serve.deploy.ingress.adapters``). The rest share the plumbing below (``_call``, ``_parse``, the tenant's
+quotas, ``_queue_video``).
 """
 
 import asyncio
@@ -52,17 +55,8 @@ from h3serve.deploy.common.errors import (
 from h3serve.deploy.common.metrics import RECORD_TIMEOUT_S, RequestMetrics, TenantMetrics, admission_recorder
 from h3serve.deploy.common.retry import retry
 from h3serve.deploy.common.serve_logging import audit, log_through_serve
-from h3serve.deploy.ingress import content, derived
-from h3serve.deploy.ingress.adapters import (
-    ADAPTER_BODY_SCHEMA,
-    ADAPTERS_TTL_S,
-    adapter_spec,
-    check_admin,
-    load_refused,
-    lora_of,
-    never_loaded,
-    steps_on,
-)
+from h3serve.deploy.ingress import adapters, content, derived
+from h3serve.deploy.ingress.adapters import ADAPTERS_TTL_S, lora_of, steps_on
 from h3serve.deploy.ingress.bodies import AnyBody, Body, ImagesBody, VideosBody, parse_body
 from h3serve.deploy.ingress.cold_start import ColdStart
 from h3serve.deploy.ingress.openapi import REQUEST_ID, document, redoc_page, swagger_page, swagger_sign_in_page
@@ -70,7 +64,7 @@ from h3serve.deploy.ingress.playground import playground_page
 from h3serve.deploy.ingress.quotas import Quotas
 from h3serve.deploy.ingress.routing import route
 from h3serve.deploy.ingress.tenants import Tenant, Tenants
-from h3serve.deploy.jobs.adapter_registry import AdapterRegistry, Adapters
+from h3serve.deploy.jobs.adapter_registry import AdapterRegistry
 from h3serve.deploy.jobs.events import last_event_id
 from h3serve.deploy.jobs.media_store import MediaStore, store_url
 from h3serve.deploy.jobs.store import JobPolicy, JobStore, epoch_seconds
@@ -179,12 +173,14 @@ def ingress_options(args: DeployArgs) -> dict[str, Any]:
     )
 
 
-app.include_router(derived.router)  # remix and extend: DerivedVideos's methods, bound to H3Ingress by Serve
+# methods of H3Ingress's bases, bound to it by Serve: remix and extend (DerivedVideos), the admin's adapter routes
+app.include_router(derived.router)
+app.include_router(adapters.router)
 
 
 @serve.deployment(name="H3Ingress")
 @serve.ingress(app)
-class H3Ingress(derived.DerivedVideos):
+class H3Ingress(derived.DerivedVideos, adapters.AdapterRoutes):
     def __init__(self, replica: DeploymentHandle, args: DeployArgs, rules: ModelRules | None = None):
         """``rules``: the checkpoint's, read by the driver (given when the replicas scale to zero, so that a video job
         is checked and accepted while none runs); None: asked of a replica when first needed."""
@@ -250,7 +246,7 @@ class H3Ingress(derived.DerivedVideos):
             request_id = request.state.request_id = request_id_of(request)
             self._authorize(route, request)
             if route not in PUBLIC_ROUTES:  # /health answers whatever the store does
-                await self._refresh_adapters()
+                await adapters.refresh_adapters(self)
             result = await handler()
             status = getattr(result, "status_code", 200)
             return result
@@ -684,83 +680,6 @@ class H3Ingress(derived.DerivedVideos):
             for model_id, name in self.adapter_ids.items()
         ]
         return {"object": "list", "data": [base, *adapters]}
-
-    @app.post("/v1/adapters", openapi_extra=ADAPTER_BODY_SCHEMA)
-    @route("/v1/adapters")
-    async def add_adapter(self, request: Request):
-        """Admin: load a LoRA adapter (checked against the checkpoint, warmed up, by one H3Replica), then record it in
-        the application's adapter registry: every ingress serves it from its next read of the registry, every other
-        H3Replica loads it before its first request on it (or at its next health check), a new one at its start."""
-        check_admin(request)
-        await self._refresh_adapters(fresh=True)
-        name, spec = adapter_spec(await request.body(), self.lora_specs, self.limits.max_steps)
-        try:
-            nbytes = await self.replica.load_adapter.remote(name, spec)
-        except Exception as e:
-            refused = load_refused(e)
-            if refused is None:
-                raise
-            raise refused from None
-
-        def add(loras: dict) -> dict:
-            if name in loras:  # another admin added it meanwhile
-                raise APIError(409, f"name: adapter {name!r} is already served; DELETE it first", "name")
-            return {**loras, name: spec}
-
-        adapters = await asyncio.to_thread(self.adapter_registry.change, add)
-        self._serve_adapters(adapters)
-        return {
-            "object": "adapter",
-            "id": f"{self.model_name}:{name}",
-            "name": name,
-            "bytes": nbytes,
-            "generation": adapters.generation,
-            # one H3Replica loaded it before this answer; the others load it before serving a request on it
-            "loaded": "checked_and_registered",
-        }
-
-    @app.delete("/v1/adapters/{name}")
-    @route("/v1/adapters/{name}")
-    async def delete_adapter(self, request: Request, name: str):
-        """Admin: take run-time adapter ``name`` out of the registry (every ingress refuses new requests on it from
-        its next read of the registry), then answer once the running requests on it of the H3Replica this call
-        reaches finished (the others unload it at their next health check, once theirs finished)."""
-        check_admin(request)
-        await self._refresh_adapters(fresh=True)
-        if name in self.deploy_loras:
-            raise APIError(409, f"adapter {name[:80]!r} is declared in args.loras: remove it there and redeploy")
-        if name not in self.loras:
-            raise APIError(404, f"no adapter {name[:80]!r}; its adapters: {', '.join(sorted(self.loras)) or 'none'}")
-
-        def remove(loras: dict) -> dict:
-            if name not in loras:
-                raise APIError(404, f"no adapter {name[:80]!r}: another call deleted it")
-            return {n: s for n, s in loras.items() if n != name}
-
-        self._serve_adapters(await asyncio.to_thread(self.adapter_registry.change, remove))
-        try:
-            await self.replica.unload_adapter.remote(name)
-        except Exception as e:  # that replica had not loaded it (it never ran a request on it): nothing to wait for
-            if not never_loaded(e):
-                raise
-        return {"object": "adapter", "id": f"{self.model_name}:{name}", "name": name, "deleted": True}
-
-    async def _refresh_adapters(self, fresh: bool = False) -> None:
-        """The registry's adapters beside the deploy-time ones (read at most every ``ADAPTERS_TTL_S``)."""
-        registry = self.adapter_registry
-        adapters = registry.cached() if not fresh else None
-        if adapters is None:
-            adapters = await asyncio.to_thread(registry.read, fresh)
-        if adapters.generation != self.adapters_generation:
-            self._serve_adapters(adapters)
-
-    def _serve_adapters(self, adapters: Adapters) -> None:
-        loras = {**self.deploy_loras, **adapters.loras}
-        self.adapters_generation = adapters.generation
-        self.loras = loras
-        self.lora_specs = self.lora_specs.model_copy(update={"loras": loras})
-        self.adapter_ids = {f"{self.model_name}:{n}": n for n in loras}
-        self._openapi = None  # its `model` enum lists the ids: built again on its next read
 
     @app.get("/v1/me")
     @route("/v1/me")
