@@ -1,7 +1,7 @@
-"""The warm-up clip (``h3serve/replicas/clip_warm_up.py``): one whole request at the served size through the
-engine's own stages and ranks before the replica is ready, invisible to the request table, its events and metrics;
-on a real engine over a real sp=1 worker group of the tiny checkpoint, and in a real Serve replica (sp=2, its
-decode's tiles over the ranks)."""
+"""The warm-up clip (``WarmUps.clip``, ``h3serve/replicas/warm_up.py``): one whole request at the served size through
+the engine's own stages and ranks before the replica is ready, invisible to the request table, its events and
+metrics; on a real engine over a real sp=1 worker group of the tiny checkpoint, and in a real Serve replica (sp=2,
+its decode's tiles over the ranks)."""
 
 import asyncio
 
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from h3serve.pipelines.h3 import GenerationRequest
 from h3serve.replicas import Engine, EngineLimits, WorkerGroup
-from h3serve.replicas.clip_warm_up import ClipWarmUpRefused
+from h3serve.replicas.warm_up import ClipWarmUpRefused
 from tests.test_engine_faults import Recorder
 from tests.test_replicas import spec
 

@@ -22,6 +22,7 @@ from h3serve.pipelines.h3.lora_spec import adapter_names
 
 from .executor import Executor
 from .requests import RequestTable
+from .warm_up import WarmUps
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ logger = logging.getLogger(__name__)
 class RuntimeAdapters:
     """Adds and removes one replica's adapters, on every rank of its SP group."""
 
-    def __init__(self, executor: Executor, requests: RequestTable, model_lock: asyncio.Lock):
-        self.executor, self.requests, self.model_lock = executor, requests, model_lock
+    def __init__(self, executor: Executor, warm_ups: WarmUps, requests: RequestTable, model_lock: asyncio.Lock):
+        self.executor, self.warm_ups, self.requests, self.model_lock = executor, warm_ups, requests, model_lock
         self._lock = asyncio.Lock()  # one change at a time: slots and budgets are read, then written
 
     async def load(self, name: str, spec: LoraSpec) -> int:
@@ -44,7 +45,7 @@ class RuntimeAdapters:
                 async with self.model_lock:  # between two steps: no forward runs on any rank
                     group = self.executor.group
                     await asyncio.to_thread(group.mirror_adapters, loras, denoiser.retiring)
-                    seconds = await self.executor.run_blocking(self.executor.warm_up_adapter, slot)
+                    seconds = await self.executor.run_blocking(self.warm_ups.adapter, slot)
             except BaseException:
                 denoiser.drop_staged(slot)
                 raise

@@ -72,8 +72,8 @@ class PreviewPolicy(BaseModel):
 
 
 class ClipWarmUpPolicy(BaseModel):
-    """The warm-up clip (``h3serve/replicas/clip_warm_up.py``): one whole request at the served size before the
-    replica is ready."""
+    """The warm-up clip (``WarmUps.clip`` in ``h3serve/replicas/warm_up.py``): one whole request at the served size
+    before the replica is ready."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

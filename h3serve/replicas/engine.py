@@ -28,7 +28,6 @@ from h3serve.pipelines.h3.step_cache_tiers import StepCachePolicy
 
 from . import scheduler
 from .adapters import RuntimeAdapters
-from .clip_warm_up import ClipWarmUp, warm_up_clip
 from .contract import (
     EngineDraining,
     EngineLimits,
@@ -38,13 +37,14 @@ from .contract import (
     QueueFull,
     check_priority,
 )
-from .executor import Executor, StepOutcome, WarmUp
+from .executor import Executor, StepOutcome
 from .hooks import StepGate, acts_before_forward, gated
 from .progress import EngineObserver, EngineStats, Progress
 from .requests import RequestTable, Stage, Ticket, check_rows, deadline_error, place
 from .scheduler import Budget
 from .stage_worker import LocalStages, RemoteStages, StageClient, StageLoop, Stages, StageWorker
 from .supervisor import GroupSupervisor
+from .warm_up import ClipWarmUp, WarmUp, WarmUps
 from .worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Engine:
         self.pipeline: H3Pipeline = group.pipeline
         self.observer, self.remote, self.gate = observer, remote, gate
         self.executor = Executor(group, self.limits)
+        self.warm_ups = WarmUps(self.executor, self.limits)
         self.requests = RequestTable()
         self.stage_worker = StageWorker(self.executor.device, self.limits.stage_nice)
         self.progress = Progress(self.requests, self.limits, self.pipeline, observer, self.stage_worker.run)
@@ -87,7 +88,7 @@ class Engine:
         self.progress.observe("on_adapters", tuple(self.pipeline.denoiser.loras.loras))
         # held by each step, and by a run-time adapter's load between two steps (its warm-up forward on every rank)
         self.model_lock = asyncio.Lock()
-        self.runtime_adapters = RuntimeAdapters(self.executor, self.requests, self.model_lock)
+        self.runtime_adapters = RuntimeAdapters(self.executor, self.warm_ups, self.requests, self.model_lock)
 
     # -- what callers read --------------------------------------------------------------------
     @property
@@ -269,7 +270,7 @@ class Engine:
     # -- warm-up, health, drain, close --------------------------------------------------------
     def warmup_request(self) -> GenerationRequest:
         """The smallest request the model's rules allow: the shortest clip on the smallest canvas, one step."""
-        return self.executor.warmup_request()
+        return self.warm_ups.request()
 
     def warm_up(self, state: RequestState | None = None, peak: bool | None = None) -> float:
         """Prepare the smallest request and run one packed forward on every rank, discarding the result.
@@ -278,7 +279,7 @@ class Engine:
         adapters, one more forward per adapter (``warmup_s`` holds each forward's seconds).
         ``state``: ``warmup_request()`` already prepared elsewhere (a conditioner stage); None prepares it here.
         ``peak``: then the same request padded to ``max_rows_per_step`` on every rank, each rank's device measured
-        and checked against the memory plan (``Executor.warm_up_peak``: raises ``PlanExceeded``); None: on CUDA
+        and checked against the memory plan (``WarmUps.peak``: raises ``PlanExceeded``); None: on CUDA
         only (a CPU has no device memory to measure, and the forward at the budget costs the suite seconds).
         Returns the forward's seconds, which seed the watchdog's expected step time and the measured rate.
         """
@@ -286,7 +287,7 @@ class Engine:
             raise RuntimeError("warm_up() runs before the first submit")
         if peak is None:
             peak = self.executor.device.type == "cuda"
-        warm = self.executor.warm_up(state, self.limits.max_rows_per_step if peak else None)
+        warm = self.warm_ups.forwards(state, self.limits.max_rows_per_step if peak else None)
         self.last_warm_up = warm
         self.warmup_s = warm.by_adapter
         self.progress.meter.seed(warm.rows - warm.padding_rows, warm.seconds)
@@ -300,11 +301,11 @@ class Engine:
 
     async def warm_up_clip(self) -> ClipWarmUp:
         """One whole request at the served size through this engine's stages and ranks, discarded, before the first
-        submit (``clip_warm_up``); raises ClipWarmUpRefused (the size) or what the clip's run raised."""
+        submit (``WarmUps.clip``); raises ClipWarmUpRefused (the size) or what the clip's run raised."""
         if self._task is not None:
             raise RuntimeError("warm_up_clip() runs before the first submit")
         request = self.limits.warmup_clip.request()
-        self.last_clip_warm_up = await warm_up_clip(request, self.pipeline, self.executor, self.stages)
+        self.last_clip_warm_up = await self.warm_ups.clip(request, self.stages)
         return self.last_clip_warm_up
 
     @property

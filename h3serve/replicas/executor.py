@@ -29,10 +29,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from h3serve.pipelines.h3 import GenerationRequest, RequestState, StepStats
-from h3serve.pipelines.h3.memory import MeasuredUse, check_measured
-from h3serve.pipelines.h3.packing import Document, Pack, pack_documents
-from h3serve.pipelines.h3.step_cache import CachedPack, DocumentCache, PackCache, skipped_block_rows
+from h3serve.pipelines.h3 import RequestState, StepStats
+from h3serve.pipelines.h3.packing import Pack
+from h3serve.pipelines.h3.step_cache import skipped_block_rows
 
 from .contract import EngineLimits
 from .cuda_faults import fatal
@@ -75,37 +74,6 @@ class StepOutcome:
         return any(t is ticket for t, _, _ in self.failed)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCacheWarmUp:
-    """The step cache's forwards at the row budget (``Executor.warm_up_step_cache``): what they held at their peak."""
-
-    documents: int  # caching copies of the warm-up document in the pack
-    caching_rows: int  # their rows (the rest of the budget: padding)
-    held_bytes: int  # rank 0's residuals held by them when the third forward ran (every rank holds as many)
-    skipped_block_rows: int  # rows x blocks the third forward skipped: the other copies ran on a sub-pack
-    seconds: float  # the three forwards
-
-
-@dataclasses.dataclass(frozen=True)
-class PeakWarmUp:
-    """The forwards at the row budget: the pack's rows, each forward's seconds by adapter, every rank's device."""
-
-    rows: int
-    by_adapter: dict[str | None, float]
-    measured: list[MeasuredUse | None]  # by rank (None: a CPU rank, nothing to measure)
-    checked: list[str]  # one line per rank against the plan (empty: nothing measured, or no plan)
-    step_cache: StepCacheWarmUp | None = None  # when the deployment offers step-cache tiers
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmUp:
-    seconds: float  # the base model's forward
-    rows: int  # its pack's rows, padding included
-    padding_rows: int
-    by_adapter: dict[str | None, float]  # each forward's seconds by adapter (None: the base model)
-    peak: PeakWarmUp | None = None  # at the row budget (``Executor.warm_up_peak``)
-
-
 class Executor:
     """Rank 0's side of the SP group: the model thread, the group (replaced when a step breaks it), the step time."""
 
@@ -114,17 +82,10 @@ class Executor:
         self.pipeline = group.pipeline
         self.device = self.pipeline.denoiser.device
         self._timeout = (limits.step_timeout_min_s, limits.step_timeout_factor)
-        self.step_cache_tiers = dict(limits.step_cache.tiers)  # the warm-up at the row budget reaches their peak
-        for name, policy in limits.step_cache.tiers.items():  # refused here too: the deploy args refuse them earlier
-            try:
-                self.pipeline.check_step_cache(policy)
-            except ValueError as e:
-                raise ValueError(f"engine.step_cache.tiers.{name}: {e}") from None
         self.step_s = Ema(0.2)  # the expected step time: warm-up, then an EMA of forwards (the watchdog's clock)
         self.progress_at = time.monotonic()  # when a forward last finished, or a group was replaced
         # one thread for all model work: steps must not interleave on the device
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="h3-engine")
-        self.warm_state: RequestState | None = None  # the warm-up's request, prepared (``warm_up``)
 
     @property
     def group(self) -> WorkerGroup:
@@ -142,165 +103,6 @@ class Executor:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
-
-    # -- warm-up ------------------------------------------------------------------------------
-    def warmup_request(self) -> GenerationRequest:
-        """The smallest request the model's rules allow: the shortest clip on the smallest canvas, one step."""
-        rules, side = self.pipeline.rules, self.pipeline.rules.canvas_multiple
-        return GenerationRequest(
-            prompt="warm-up", width=side, height=side, num_frames=rules.min_frames, num_inference_steps=2
-        )
-
-    def warm_up(self, state: RequestState | None, peak_rows: int | None = None) -> WarmUp:
-        """One packed forward of ``state`` (None: ``warmup_request()`` prepared here) on every rank, then one more per
-        LoRA adapter with its documents on the adapter's slot (its GEMM shapes and the widened timestep path land
-        here, not on its first request). ``peak_rows``: then the same at that many rows (``warm_up_peak``)."""
-        started = time.perf_counter()
-        state = self.pipeline.prepare(self.warmup_request()) if state is None else state
-        self.warm_state = state  # kept: a run-time adapter's warm-up forward runs it again (``warm_up_adapter``)
-        ((_, pack),) = self.pipeline.packs([state])
-        prepared = time.perf_counter()
-        self.group(pack)
-        seconds = time.perf_counter() - prepared
-        self.step_s.value = seconds
-        logger.info(
-            "warm-up: prepare %.2f s, one packed forward of %d rows on %d ranks %.2f s",
-            prepared - started,
-            pack.total_rows,
-            self.group.sp_degree,
-            seconds,
-        )
-        by_adapter: dict[str | None, float] = {None: seconds}
-        slots = self.pipeline.denoiser.loras.slots
-        own_slot = state.adapter_slot
-        try:
-            for name, slot in slots.items():
-                state.adapter_slot = slot
-                ((_, adapter_pack),) = self.pipeline.packs([state])
-                started = time.perf_counter()
-                self.group(adapter_pack)
-                by_adapter[name] = time.perf_counter() - started
-        finally:
-            state.adapter_slot = own_slot
-        if slots:
-            logger.info(
-                "warm-up through each LoRA adapter: %s",
-                ", ".join(f"{name} {by_adapter[name]:.2f} s" for name in slots),
-            )
-        peak = self.warm_up_peak(state, peak_rows) if peak_rows else None
-        return WarmUp(seconds, pack.total_rows, pack.padding_rows, by_adapter, peak)
-
-    def warm_up_adapter(self, slot: int) -> float | None:
-        """One packed forward of the warm-up request on adapter ``slot`` on every rank (a run-time adapter, before it
-        is served, as ``warm_up`` does each deploy-time one); its seconds, or None when no warm-up ran
-        (``engine.warmup`` off). The caller holds the engine between steps (``Engine.model_lock``)."""
-        state = self.warm_state
-        if state is None:
-            return None
-        own_slot = state.adapter_slot
-        try:
-            state.adapter_slot = slot
-            ((_, pack),) = self.pipeline.packs([state])
-            started = time.perf_counter()
-            self.group(pack)
-            return time.perf_counter() - started
-        finally:
-            state.adapter_slot = own_slot
-
-    def warm_up_peak(self, state: RequestState, max_rows: int) -> PeakWarmUp:
-        """The first pack at the row budget is the warm-up's, not a user's: ``state``'s document padded to
-        ``max_rows`` (one padding document: every block runs on that many rows, as a full pack does) through every
-        rank, on the base model and then on each LoRA adapter's slot (the deltas' activations); then every rank's
-        device measured (CUDA: ``torch.cuda.mem_get_info``, logged) and checked against the deployment's memory
-        plan (``spec.memory_plan``): ``memory.PlanExceeded``, naming the rank, the plan and the measured bytes, when
-        a rank is past its plan by more than the reserve (the replica refuses to serve). With step-cache tiers the
-        plan counts the cache's tensors on every row, so the step cache's peak runs too (``warm_up_step_cache``)
-        before anything is measured."""
-        document = state.document()
-        # [rows]: the document, then padding up to the budget (a document past the budget: alone, padded for the SP)
-        rows = max_rows - max_rows % self.group.sp_degree
-        if document.length > rows:
-            rows = self.group.sp_degree
-        self.group.device_memory(reset=True)  # each rank's peak count from here
-        by_adapter: dict[str | None, float] = {}
-        total = 0
-        runs: dict[str | None, int] = {None: state.adapter_slot}
-        runs.update(self.pipeline.denoiser.loras.slots)
-        for name, slot in runs.items():
-            pack = pack_documents([document], state.partition, rows, [slot])
-            started = time.perf_counter()
-            self.group(pack)
-            by_adapter[name] = time.perf_counter() - started
-            total = pack.total_rows
-            del pack
-        slots = list(runs.values())  # the step cache's copies take the base model and each adapter in turn
-        cached = self.warm_up_step_cache(document, state.partition, rows, slots) if self.step_cache_tiers else None
-        measured = self.group.device_memory()
-        logger.info(
-            "warm-up at the row budget: %d rows on %d rank(s), %s%s",
-            total,
-            self.group.sp_degree,
-            ", ".join(f"{'base' if n is None else n} {s:.2f} s" for n, s in by_adapter.items()),
-            ""
-            if cached is None
-            else f"; step cache {cached.documents} caching document(s), {cached.caching_rows} rows, "
-            f"{cached.held_bytes} residual bytes held, {cached.seconds:.2f} s",
-        )
-        checked: list[str] = []
-        uses = [use for use in measured if use is not None]
-        if uses:
-            planned = self.group.spec.memory_plan
-            if planned is None:  # measured, with nothing to check it against: the operator still sees it
-                for use in uses:
-                    logger.info(
-                        "rank %d: %d of %d bytes in use after the warm-up at the row budget (tensors' peak %d); "
-                        "no memory plan to check it against",
-                        use.rank,
-                        use.used_bytes,
-                        use.total_bytes,
-                        use.peak_tensor_bytes,
-                    )
-            else:
-                checked = check_measured(planned, uses)  # raises PlanExceeded
-                for line in checked:
-                    logger.info("memory plan measured: %s", line)
-        return PeakWarmUp(total, by_adapter, measured, checked, cached)
-
-    def warm_up_step_cache(
-        self, document: Document, partition: str, rows: int, slots: list[int] | None = None
-    ) -> StepCacheWarmUp:
-        """The step cache's peak at the row budget, on every rank (what ``memory.activation_row_cost(step_cache=True)``
-        plans per row): copies of ``document`` fill the ``rows`` of the budget, each with its own cache state, the
-        tiers' ``fn_blocks``/``bn_blocks`` in turn (documents that decide at different blocks: under Ulysses h_0 stays
-        gathered beside a sub-pack), and run three forwards: every copy fills its residuals; every copy computes
-        again beside the residuals it holds (held + pending, h_0 kept, the gathered rows under Ulysses); then half
-        the copies skip, so the others' middle blocks run on a sub-pack beside the whole pack. ``slots``: the copies
-        take these adapter slots in turn (LoRA's deltas follow their rows into the sub-pack). The states are freed
-        after (the workers drop theirs with the next pack, as for any finished request)."""
-        started = time.perf_counter()
-        copies = max(1, rows // document.length)
-        tiers = list(self.step_cache_tiers.values())
-        caches = []
-        for i in range(copies):
-            tier = tiers[i % len(tiers)]
-            # even copies skip from the third step on (nothing under 1e9 changes that much), odd ones always compute
-            threshold = 1e9 if i % 2 == 0 and copies > 1 else 0.0
-            policy = tier.model_copy(update=dict(threshold=threshold, warmup_steps=2, max_consecutive_skips=10**6))
-            caches.append(DocumentCache(policy))
-        slots = slots or [0]
-        pack = pack_documents([document] * copies, partition, rows, [slots[i % len(slots)] for i in range(copies)])
-        held = skipped = 0
-        try:
-            for _ in range(3):
-                cached = CachedPack.of(pack, PackCache(list(caches)))
-                self.group(cached)
-                held = max(held, sum(cache.residual_bytes for cache in caches))
-                assert cached.step_cache is not None
-                skipped = cached.step_cache.skipped_block_rows
-        finally:
-            for cache in caches:
-                cache.free()
-        return StepCacheWarmUp(copies, copies * document.length, held, skipped, time.perf_counter() - started)
 
     # -- one step -----------------------------------------------------------------------------
     async def step(
@@ -422,7 +224,7 @@ class Executor:
         return None
 
     async def denoise(self, state: RequestState) -> tuple[int, int]:
-        """Every step of ``state`` alone on every rank, as a pack of one (the warm-up clip); its forwards and its
+        """Every step of ``state`` alone on every rank, as a pack of one (``WarmUps.clip``); its forwards and its
         pack's rows. Raises what the step raised (PackFailed, WorkerGroupBroken, the state's own error)."""
         forwards = rows = 0
         while not state.done:
