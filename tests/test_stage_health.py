@@ -18,7 +18,7 @@ import torch
 from ray import serve
 
 from h3serve.deploy.common.args import DeployArgs
-from h3serve.deploy.model_server.h3_replica import ServeStages, _replica_lost
+from h3serve.deploy.model_server.stage_client import ServeStages, _replica_lost
 from h3serve.deploy.model_server.stage_deployments import H3Decoder
 from h3serve.pipelines.h3 import DecodeHandoff, GenerationRequest, H3StageModels
 from h3serve.replicas.cuda_faults import ProcessPoisoned

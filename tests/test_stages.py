@@ -23,7 +23,7 @@ from ray import serve
 from h3serve.deploy.common.args import DeployArgs
 from h3serve.deploy.common.errors import RETRY_AFTER_S, StageUnavailable, http_error, root_cause
 from h3serve.deploy.common.serve_controller import SERVE_CONTROLLER
-from h3serve.deploy.model_server.h3_replica import STAGE_ATTEMPTS, ServeStages
+from h3serve.deploy.model_server.stage_client import STAGE_ATTEMPTS, ServeStages
 from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline, H3StageModels, PreparedState, Reference, RequestError
 from h3serve.pipelines.h3.checkpoint import write_tiny_checkpoint
 from h3serve.pipelines.h3.pipeline import StagesElsewhere

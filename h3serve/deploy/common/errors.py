@@ -20,7 +20,7 @@ RETRY_AFTER_S = "2"
 
 class StageUnavailable(RuntimeError):
     """A stage's replica died under a request on every one of its attempts
-    (``h3serve.deploy.model_server.h3_replica.STAGE_ATTEMPTS``):
+    (``h3serve.deploy.model_server.stage_client.STAGE_ATTEMPTS``):
     the request's error, naming the stage (the denoiser replica and the other requests carry on)."""
 
     def __init__(self, stage: str, message: str):

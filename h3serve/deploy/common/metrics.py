@@ -398,7 +398,7 @@ class EngineMetrics:
 
     def on_stage_retry(
         self, stage: str
-    ) -> None:  # h3serve.deploy.model_server.h3_replica.ServeStages: a stage replica died under a call
+    ) -> None:  # h3serve.deploy.model_server.stage_client.ServeStages: a stage replica died under a call
         self.stage_retries.inc(1, tags={"stage": checked(stage, STAGE_ROLES, "stage role")})
 
     def on_adapters(self, served: Sequence[str]) -> None:

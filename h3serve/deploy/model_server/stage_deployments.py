@@ -7,7 +7,7 @@ object store), the denoiser steps it in its packs, and ``H3Decoder.decode`` gets
 (``DecodeHandoff``) and returns the PNG/MP4 bytes. The client sees one request. A stage's error is the
 request's error (a RequestError stays one, an HTTP 400), never retried. A stage replica that dies fails no
 request and never the H3Replica: Serve replaces it, and each H3Replica makes the calls it had in flight there
-again (``h3serve.deploy.model_server.h3_replica.ServeStages``), on another live replica or on the replacement once it
+again (``h3serve.deploy.model_server.stage_client.ServeStages``), on another live replica or on the replacement once it
 is up, up to ``STAGE_ATTEMPTS`` calls in all, counted in ``h3serve_stage_retries`` by stage. The denoiser holds a
 request's finished latents until its decode returns, so a redone decode repeats no denoising; a redone prepare repeats
 only the prepare. Every H3Replica's rank 0 then loads none of these models
