@@ -518,15 +518,42 @@ def replica_app(spec, name: str, **limits):
     return serve.deployment(H3Replica, **options).bind(spec, EngineLimits(**limits)), name
 
 
-def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(ray_cluster):
-    """Fail closed at every layer: a spec the driver would never make is refused by the replica itself."""
+def recorder_actors(address: str, state: str) -> list:
+    from h3serve.deploy.common.metrics import RECORDER_NAME
+
+    actors = list_actors(address=address, detail=True, limit=10000, filters=[("name", "=", RECORDER_NAME)])
+    return [a for a in actors if a.state == state]
+
+
+@pytest.fixture()
+def no_recorder(ray_cluster):
+    """No admission recorder on the cluster, as before any driver counted: the detached actor that earlier tests (or
+    modules) created is killed and not restarted, so the next count must create it. Its counters go with it, as
+    when the head restarts it."""
+    from h3serve.deploy.common.metrics import RECORDER_NAME, RECORDER_NAMESPACE
+
+    try:
+        ray.kill(ray.get_actor(RECORDER_NAME, namespace=RECORDER_NAMESPACE), no_restart=True)
+    except ValueError:  # none yet: this test runs first on a fresh cluster
+        pass
+    wait_for(lambda: not recorder_actors(ray_cluster.address, "ALIVE"), timeout=30, what="the recorder to be gone")
+
+
+def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(ray_cluster, no_recorder):
+    """Fail closed at every layer: a spec the driver would never make is refused by the replica itself. No driver
+    counted before it (no recorder exists): the replica creates the recorder, outside its own placement group."""
     metrics_port = ray_cluster.metrics_port
     app, name = replica_app(spec_for("sage_attn"), "incapable-replica")
     with pytest.raises(RuntimeError, match=f"Deploying application {name} failed"):
         serve.run(app, name=name, route_prefix=None)
     status = serve.status().applications[name]
     assert status.status == "DEPLOY_FAILED"
-    assert "does not implement packed varlen attention" in status.deployments["H3Replica"].message
+    message = status.deployments["H3Replica"].message
+    assert "does not implement packed varlen attention" in message
+    assert "AdmissionRecorder" not in message, message[-3000:]  # counting it did not fail on top of the refusal
+    # the replica made it: detached, on no placement group (the replica's bundles hold no head resource)
+    (recorder,) = recorder_actors(ray_cluster.address, "ALIVE")
+    assert recorder.is_detached and recorder.placement_group_id is None
 
     def counted():
         samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])

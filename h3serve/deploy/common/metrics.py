@@ -313,12 +313,17 @@ ON_THE_HEAD = {"node:__internal_head__": 0.001}
 
 
 def admission_recorder():
+    """The detached recorder, created by whichever caller counts first (the driver's preflight, or a replica that
+    fails to build when none exists). ``scheduling_strategy="DEFAULT"``: a Serve replica with
+    ``placement_group_bundles`` makes its child actors join its placement group, where the head's resource fits no
+    bundle; Ray then refuses to create the recorder and the replica's build failure would go uncounted."""
     return AdmissionRecorder.options(  # type: ignore[attr-defined]  # a Ray actor class
         name=RECORDER_NAME,
         namespace=RECORDER_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         resources=ON_THE_HEAD,
+        scheduling_strategy="DEFAULT",
     ).remote()
 
 
