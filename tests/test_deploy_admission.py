@@ -360,6 +360,12 @@ TOKEN_APP = "token-unset"  # the plain `serve run`'s config: admitted, its ingre
 TOKEN_ENV = "H3_TEST_UNSET_KEY"
 
 
+def replica_build_failures(metrics_port: int, **labels: str) -> list:
+    """The replicas' build failures with ``labels`` (backend, reason), from one scrape of the export port."""
+    samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
+    return [s for s in samples if labels.items() <= s.labels.items()]
+
+
 def counted_failures(metrics: int | dict[str, list], labels: dict[str, str]) -> list:
     """The build stage's admission failures with ``labels``, from the export port or one ``scrape`` of it."""
     samples = (scrape(metrics) if isinstance(metrics, int) else metrics).get("ray_h3serve_admission_failures_total", [])
@@ -481,11 +487,11 @@ def test_a_replica_that_cannot_run_the_admitted_backend_fails_closed(ray_cluster
     flash = [e for e in ray.get(recorder.decisions_log.remote()) if e["backend"] == "flash_attn"]
     assert {e["outcome"] for e in flash} == {"admitted"}  # the driver admitted; no replica fell back
 
-    def counted():
-        samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
-        return [s for s in samples if s.labels.get("backend") == "flash_attn"]
-
-    samples = wait_for(counted, timeout=60, what="replica build failure metric")
+    samples = wait_for(
+        lambda: replica_build_failures(metrics_port, backend="flash_attn"),
+        timeout=60,
+        what="replica build failure metric",
+    )
     assert {s.labels["reason"] for s in samples} == {"unavailable"} and sum(s.value for s in samples) >= 1
 
 
@@ -555,11 +561,11 @@ def test_a_replica_handed_an_incapable_backend_refuses_and_counts_it(ray_cluster
     (recorder,) = recorder_actors(ray_cluster.address, "ALIVE")
     assert recorder.is_detached and recorder.placement_group_id is None
 
-    def counted():
-        samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
-        return [s for s in samples if s.labels.get("backend") == "sage_attn"]
-
-    samples = wait_for(counted, timeout=60, what="replica build failure metric")
+    samples = wait_for(
+        lambda: replica_build_failures(metrics_port, backend="sage_attn"),
+        timeout=60,
+        what="replica build failure metric",
+    )
     assert {s.labels["reason"] for s in samples} == {"incapable"}
     serve.delete(name)
 
@@ -575,11 +581,11 @@ def test_a_warm_up_clip_the_model_refuses_fails_the_replica_closed_and_counts_it
     assert status.status == "DEPLOY_FAILED"
     assert "engine.warmup_clip" in status.deployments["H3Replica"].message
 
-    def counted():
-        samples = scrape(metrics_port).get("ray_h3serve_replica_build_failures_total", [])
-        return [s for s in samples if s.labels.get("reason") == "ClipWarmUpRefused"]
-
-    wait_for(counted, timeout=60, what="replica build failure metric")
+    wait_for(
+        lambda: replica_build_failures(metrics_port, reason="ClipWarmUpRefused"),
+        timeout=60,
+        what="replica build failure metric",
+    )
     serve.delete(name)
 
 
