@@ -7,7 +7,7 @@ Every benchmark is a plain module, ``python -m benchmarks.NAME [--smoke] [--json
 ``cli`` parses the arguments (``--smoke``, ``--json``, ``--address``: join a running Ray cluster, as the tests'
 session cluster, instead of starting one), runs, stamps the result with the machine and the git commit
 (``stamp``), writes it to ``--json`` and exits 1 when ``result["ok"]`` is false (a refusal returns an int: 2).
-The shared pieces: ``table`` (``h3serve.pipelines.h3.meta.tables``, ``h3serve plan``'s too)/``say`` print,
+The shared pieces: ``table`` (``h3serve.pipelines.h3.meta.tables``, ``h3serve plan``'s too)/``columns``/``say`` print,
 ``percentile``/``median``/``time_ms``/``interleaved``/``Phases`` time, ``torch_threads``/``worker_group`` hold a
 thread count and a WorkerGroup for a block, ``default_config`` (the shipped config with an overlay) and
 ``ServedConfig``/``ServedDefault`` start ``h3serve serve`` as a user does (or ``Attached`` to one already up,
@@ -265,6 +265,18 @@ class Phases:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + now() - t0
+
+
+def columns(
+    rows: Iterable[Any], cells: Sequence[tuple[str, str | Callable[[Any], object]]], title: str | None = None
+) -> str:
+    """``table`` with each column's header beside its cell: ``(header, cell)``, the cell a row's key (dots reach into
+    nested dicts: ``"latency.p50"``) or a function of the row."""
+
+    def cell(row: Any, get: str | Callable[[Any], object]) -> object:
+        return get(row) if callable(get) else functools.reduce(lambda d, key: d[key], get.split("."), row)
+
+    return table([h for h, _ in cells], [[cell(r, get) for _, get in cells] for r in rows], title)
 
 
 def judge_targets(checks: Sequence[tuple[str, float, str, float]], load: float, title: str) -> list[dict]:
