@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import tempfile
 import time
 
@@ -531,8 +530,4 @@ def run(args: argparse.Namespace) -> dict:
     return res  # the exit status is 0 whatever was measured
 
 
-main = cli(__doc__, run, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run, options, __name__)

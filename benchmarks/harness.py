@@ -2,7 +2,8 @@
 
 Every benchmark is a plain module, ``python -m benchmarks.NAME [--smoke] [--json PATH] ...``, ending in
 
-    main = cli(__doc__, run, options)   # options(ap) adds its own arguments; run(args) -> result dict
+    main = cli(__doc__, run, options, __name__)   # options(ap) adds its arguments; run(args) -> result dict;
+                                                 # run as a script (``__name__`` "__main__"), it runs and exits
 
 ``cli`` parses the arguments (``--smoke``, ``--json``, ``--address``: join a running Ray cluster, as the tests'
 session cluster, instead of starting one), runs, stamps the result with the machine and the git commit
@@ -70,8 +71,11 @@ def cli(
     doc: str | None,
     run: Callable[[argparse.Namespace], dict | int],
     options: Callable[[argparse.ArgumentParser], None] | None = None,
+    module: str | None = None,
 ) -> Callable[..., int]:
-    """The ``python -m benchmarks.NAME`` entry point: ``main(argv) -> exit status`` (see the module's docstring)."""
+    """The ``python -m benchmarks.NAME`` entry point: ``main(argv) -> exit status`` (see the module's docstring).
+    ``module``, the caller's ``__name__``: when it is "__main__" (run as a script), run now and exit with the status.
+    """
 
     def entry(argv: Sequence[str] | None = None) -> int:
         ap = parser(doc)
@@ -86,15 +90,19 @@ def cli(
         write_json(args.json, result)
         return 0 if result.get("ok", True) else 1
 
+    if module == "__main__":
+        raise SystemExit(entry())
     return entry
 
 
-def smoke_main(doc: str | None, run: Callable[[bool], dict]) -> Callable[..., int]:
+def smoke_main(doc: str | None, run: Callable[[bool], dict], module: str | None = None) -> Callable[..., int]:
     """``cli`` for a benchmark whose only option is ``--smoke``: ``run(smoke) -> dict``."""
-    return cli(doc, lambda args: run(args.smoke))
+    return cli(doc, lambda args: run(args.smoke), module=module)
 
 
-def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable[..., dict]) -> Callable[..., int]:
+def width_main(
+    doc: str | None, name: str, what_gpu_measures: str, run: Callable[..., dict], module: str | None = None
+) -> Callable[..., int]:
     """``cli`` of a per-step cost measured on CPU at a smaller width or, with ``--gpu``, on CUDA at the released width:
     ``python -m benchmarks.NAME [--quick | --smoke | --gpu] [--json PATH]``, ``run(quick, gpu=, smoke=)``."""
 
@@ -112,7 +120,7 @@ def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable
             say(f"{name} --gpu measures: {what_gpu_measures}")
         return run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
 
-    return cli(doc, run_args, options)
+    return cli(doc, run_args, options, module)
 
 
 def join_ray(address: str) -> None:

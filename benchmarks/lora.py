@@ -53,7 +53,6 @@ import copy
 import dataclasses
 import math
 import random
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -711,8 +710,4 @@ def run_args(args: argparse.Namespace) -> dict:
         return run_trace(sizes, args.policy, args.seed, args.aging_s)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

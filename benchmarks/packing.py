@@ -20,7 +20,6 @@ import asyncio
 import collections
 import concurrent.futures
 import random
-import sys
 
 from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 from h3serve.replicas import Engine, EngineLimits, WorkerGroup
@@ -495,8 +494,4 @@ def options(ap: argparse.ArgumentParser) -> None:
     )
 
 
-main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options, __name__)

@@ -39,7 +39,6 @@ import os
 import random
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -569,8 +568,4 @@ def run_args(args: argparse.Namespace) -> dict:
     return run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke, running)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

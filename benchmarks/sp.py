@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 
 import ray
 import torch
@@ -233,8 +232,4 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = smoke_main(__doc__, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = smoke_main(__doc__, run, __name__)

@@ -48,7 +48,6 @@ import dataclasses
 import io
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -384,9 +383,6 @@ def run_args(args: argparse.Namespace) -> dict | int:
     return run(sizes, args.seed, args.gpu, args.checkpoint, args.rate)
 
 
-main = cli(__doc__, run_args, options)
-
-
 def gpu_refusal(checkpoint: str | None, rate: float | None) -> str | None:
     """Why --gpu cannot run here (at once, before anything starts), or None."""
     import importlib.util
@@ -407,5 +403,4 @@ def gpu_refusal(checkpoint: str | None, rate: float | None) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

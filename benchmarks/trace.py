@@ -41,7 +41,6 @@ import dataclasses
 import math
 import os
 import random
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -572,8 +571,4 @@ def run_args(args: argparse.Namespace) -> dict | int:
         return run(sizes, group, args.seed)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)
