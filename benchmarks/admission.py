@@ -200,8 +200,4 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = smoke_main(__doc__, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = smoke_main(__doc__, run, __name__)

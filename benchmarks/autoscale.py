@@ -41,7 +41,6 @@ import copy
 import dataclasses
 import math
 import random
-import sys
 import threading
 import time
 
@@ -485,8 +484,4 @@ def run_args(args: argparse.Namespace) -> dict:
     return run(sizes, args.seed, args.tune_seed, args.smoke)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

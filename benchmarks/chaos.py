@@ -286,7 +286,4 @@ def options(ap) -> None:
     ap.add_argument("--scenarios", default="", help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)")
 
 
-main = cli(__doc__, run, options)
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+main = cli(__doc__, run, options, __name__)

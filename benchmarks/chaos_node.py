@@ -282,7 +282,4 @@ def options(ap) -> None:
     )
 
 
-main = cli(__doc__, run, options)
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+main = cli(__doc__, run, options, __name__)

@@ -425,7 +425,4 @@ if __name__ == "__main__" and "--child" in sys.argv:  # before any import below:
 
 from benchmarks.harness import cli  # noqa: E402  (after the child's exit, above)
 
-main = cli(__doc__, run, options)
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+main = cli(__doc__, run, options, __name__)

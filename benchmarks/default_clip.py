@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -202,8 +201,4 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = smoke_main(__doc__, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = smoke_main(__doc__, run, __name__)

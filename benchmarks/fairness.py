@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 from h3serve.replicas import EngineLimits, WorkerGroup
 
@@ -132,7 +131,4 @@ def run_args(args: argparse.Namespace) -> dict:
         return run(args.flood, args.others, args.steps, args.policy, args.rounds, group)
 
 
-main = cli(__doc__, run_args, options)
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

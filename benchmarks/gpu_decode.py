@@ -27,7 +27,6 @@ cut at the session's cap loses only the part it was in. Needs torch and diffuser
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
 from typing import Any
@@ -279,7 +278,4 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same code paths with the tiny VAEs on CPU")
 
 
-main = cli(__doc__, run, options)
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run, options, __name__)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import (
@@ -259,8 +258,4 @@ def run(args: argparse.Namespace) -> dict:
     return res  # written to --out by the harness; the exit status is 0 whatever was measured
 
 
-main = cli(__doc__, run, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run, options, __name__)

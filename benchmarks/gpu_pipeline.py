@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import tempfile
 import time
 
@@ -66,7 +65,7 @@ from h3serve.pipelines.h3.shapes import (
     transformer_config,
 )
 
-from .harness import PEAK_TFLOPS, Budget, attempt, cli, median_ms, no_cuda, say, table, write_json
+from .harness import PEAK_TFLOPS, Budget, attempt, cli, columns, median_ms, no_cuda, say, write_json
 
 TARGET_MFU, TARGET_S_PER_STEP = 50.0, 5.7
 PARTS = ["single", "packing", "compile", "pack2", "max_rows", "reserve"]
@@ -197,29 +196,17 @@ class Bench:
         )
 
     def report(self, rows: list[tuple[str, dict]]) -> None:
-        table(
+        columns(
+            [dict(r, mode=mode) for mode, r in rows],
             [
-                "mode",
-                "rows",
-                "s / step",
-                "TFLOP/s",
-                "MFU %",
-                "peak memory",
-                f"MFU >= {TARGET_MFU:.0f}%",
-                f"<= {TARGET_S_PER_STEP} s/step",
-            ],
-            [
-                [
-                    m,
-                    r["rows"],
-                    r["s_per_step"],
-                    r["tflops"],
-                    r["mfu_pct"],
-                    r["peak_bytes"] and human_bytes(r["peak_bytes"]),
-                    r["mfu_pct"] >= TARGET_MFU,
-                    r["s_per_step"] <= TARGET_S_PER_STEP,
-                ]
-                for m, r in rows
+                ("mode", "mode"),
+                ("rows", "rows"),
+                ("s / step", "s_per_step"),
+                ("TFLOP/s", "tflops"),
+                ("MFU %", "mfu_pct"),
+                ("peak memory", lambda r: r["peak_bytes"] and human_bytes(r["peak_bytes"])),
+                (f"MFU >= {TARGET_MFU:.0f}%", lambda r: r["mfu_pct"] >= TARGET_MFU),
+                (f"<= {TARGET_S_PER_STEP} s/step", lambda r: r["s_per_step"] <= TARGET_S_PER_STEP),
             ],
         )
 
@@ -260,31 +247,18 @@ class Bench:
                 }
             )
         self.save()
-        table(
+        columns(
+            self.res["packing"],
             [
-                "requests",
-                "rows",
-                "one pack s",
-                "one after another s",
-                "throughput ratio",
-                "MFU %",
-                "peak memory",
-                "joiner's first step s",
-                "FIFO first step s",
-            ],
-            [
-                [
-                    p["requests"],
-                    p["rows"],
-                    p["packed_s"],
-                    p["apart_s"],
-                    p["throughput_ratio"],
-                    p["mfu_pct"],
-                    p["peak_bytes"] and human_bytes(p["peak_bytes"]),
-                    p["join_first_step_s"],
-                    p["fifo_first_step_s"],
-                ]
-                for p in self.res["packing"]
+                ("requests", "requests"),
+                ("rows", "rows"),
+                ("one pack s", "packed_s"),
+                ("one after another s", "apart_s"),
+                ("throughput ratio", "throughput_ratio"),
+                ("MFU %", "mfu_pct"),
+                ("peak memory", lambda p: p["peak_bytes"] and human_bytes(p["peak_bytes"])),
+                ("joiner's first step s", "join_first_step_s"),
+                ("FIFO first step s", "fifo_first_step_s"),
             ],
         )
         say(
@@ -556,8 +530,4 @@ def run(args: argparse.Namespace) -> dict:
     return res  # the exit status is 0 whatever was measured
 
 
-main = cli(__doc__, run, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run, options, __name__)

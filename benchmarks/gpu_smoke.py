@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 import traceback
 
@@ -130,8 +129,4 @@ def run(args: argparse.Namespace) -> dict | int:
     return {"device": device, "failed": failed, "ok": not failed}
 
 
-main = cli(__doc__, run, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run, options, __name__)

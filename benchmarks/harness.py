@@ -2,12 +2,13 @@
 
 Every benchmark is a plain module, ``python -m benchmarks.NAME [--smoke] [--json PATH] ...``, ending in
 
-    main = cli(__doc__, run, options)   # options(ap) adds its own arguments; run(args) -> result dict
+    main = cli(__doc__, run, options, __name__)   # options(ap) adds its arguments; run(args) -> result dict;
+                                                 # run as a script (``__name__`` "__main__"), it runs and exits
 
 ``cli`` parses the arguments (``--smoke``, ``--json``, ``--address``: join a running Ray cluster, as the tests'
 session cluster, instead of starting one), runs, stamps the result with the machine and the git commit
 (``stamp``), writes it to ``--json`` and exits 1 when ``result["ok"]`` is false (a refusal returns an int: 2).
-The shared pieces: ``table`` (``h3serve.pipelines.h3.meta.tables``, ``h3serve plan``'s too)/``say`` print,
+The shared pieces: ``table`` (``h3serve.pipelines.h3.meta.tables``, ``h3serve plan``'s too)/``columns``/``say`` print,
 ``percentile``/``median``/``time_ms``/``interleaved``/``Phases`` time, ``torch_threads``/``worker_group`` hold a
 thread count and a WorkerGroup for a block, ``default_config`` (the shipped config with an overlay) and
 ``ServedConfig``/``ServedDefault`` start ``h3serve serve`` as a user does (or ``Attached`` to one already up,
@@ -70,8 +71,11 @@ def cli(
     doc: str | None,
     run: Callable[[argparse.Namespace], dict | int],
     options: Callable[[argparse.ArgumentParser], None] | None = None,
+    module: str | None = None,
 ) -> Callable[..., int]:
-    """The ``python -m benchmarks.NAME`` entry point: ``main(argv) -> exit status`` (see the module's docstring)."""
+    """The ``python -m benchmarks.NAME`` entry point: ``main(argv) -> exit status`` (see the module's docstring).
+    ``module``, the caller's ``__name__``: when it is "__main__" (run as a script), run now and exit with the status.
+    """
 
     def entry(argv: Sequence[str] | None = None) -> int:
         ap = parser(doc)
@@ -86,15 +90,19 @@ def cli(
         write_json(args.json, result)
         return 0 if result.get("ok", True) else 1
 
+    if module == "__main__":
+        raise SystemExit(entry())
     return entry
 
 
-def smoke_main(doc: str | None, run: Callable[[bool], dict]) -> Callable[..., int]:
+def smoke_main(doc: str | None, run: Callable[[bool], dict], module: str | None = None) -> Callable[..., int]:
     """``cli`` for a benchmark whose only option is ``--smoke``: ``run(smoke) -> dict``."""
-    return cli(doc, lambda args: run(args.smoke))
+    return cli(doc, lambda args: run(args.smoke), module=module)
 
 
-def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable[..., dict]) -> Callable[..., int]:
+def width_main(
+    doc: str | None, name: str, what_gpu_measures: str, run: Callable[..., dict], module: str | None = None
+) -> Callable[..., int]:
     """``cli`` of a per-step cost measured on CPU at a smaller width or, with ``--gpu``, on CUDA at the released width:
     ``python -m benchmarks.NAME [--quick | --smoke | --gpu] [--json PATH]``, ``run(quick, gpu=, smoke=)``."""
 
@@ -112,7 +120,7 @@ def width_main(doc: str | None, name: str, what_gpu_measures: str, run: Callable
             say(f"{name} --gpu measures: {what_gpu_measures}")
         return run(args.quick or args.smoke, gpu=args.gpu, smoke=args.smoke)
 
-    return cli(doc, run_args, options)
+    return cli(doc, run_args, options, module)
 
 
 def join_ray(address: str) -> None:
@@ -265,6 +273,18 @@ class Phases:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + now() - t0
+
+
+def columns(
+    rows: Iterable[Any], cells: Sequence[tuple[str, str | Callable[[Any], object]]], title: str | None = None
+) -> str:
+    """``table`` with each column's header beside its cell: ``(header, cell)``, the cell a row's key (dots reach into
+    nested dicts: ``"latency.p50"``) or a function of the row."""
+
+    def cell(row: Any, get: str | Callable[[Any], object]) -> object:
+        return get(row) if callable(get) else functools.reduce(lambda d, key: d[key], get.split("."), row)
+
+    return table([h for h, _ in cells], [[cell(r, get) for _, get in cells] for r in rows], title)
 
 
 def judge_targets(checks: Sequence[tuple[str, float, str, float]], load: float, title: str) -> list[dict]:

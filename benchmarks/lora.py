@@ -53,7 +53,6 @@ import copy
 import dataclasses
 import math
 import random
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +77,7 @@ from .harness import (
     StepLog,
     by_shares,
     cli,
+    columns,
     compare_media,
     judge_targets,
     machine,
@@ -476,47 +476,27 @@ def judge_trace(rows: dict[str, dict], load: float) -> list[dict]:
 
 def print_trace_tables(rows: list[dict], load: float) -> None:
     one = next(r for r in rows if r["mode"] == ONE_PER_BATCH)
-    table(
+    columns(
+        rows,
         [
-            "mode",
-            "req/s",
-            "x 1/batch",
-            "mean s",
-            "x 1/batch",
-            "p50 s",
-            "p99 s",
-            "x 1/batch",
-            "duty cycle",
-            "forwards",
-            "models/step max",
-            "batches",
-            "swaps",
-            "swap s",
-            "fwd us/row",
-            "max |px diff|",
+            ("mode", "mode"),
+            ("req/s", "throughput_rps"),
+            ("x 1/batch", lambda r: r["throughput_rps"] / one["throughput_rps"]),
+            ("mean s", "latency.mean"),
+            ("x 1/batch", lambda r: r["latency"]["mean"] / one["latency"]["mean"]),
+            ("p50 s", "latency.p50"),
+            ("p99 s", "latency.p99"),
+            ("x 1/batch", lambda r: r["latency"]["p99"] / one["latency"]["p99"]),
+            ("duty cycle", "duty_cycle"),
+            ("forwards", "forwards"),
+            ("models/step max", "max_models_per_step"),
+            ("batches", lambda r: len(r["batches"]) if r["batches"] is not None else "-"),
+            ("swaps", lambda r: len(r["swaps"])),
+            ("swap s", "swap_s"),
+            ("fwd us/row", "forward_us_per_row"),
+            ("max |px diff|", "agreement.max_pixel_diff"),
         ],
-        [
-            [
-                r["mode"],
-                r["throughput_rps"],
-                r["throughput_rps"] / one["throughput_rps"],
-                r["latency"]["mean"],
-                r["latency"]["mean"] / one["latency"]["mean"],
-                r["latency"]["p50"],
-                r["latency"]["p99"],
-                r["latency"]["p99"] / one["latency"]["p99"],
-                r["duty_cycle"],
-                r["forwards"],
-                r["max_models_per_step"],
-                len(r["batches"]) if r["batches"] is not None else "-",
-                len(r["swaps"]),
-                r["swap_s"],
-                r["forward_us_per_row"],
-                r["agreement"]["max_pixel_diff"],
-            ]
-            for r in rows
-        ],
-        title=f"load {load:g}: {rows[0]['requests']} requests; x 1/batch = / one adapter per batch; duty cycle = "
+        f"load {load:g}: {rows[0]['requests']} requests; x 1/batch = / one adapter per batch; duty cycle = "
         "forward s / busy s (swaps count as busy); models/step = distinct models (base or adapter) in one pack; "
         "fwd us/row = forward s / rows (the same rows in every mode); max |px diff| = against co-batched",
     )
@@ -622,33 +602,20 @@ def _run_trace(
         [[t["adapter"], t["layers"], t["fuse_ms"], t["restore_ms"]] for t in tiny],
         title="merge-swap measured on the tiny transformer (CPU): fuse W += s*B@A, restore W from the host copy",
     )
-    table(
+    columns(
+        released,
         [
-            "layout",
-            "layers",
-            "params B",
-            "GiB",
-            "rank",
-            "fuse ms",
-            "restore from host ms",
-            "swap ms",
-            "swap, unfuse by subtract ms",
+            ("layout", "layout"),
+            ("layers", "layers"),
+            ("params B", lambda r: r["params"] / 1e9),
+            ("GiB", lambda r: r["bytes"] / 2**30),
+            ("rank", "rank"),
+            ("fuse ms", lambda r: 1e3 * r["fuse_s"]),
+            ("restore from host ms", lambda r: 1e3 * r["restore_from_host_s"]),
+            ("swap ms", lambda r: 1e3 * r["swap_s"]),
+            ("swap, unfuse by subtract ms", lambda r: 1e3 * r["swap_subtract_s"]),
         ],
-        [
-            [
-                r["layout"],
-                r["layers"],
-                r["params"] / 1e9,
-                r["bytes"] / 2**30,
-                r["rank"],
-                1e3 * r["fuse_s"],
-                1e3 * r["restore_from_host_s"],
-                1e3 * r["swap_s"],
-                1e3 * r["swap_subtract_s"],
-            ]
-            for r in released
-        ],
-        title="merge-swap at the released size, from the layer shapes: lower bounds at H200 spec peaks (HBM 4.8 TB/s, "
+        "merge-swap at the released size, from the layer shapes: lower bounds at H200 spec peaks (HBM 4.8 TB/s, "
         "989 TFLOP/s bf16, PCIe 5.0 x16 64 GB/s); every SP rank swaps its own whole copy",
     )
     agreement = summarize_agreement(comparisons_all)
@@ -743,8 +710,4 @@ def run_args(args: argparse.Namespace) -> dict:
         return run_trace(sizes, args.policy, args.seed, args.aging_s)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

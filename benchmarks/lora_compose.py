@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 
 import torch
 
@@ -139,8 +138,4 @@ def run_args(args: argparse.Namespace) -> dict:
         return run(args.quick, args.smoke)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

@@ -22,10 +22,10 @@ the median. Only h3serve/pipelines/ and torch are imported (no Ray): it runs on 
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
+from h3serve.attention import get_backend
 from h3serve.pipelines.h3.attention_processor import install
 from h3serve.pipelines.h3.forward import packed_forward
 from h3serve.pipelines.h3.lora import BASE_SLOT, LoraAdapter, LoraLayer, LoraSpec, adapting, pack_slots, stream_of
@@ -94,7 +94,7 @@ def model_and_pack(quick: bool, gpu: bool, smoke: bool = False, num_layers: int 
     if num_layers is not None:
         config = {**config, "num_layers": num_layers}
     model = build_transformer(config, device, dtype)
-    install(model, sdpa_impl())
+    install(model, get_backend("torch_sdpa").make_impl())
     if gpu:  # a 768x1344 canvas, 22 frames (7 latent frames): ~7k rows a document
         clip = Clip(width=1344, height=768, num_frames=22, text_tokens=256)
     elif smoke:  # CI: seconds
@@ -158,16 +158,9 @@ def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
         f"hidden {config['hidden_size']}, {config['num_layers']} blocks, {torch.get_num_threads()} torch threads, "
         f"{reps} interleaved reps, {device} {str(dtype).removeprefix('torch.')}"
     )
+    heads = ["pack", "ms/step (median)", "x base-only", "ms/step (min)", "x base-only (min)"]
     table(
-        [
-            "pack",
-            "ms/step (median)",
-            "x base-only",
-            "ms/step (min)",
-            "x base-only (min)",
-            "FLOP ratio here",
-            "FLOP ratio released",
-        ],
+        [*heads, "FLOP ratio here", "FLOP ratio released"],
         rows,
         title=f"LoRA deltas in one packed forward ({'CUDA, released width' if gpu else 'CPU'})",
     )
@@ -181,12 +174,6 @@ def run(quick: bool, gpu: bool = False, smoke: bool = False) -> dict:
     }
 
 
-def sdpa_impl():
-    from h3serve.attention import get_backend
-
-    return get_backend("torch_sdpa").make_impl()
-
-
 WHAT_GPU_MEASURES = (
     "ms per packed forward of 4 T2VA documents (768x1344, 22 frames) at the released width (2 blocks, bf16): "
     "base-only, and 3 adapters + base at ranks 16 and 64 (every block linear adapted); the ratios to base-only "
@@ -194,8 +181,4 @@ WHAT_GPU_MEASURES = (
 )
 
 
-main = width_main(__doc__, "lora_step", WHAT_GPU_MEASURES, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = width_main(__doc__, "lora_step", WHAT_GPU_MEASURES, run, __name__)

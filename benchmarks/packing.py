@@ -20,7 +20,6 @@ import asyncio
 import collections
 import concurrent.futures
 import random
-import sys
 
 from h3serve.pipelines.h3 import GenerationRequest, H3Pipeline
 from h3serve.replicas import Engine, EngineLimits, WorkerGroup
@@ -29,6 +28,7 @@ from .harness import (
     StepLog,
     aten_ops,
     cli,
+    columns,
     compare_media,
     keyframe_png,
     machine,
@@ -224,57 +224,30 @@ def compare(pipe, group, work, rounds: int) -> dict:
             f"  round {k + 1}/{rounds}: throughput vs (a): b {rows[1]['ratio_vs_a']:.2f}x, "
             f"c {rows[2]['ratio_vs_a']:.2f}x"
         )
-    keys = [
-        "makespan_s",
-        "throughput_rps",
-        "p50_s",
-        "p99_s",
-        "ttfs_join_p50_s",
-        "ttfs_join_max_s",
-        "forwards",
-        "rows",
-        "padding_frac",
-        "forward_s",
-        "ratio_vs_a",
-    ]
+    keys = "makespan_s throughput_rps p50_s p99_s ttfs_join_p50_s ttfs_join_max_s forwards rows padding_frac".split()
+    keys += ["forward_s", "ratio_vs_a"]
     med = [
         {"scheduler": per_round[0][j]["scheduler"], **{k: median([r[j][k] for r in per_round]) for k in keys}}
         for j in range(3)
     ]
     agreement = {p: summarize_agreement([c for c in comparisons if c["pair"] == p]) for p in ("b-vs-a", "c-vs-a")}
-    table(
+    columns(
+        med,
         [
-            "scheduler",
-            "makespan s",
-            "req/s",
-            "p50 s",
-            "p99 s",
-            "join TTFS p50 s",
-            "join TTFS max s",
-            "forwards",
-            "rows",
-            "padding %",
-            "in forwards s",
-            "vs (a)",
+            ("scheduler", "scheduler"),
+            ("makespan s", "makespan_s"),
+            ("req/s", "throughput_rps"),
+            ("p50 s", "p50_s"),
+            ("p99 s", "p99_s"),
+            ("join TTFS p50 s", "ttfs_join_p50_s"),
+            ("join TTFS max s", "ttfs_join_max_s"),
+            ("forwards", "forwards"),
+            ("rows", "rows"),
+            ("padding %", lambda m: 100 * m["padding_frac"]),
+            ("in forwards s", "forward_s"),
+            ("vs (a)", "ratio_vs_a"),
         ],
-        [
-            [
-                m["scheduler"],
-                m["makespan_s"],
-                m["throughput_rps"],
-                m["p50_s"],
-                m["p99_s"],
-                m["ttfs_join_p50_s"],
-                m["ttfs_join_max_s"],
-                m["forwards"],
-                m["rows"],
-                100 * m["padding_frac"],
-                m["forward_s"],
-                m["ratio_vs_a"],
-            ]
-            for m in med
-        ],
-        title=f"median of {rounds} round(s); p99 of {len(work)} requests is ~the max; TTFS = time to first step "
+        f"median of {rounds} round(s); p99 of {len(work)} requests is ~the max; TTFS = time to first step "
         "of the requests that arrived after t=0; in forwards = the model thread's time in packed forwards",
     )
     table(
@@ -521,8 +494,4 @@ def options(ap: argparse.ArgumentParser) -> None:
     )
 
 
-main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options, __name__)

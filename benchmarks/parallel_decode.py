@@ -134,7 +134,4 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed decodes per canvas and mode (median)")
 
 
-main = cli(__doc__, run, options)
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+main = cli(__doc__, run, options, __name__)

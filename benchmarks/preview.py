@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 
 import torch
@@ -183,8 +182,4 @@ def options(ap) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a CPU replica runs)")
 
 
-main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, lambda args: run(args.smoke, args.rounds, args.threads), options, __name__)

@@ -39,7 +39,6 @@ import os
 import random
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +56,7 @@ from .harness import (
     at_times,
     by_shares,
     cli,
+    columns,
     default_config,
     descendants,
     judge_targets,
@@ -412,39 +412,23 @@ def print_tables(summaries: dict[str, dict]) -> None:
     def ratio(name: str, key: str) -> float | None:
         return None if base is None else summaries[name][key]["median"] / base[key]["median"]
 
-    table(
+    columns(
+        [dict(s, config=name) for name, s in summaries.items()],
         [
-            "config",
-            "runs",
-            "mean s: median",
-            "min-max",
-            "vs max_active=1",
-            "P99 s",
-            "stills P99 s",
-            "vs max_active=1",
-            "req/s",
-            "vs max_active=1",
-            "spread",
-            "load avg",
+            ("config", "config"),
+            ("runs", "runs"),
+            ("mean s: median", "mean_s.median"),
+            ("min-max", lambda s: f"{s['mean_s']['min']:.2f}-{s['mean_s']['max']:.2f}"),
+            ("vs max_active=1", lambda s: ratio(s["config"], "mean_s")),
+            ("P99 s", "p99_s.median"),
+            ("stills P99 s", "stills_p99_s.median"),
+            ("vs max_active=1", lambda s: ratio(s["config"], "stills_p99_s")),
+            ("req/s", "throughput_rps.median"),
+            ("vs max_active=1", lambda s: ratio(s["config"], "throughput_rps")),
+            ("spread", "spread"),
+            ("load avg", lambda s: f"{s['loadavg'][0]:.1f}-{s['loadavg'][1]:.1f}"),
         ],
-        [
-            [
-                name,
-                s["runs"],
-                s["mean_s"]["median"],
-                f"{s['mean_s']['min']:.2f}-{s['mean_s']['max']:.2f}",
-                ratio(name, "mean_s"),
-                s["p99_s"]["median"],
-                s["stills_p99_s"]["median"],
-                ratio(name, "stills_p99_s"),
-                s["throughput_rps"]["median"],
-                ratio(name, "throughput_rps"),
-                s["spread"],
-                f"{s['loadavg'][0]:.1f}-{s['loadavg'][1]:.1f}",
-            ]
-            for name, s in summaries.items()
-        ],
-        title="per config, over its runs: median (and min-max) of each run's mean latency, the medians of P99, "
+        "per config, over its runs: median (and min-max) of each run's mean latency, the medians of P99, "
         "stills' P99 and throughput; spread = max/min of mean latency; load avg: /proc/loadavg's range",
     )
     table(
@@ -584,8 +568,4 @@ def run_args(args: argparse.Namespace) -> dict:
     return run(configs, runs, requests, args.load, args.seed, service, steps, args.candidate, not args.smoke, running)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

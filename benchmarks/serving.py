@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import sys
 
 import numpy as np
 import ray
@@ -205,8 +204,4 @@ def options(ap) -> None:
     ap.add_argument("--url", help="a server of the default config already up (joined with --address) instead of one")
 
 
-main = cli(__doc__, lambda args: run(args.smoke, args.url), options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, lambda args: run(args.smoke, args.url), options, __name__)

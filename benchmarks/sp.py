@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 
 import ray
 import torch
@@ -35,7 +34,7 @@ from h3serve.pipelines.h3.step_cache import StepCachePolicy
 from h3serve.replicas import WorkerGroup
 
 from . import packing
-from .harness import machine, median, say, smoke_main, table, time_ms, tiny_spec
+from .harness import columns, machine, median, say, smoke_main, table, time_ms, tiny_spec
 from .packing import one_pack
 from .step_cache import denoise
 
@@ -157,36 +156,23 @@ def run(smoke: bool = False) -> dict:
         solo.shutdown()
         if started_ray:
             ray.shutdown()
-    keys = [
-        "batch",
-        "docs",
-        "rows",
-        "sp2_padding_rows",
-        "sp=1, 1 thread ms",
-        "sp=2, 1 thread/rank ms",
-        "sp2_vs_sp1",
-        "sp=1, 2 threads ms",
-        "sp2_vs_sp1_2threads",
-        "max_abs_diff",
-        "allclose_1e-5",
-    ]
     say()
-    table(
+    columns(
+        rows,
         [
-            "batch",
-            "docs",
-            "rows",
-            "sp=2 pad rows",
-            "sp=1 ms",
-            "sp=2 ms",
-            "sp2/sp1",
-            "sp=1 2thr ms",
-            "sp2/sp1(2thr)",
-            "max |diff|",
-            "allclose",
+            ("batch", "batch"),
+            ("docs", "docs"),
+            ("rows", "rows"),
+            ("sp=2 pad rows", "sp2_padding_rows"),
+            ("sp=1 ms", "sp=1, 1 thread ms"),
+            ("sp=2 ms", "sp=2, 1 thread/rank ms"),
+            ("sp2/sp1", "sp2_vs_sp1"),
+            ("sp=1 2thr ms", "sp=1, 2 threads ms"),
+            ("sp2/sp1(2thr)", "sp2_vs_sp1_2threads"),
+            ("max |diff|", "max_abs_diff"),
+            ("allclose", lambda r: r["allclose_1e-5"]),
         ],
-        [[r[k] for k in keys] for r in rows],
-        title=f"one packed forward, median of {reps}, interleaved (tiny: 4 blocks + 2 refiner blocks, 4 heads x 32)",
+        f"one packed forward, median of {reps}, interleaved (tiny: 4 blocks + 2 refiner blocks, 4 heads x 32)",
     )
     say(
         "  padding: sp=1 packs have none; sp=2 pads only to an even row count (T % 2: 0 or 1 row).\n"
@@ -246,8 +232,4 @@ def run(smoke: bool = False) -> dict:
     }
 
 
-main = smoke_main(__doc__, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = smoke_main(__doc__, run, __name__)

@@ -48,7 +48,6 @@ import dataclasses
 import io
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ import torch
 
 from .harness import (
     cli,
+    columns,
     default_config,
     judge_targets,
     machine,
@@ -185,41 +185,22 @@ def summarize(app: str, done: dict, trace: list[Arrival], diagnostics: dict) -> 
 
 
 def print_table(rows: list[dict], requests: int, rate: float) -> str:
-    return table(
+    bytes_per = [("prepared", "prepared"), ("latents", "latents"), ("media", "media"), ("MP4", "mp4 to caller")]
+    return columns(
+        rows,
         [
-            "app",
-            "req/s",
-            "mean s",
-            "p50 s",
-            "p99 s",
-            "denoiser duty",
-            "forwards",
-            "prepared B/req",
-            "latents B/req",
-            "media B/req",
-            "MP4 B/req",
-            "rank-0 params",
-            "max |px diff|",
+            ("app", "app"),
+            ("req/s", "throughput_rps"),
+            ("mean s", "latency.mean"),
+            ("p50 s", "latency.p50"),
+            ("p99 s", "latency.p99"),
+            ("denoiser duty", "duty_cycle"),
+            ("forwards", "forwards"),
+            *((f"{head} B/req", lambda r, k=k: round(r["bytes_per_request"][k])) for head, k in bytes_per),
+            ("rank-0 params", "rank0_parameters"),
+            ("max |px diff|", "max_pixel_diff_vs_solo"),
         ],
-        [
-            [
-                r["app"],
-                r["throughput_rps"],
-                r["latency"]["mean"],
-                r["latency"]["p50"],
-                r["latency"]["p99"],
-                r["duty_cycle"],
-                r["forwards"],
-                round(r["bytes_per_request"]["prepared"]),
-                round(r["bytes_per_request"]["latents"]),
-                round(r["bytes_per_request"]["media"]),
-                round(r["bytes_per_request"]["mp4 to caller"]),
-                r["rank0_parameters"],
-                r["max_pixel_diff_vs_solo"],
-            ]
-            for r in rows
-        ],
-        title=f"{requests} requests, Poisson at {rate:.3f} requests/s, through each app in turn; latency = arrival "
+        f"{requests} requests, Poisson at {rate:.3f} requests/s, through each app in turn; latency = arrival "
         "to MP4 received; denoiser duty = the H3Replica engine's forward s / busy s; B/req = object-store bytes "
         "per request (prepared: conditioner -> denoiser, latents: denoiser -> decoder, media: decoder -> "
         "denoiser; MP4: replica -> caller); max |px diff| = decoded frames against solo's",
@@ -402,9 +383,6 @@ def run_args(args: argparse.Namespace) -> dict | int:
     return run(sizes, args.seed, args.gpu, args.checkpoint, args.rate)
 
 
-main = cli(__doc__, run_args, options)
-
-
 def gpu_refusal(checkpoint: str | None, rate: float | None) -> str | None:
     """Why --gpu cannot run here (at once, before anything starts), or None."""
     import importlib.util
@@ -425,5 +403,4 @@ def gpu_refusal(checkpoint: str | None, rate: float | None) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

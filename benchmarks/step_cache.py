@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 
 import numpy as np
 import torch
@@ -258,8 +257,4 @@ def run_args(args: argparse.Namespace) -> dict | int:
     return run(SMOKE if args.smoke else QUICK if args.quick else FULL, args.checkpoint)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

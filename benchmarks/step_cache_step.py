@@ -20,7 +20,6 @@ machine.
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
@@ -116,8 +115,4 @@ WHAT_GPU_MEASURES = (
 )
 
 
-main = width_main(__doc__, "step_cache_step", WHAT_GPU_MEASURES, run)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = width_main(__doc__, "step_cache_step", WHAT_GPU_MEASURES, run, __name__)

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import pickle
 import statistics
-import sys
 import time
 
 from benchmarks.harness import cli, say
@@ -188,8 +187,4 @@ def run_args(args) -> dict:
     return result
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)

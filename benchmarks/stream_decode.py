@@ -203,7 +203,4 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served", action="store_true", help="also over HTTP on the default config")
 
 
-main = cli(__doc__, run, add_args)
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+main = cli(__doc__, run, add_args, __name__)

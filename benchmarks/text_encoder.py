@@ -22,7 +22,6 @@ than 0.1.
 from __future__ import annotations
 
 import itertools
-import sys
 from pathlib import Path
 
 import torch
@@ -158,8 +157,4 @@ def options(ap) -> None:
     ap.add_argument("--seed", type=int, default=0, help="the tiny writer's seed (library init and default checkpoint)")
 
 
-main = cli(__doc__, lambda args: run(args.checkpoint, args.seed), options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, lambda args: run(args.checkpoint, args.seed), options, __name__)

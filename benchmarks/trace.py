@@ -41,7 +41,6 @@ import dataclasses
 import math
 import os
 import random
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from .harness import (
     StepLog,
     by_shares,
     cli,
+    columns,
     compare_media,
     judge_targets,
     machine,
@@ -359,74 +359,39 @@ def summarize(run: dict, trace: list[Arrival], idle: dict[str, float], idle_time
 
 def print_tables(load: float, rows: list[dict]) -> None:
     base = rows[0]
-    table(
+    columns(
+        rows,
         [
-            "mode",
-            "req/s",
-            "vs FCFS",
-            "mean s",
-            "vs FCFS",
-            "p50 s",
-            "p99 s",
-            "duty cycle",
-            "preempt",
-            "forwards",
-            "fwd us/row",
-            "max |px diff|",
+            ("mode", "mode"),
+            ("req/s", "throughput_rps"),
+            ("vs FCFS", lambda r: r["throughput_rps"] / base["throughput_rps"]),
+            ("mean s", "latency.mean"),
+            ("vs FCFS", lambda r: r["latency"]["mean"] / base["latency"]["mean"]),
+            ("p50 s", "latency.p50"),
+            ("p99 s", "latency.p99"),
+            ("duty cycle", "duty_cycle"),
+            ("preempt", "preemptions"),
+            ("forwards", "forwards"),
+            ("fwd us/row", "forward_us_per_row"),
+            ("max |px diff|", "agreement.max_pixel_diff"),
         ],
-        [
-            [
-                r["mode"],
-                r["throughput_rps"],
-                r["throughput_rps"] / base["throughput_rps"],
-                r["latency"]["mean"],
-                r["latency"]["mean"] / base["latency"]["mean"],
-                r["latency"]["p50"],
-                r["latency"]["p99"],
-                r["duty_cycle"],
-                r["preemptions"],
-                r["forwards"],
-                r["forward_us_per_row"],
-                r["agreement"]["max_pixel_diff"],
-            ]
-            for r in rows
-        ],
-        title=f"load {load:g}: {base['requests']} requests; vs FCFS = / request-level FCFS; duty cycle = forward s / "
+        f"load {load:g}: {base['requests']} requests; vs FCFS = / request-level FCFS; duty cycle = forward s / "
         "busy s; fwd us/row = forward s / rows (the same rows in every mode: how fast the model ran); max |px diff| = "
         "against request-level FCFS at the first load",
     )
+    stats = ("mean", "p50", "p99")
     table(
         ["mode", "class", "n", "mean s", "p50 s", "p99 s", "TTFS mean s", "TTFS p50 s", "TTFS p99 s"],
         [
-            [
-                r["mode"],
-                name,
-                c["latency"]["n"],
-                c["latency"]["mean"],
-                c["latency"]["p50"],
-                c["latency"]["p99"],
-                c["ttfs"]["mean"],
-                c["ttfs"]["p50"],
-                c["ttfs"]["p99"],
-            ]
+            [r["mode"], name, c["latency"]["n"], *(c["latency"][k] for k in stats), *(c["ttfs"][k] for k in stats)]
             for r in rows
             for name, c in r["per_class"].items()
         ],
         title=f"load {load:g}: latency (arrival to decoded) and time to first step (TTFS) per class",
     )
-    phases = ("to_first_step_s", "steps_s", "to_decoded_s")
+    phases, idle = ("to_first_step_s", "steps_s", "to_decoded_s"), ("idle: to 1st step", "steps", "decoded")
     table(
-        [
-            "mode",
-            "request",
-            "class",
-            "to 1st step s",
-            "steps s",
-            "to decoded s",
-            "idle: to 1st step",
-            "steps",
-            "decoded",
-        ],
+        ["mode", "request", "class", "to 1st step s", "steps s", "to decoded s", *idle],
         [
             [r["mode"], index, t["kind"], *(t[p] for p in phases), *(t["idle"][p] for p in phases)]
             for r in rows
@@ -606,8 +571,4 @@ def run_args(args: argparse.Namespace) -> dict | int:
         return run(sizes, group, args.seed)
 
 
-main = cli(__doc__, run_args, options)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = cli(__doc__, run_args, options, __name__)
