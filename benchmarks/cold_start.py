@@ -1,11 +1,12 @@
 """Cold start on the CPU default, per phase: what a replica does before its first step and its first finished clip.
 
     python -m benchmarks.cold_start [--smoke] [--steps N] [--no-served] [--json PATH]
-    python -m benchmarks.cold_start --group [--layers N] [--json PATH]   # an sp=2 replica's start, large checkpoint
-    python -m benchmarks.cold_start --from-zero [--layers N] [--steps N] [--json PATH]   # a request to zero replicas
+    python -m benchmarks.cold_start --group [--layers N] [--cold-cache] [--json PATH]   # an sp=2 replica's start
+    python -m benchmarks.cold_start --from-zero [--layers N] [--cold-cache] [--steps N] [--json PATH]   # from zero
+    python -m benchmarks.cold_start --clip [--runs N] [--steps N] [--json PATH]   # engine.warmup_clip off and on
     PYTHONPATH=<another checkout> python benchmarks/cold_start.py ...   # the same phases with that checkout's h3serve
 
-Two measurements, one after the other:
+What it measures (the phases and served by default, one after the other):
   phases  a new Python process does what a replica's rank 0 does, each phase timed: interpreter start (from the
           parent's spawn to the child's first line), imports (torch, diffusers, transformers, h3serve's pipeline),
           each component's load (``checkpoint.load_model``/tokenizer/processor/schedulers, timed where the pipeline
@@ -17,7 +18,8 @@ Two measurements, one after the other:
           whose transformer is several GiB (the tiny preset's VAEs and text encoder, a transformer of hidden 1024 and
           ``--layers`` blocks, fp32, random weights, written once into /tmp): ``WorkerGroup.create`` from its call
           to the group up, and each rank's load (when it was asked for, began and ended: ``LoadReport``; a checkout
-          before it reports none, only the whole start). The page cache holds the checkpoint (just written or read).
+          before it reports none, only the whole start). The page cache holds the checkpoint (just written or read), or
+          with ``--cold-cache`` none of it (its files dropped with posix_fadvise; mincore says how much stayed).
   zero    (``--from-zero``) `h3serve serve` of the default config with H3Replica scaled to zero (the backlog policy,
           ``min_replicas`` 0, as tests/test_scale_from_zero.py serves it), then one video job POSTed while no replica
           runs: each phase on the wall clock from the POST, read where it happens (Serve's replica states, polled; the
@@ -27,6 +29,8 @@ Two measurements, one after the other:
           warm. ``started`` comes at the end of the first forward, and ``--steps N`` is N - 1 forwards (sigma
           points, the terminal zero included): with ``--steps 2`` started, step 1/1 and decoding come together.
           ``--layers N``: on the synthetic checkpoint of ``--group`` (``model: auto``) instead of the demo one.
+  clip    (``--clip``) `h3serve serve` of the default config with ``engine.warmup_clip`` off and on, alternated:
+          the start, the first and second video jobs, each job's decode on the replica and the clip's own.
 Run it under another checkout's PYTHONPATH (a ``git archive`` of the commit before) for the "before" column: the
 child, the command and the Ray workers all import that checkout's h3serve.
 """
@@ -168,7 +172,33 @@ def synthetic_checkpoint(layers: int) -> tuple[str, dict]:
     return str(directory), dims
 
 
-def group_start(layers: int) -> dict:
+def page_cache(checkpoint: str, cold: bool) -> float:
+    """The checkpoint's files read into the page cache, or (``cold``) dropped from it with posix_fadvise DONTNEED:
+    these files only, so the machine's other work keeps its cache; the fraction of their pages resident after,
+    by mincore on a private mapping (1.0: warm, 0.0: every byte comes from the disk)."""
+    import ctypes
+    import mmap
+
+    libc, resident, pages = ctypes.CDLL(None, use_errno=True), 0, 0
+    for f in Path(checkpoint).rglob("*.safetensors"):
+        with open(f, "rb") as fh:
+            if cold:
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                f.read_bytes()
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            n = -(-len(mapped) // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * n)()
+            start = ctypes.c_char.from_buffer(mapped)
+            if libc.mincore(ctypes.byref(start), ctypes.c_size_t(len(mapped)), vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {f}")
+            del start
+            mapped.close()
+            resident, pages = resident + sum(v & 1 for v in vec), pages + n
+    return resident / max(pages, 1)
+
+
+def group_start(layers: int, cold: bool = False) -> dict:
     """``WorkerGroup.create`` of an sp=2 replica on the synthetic checkpoint, on a local Ray cluster of its own."""
     import pathlib
 
@@ -180,8 +210,7 @@ def group_start(layers: int) -> dict:
 
     checkpoint, dims = synthetic_checkpoint(layers)
     nbytes = sum(f.stat().st_size for f in pathlib.Path(checkpoint, "transformer").glob("*.safetensors"))
-    for f in pathlib.Path(checkpoint).rglob("*.safetensors"):  # into the page cache, as a second start finds it
-        f.read_bytes()
+    resident = page_cache(checkpoint, cold)  # warm: as a second start finds it; cold: as a node's first does
     resolution = resolve(REQUIREMENTS, "auto", Platform.cpu(), model="minimax-h3-tiny", head_dim=32)
     spec = ReplicaSpec(
         resolution=resolution,
@@ -207,7 +236,8 @@ def group_start(layers: int) -> dict:
         group.shutdown()
     finally:
         ray.shutdown()
-    return {"transformer_gib": nbytes / 2**30, "layers": layers, "create_s": up - started, "loads": loads}
+    out = {"transformer_gib": nbytes / 2**30, "layers": layers, "create_s": up - started, "loads": loads}
+    return out | {"page_cache": "cold" if cold else "warm", "resident_before": resident}
 
 
 # the backlog policy from zero (tests/served_apps.py's COLD_AUTOSCALING), kept up long after its work: the benchmark
@@ -249,7 +279,7 @@ def _replica_log_times(app: str, replica_id: str) -> dict[str, float]:
     return out
 
 
-def from_zero(steps: int, layers: int | None) -> dict:
+def from_zero(steps: int, layers: int | None, cold: bool = False) -> dict:
     """One video job to the default config's app scaled to zero: every phase, seconds from its POST (wall clock)."""
     import threading
 
@@ -267,8 +297,7 @@ def from_zero(steps: int, layers: int | None) -> dict:
         checkpoint, _ = synthetic_checkpoint(layers)
         overlay |= {"checkpoint": checkpoint, "model": "auto"}
         gib = sum(f.stat().st_size for f in Path(checkpoint, "transformer").glob("*.safetensors")) / 2**30
-        for f in Path(checkpoint).rglob("*.safetensors"):  # into the page cache, as --group reads it
-            f.read_bytes()
+        resident = page_cache(checkpoint, cold)  # as --group: warm, or dropped from the page cache
     config = default_config(free_port(), overlay)
     (app,) = [a for a in config["applications"] if a.get("import_path") == BUILDER]
     app["args"].pop("ingress", None)  # sized for autoscaling.max_replicas
@@ -290,6 +319,7 @@ def from_zero(steps: int, layers: int | None) -> dict:
 
     body = {"prompt": PROMPT, "num_inference_steps": steps}
     out: dict = {"steps": steps, "checkpoint": checkpoint or "the shipped demo one", "transformer_gib": gib}
+    out["page_cache"] = None if not layers else {"cold" if cold else "warm": resident}
     with ServedConfig(config) as server, H3Client(server.url, timeout=900) as client:
         out["`h3serve serve` until it serves"] = server.startup_s
         watcher = threading.Thread(target=watch, daemon=True)
@@ -350,7 +380,7 @@ def run(args: argparse.Namespace) -> dict:
     from benchmarks.harness import say, served_checkpoint, table
 
     if args.from_zero:
-        result = from_zero(args.steps, args.layers)
+        result = from_zero(args.steps, args.layers, args.cold_cache)
         say(
             f"`h3serve serve` of the default config, H3Replica scaled to zero, until it serves: "
             f"{result['`h3serve serve` until it serves']:.1f} s; replicas before the job: "
@@ -384,8 +414,11 @@ def run(args: argparse.Namespace) -> dict:
         return {"steps": args.steps, "runs": runs}
 
     if args.group:
-        result = group_start(args.layers or 48)
-        say(f"transformer {result['transformer_gib']:.2f} GiB; sp=2 group up in {result['create_s']:.2f} s")
+        result = group_start(args.layers or 48, args.cold_cache)
+        say(
+            f"transformer {result['transformer_gib']:.2f} GiB, page cache {result['page_cache']} (resident "
+            f"{result['resident_before']:.0%}); sp=2 group up in {result['create_s']:.2f} s"
+        )
         rows = [[rank, t["requested"], t["started"], t["finished"]] for rank, t in sorted(result["loads"].items())]
         table(["rank", "asked (s)", "load began (s)", "load ended (s)"], rows, "from WorkerGroup.create's call")
         return result
@@ -411,6 +444,11 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--from-zero", action="store_true", help="a video job to the default app scaled to zero")
     ap.add_argument("--clip", action="store_true", help="the first job with engine.warmup_clip off and on")
     ap.add_argument("--runs", type=int, default=2, help="--clip: runs of each, alternated (default 2)")
+    ap.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="--group, --from-zero: the checkpoint's files dropped from the page cache first (they only)",
+    )
     ap.add_argument(
         "--layers",
         type=int,
