@@ -88,8 +88,8 @@ def test_a_size_the_model_refuses_fails_the_start_naming_the_field(solo):
     asyncio.run(scenario())
 
 
-def test_it_runs_on_cuda_unless_set_and_needs_the_warm_up(solo):
-    assert not Engine(solo, EngineLimits()).clip_warm_up_due  # None: CUDA only, and this is a CPU
+def test_it_is_off_unless_enabled_and_needs_the_warm_up(solo):
+    assert not Engine(solo, EngineLimits()).clip_warm_up_due  # its start cost is every start's: opt-in
     assert Engine(solo, EngineLimits(warmup_clip=CLIP)).clip_warm_up_due
     assert not Engine(solo, EngineLimits(warmup=False)).clip_warm_up_due
     with pytest.raises(ValidationError, match="warmup_clip.enabled: true needs warmup: true"):

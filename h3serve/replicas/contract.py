@@ -77,10 +77,12 @@ class ClipWarmUpPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    enabled: bool | None = Field(
-        default=None,
-        description="run it: true, false, or null for on CUDA only (kernels are picked per shape on a GPU's first "
-        "call; on a CPU the clip costs the replica's start about one default request, and gains little)",
+    enabled: bool = Field(
+        default=False,
+        description="run it. Off by default: at the released size it adds the 5 s clip to every start (its decode "
+        "**projected** at 18-30 s on one GPU, a few seconds with decode_on_ranks over 8), and from zero replicas "
+        "the start is the first request's wait, to save that request first calls (kernel loading, cuBLAS and cuDNN "
+        "setup) **projected** at a few seconds. On where replicas start ahead of their load (min_replicas >= 1)",
     )
     width: int | None = Field(default=None, gt=0, description="its width; null (with height): the model's canvas")
     height: int | None = Field(default=None, gt=0, description="its height; null (with width): the model's canvas")
@@ -161,12 +163,11 @@ class EngineLimits(BaseModel):
     )
     warmup_clip: ClipWarmUpPolicy = Field(
         default_factory=ClipWarmUpPolicy,
-        description="after the warm-up forwards, one whole request at the served size (the model's canvas and "
-        "shortest clip unless set) through the replica's own path: prepare, every step on every rank, the decode "
-        "(streamed, or its tiles over the ranks with decode_on_ranks; with stages, by one decoder replica) and the "
-        "MP4, so the first user's clip pays no first-call costs (kernel choice per shape, the encoder's start). "
-        "Outside the request table: no event, metric or count. Needs warmup; a size the model refuses fails the "
-        "replica's build",
+        description="with enabled, after the warm-up forwards: one whole request at the served size (the model's "
+        "canvas and shortest clip unless set) through the replica's own path: prepare, every step on every rank, the "
+        "decode (streamed, or its tiles over the ranks with decode_on_ranks; with stages, by one decoder replica) and "
+        "the MP4, so the first user's clip pays no first-call costs at that size. Outside the request table: no "
+        "event, metric or count. Needs warmup; a size the model refuses fails the replica's build",
     )
     policy: Policy = Field(
         default="fcfs",

@@ -295,9 +295,8 @@ class Engine:
 
     @property
     def clip_warm_up_due(self) -> bool:
-        """Whether ``warm_up_clip`` runs at start: ``limits.warmup_clip.enabled``, or on CUDA when it is None."""
-        enabled = self.limits.warmup_clip.enabled
-        return self.limits.warmup and (enabled if enabled is not None else self.executor.device.type == "cuda")
+        """Whether ``warm_up_clip`` runs at start (``limits.warmup_clip.enabled``, with the warm-up)."""
+        return self.limits.warmup and self.limits.warmup_clip.enabled
 
     async def warm_up_clip(self) -> ClipWarmUp:
         """One whole request at the served size through this engine's stages and ranks, discarded, before the first

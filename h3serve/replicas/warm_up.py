@@ -3,7 +3,7 @@
 ``WarmUps`` runs them on the executor's group and model thread, before the engine's first submit: one packed forward
 of the smallest request on every rank (``forwards``; then one per LoRA adapter, and one for an adapter loaded while
 serving: ``adapter``); on CUDA the same padded to the row budget (``peak``), with the step cache's peak
-(``step_cache``), every rank's device measured against the memory plan; then the warm-up clip (``clip``).
+(``step_cache``), every rank's device measured against the memory plan; then, when enabled, the warm-up clip (``clip``).
 
 The warm-up clip is one whole request at the served size through the replica's own path. Kernels are picked per
 shape on their first call (cuDNN's convolutions and cuBLAS's GEMMs on a GPU, oneDNN's primitives on a CPU), and the

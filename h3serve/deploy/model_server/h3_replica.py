@@ -4,7 +4,7 @@ Start: the worker group is built (failing closed), then one warm-up forward (``e
 ``__init__`` returns, so kernel setup and compilation never land on the first user: Serve reports a replica
 ready only after its constructor. With stage deployments of their own (``args.stages``: ``spec.stages`` is
 "remote") rank 0 holds no text encoder and no VAE, so the warm-up request is prepared by the conditioner stage
-(the constructor is async to await it) and its one forward runs here. Then, on CUDA (``engine.warmup_clip``), a
+(the constructor is async to await it) and its one forward runs here. Then, with ``engine.warmup_clip`` on, a
 whole clip at the served size through the same stages, so the VAE's and the encoder's first calls at that size
 are not the first user's either. A stage call whose stage replica dies
 under it is made again on a live one (``ServeStages``): the request waits, it does not fail.
