@@ -4,7 +4,8 @@ vLLM v1's split: ``requests`` (the request table: where each request is), ``sche
 step's batch and pauses, what to prepare next and what gives its room), ``executor`` (runs a batch on the SP worker
 group, reports what advanced and what failed), ``stage_worker`` (prepare ahead of the pack and decode after it, here
 or in stages of their own, never holding up a step), ``progress`` (stats, the one measured rate behind ``load()`` and
-the ETAs, previews, events) and ``hooks`` (a ``StepGate`` above the policy, for benchmarks).
+the ETAs, previews, events), ``warm_up`` (what runs before the replica is ready) and ``hooks`` (a ``StepGate``
+above the policy, for benchmarks).
 
 Here: the API (submit, cancel, load, warm-up, health, drain, close) and the step loop (schedule, execute, apply,
 progress). A request fails alone (its data, its prepare or decode, its deadline); only an SP group that cannot be
