@@ -2,7 +2,8 @@
 proxy land on both (each record names its runner: replica id, node, pid); one ingress process is killed with kill -9;
 every job ends as it should (the dead one's taken over by another ingress and completed, the survivor's completed
 where they ran), a cancel of a job the dead one ran works from another replica within its bound, and every event
-stream, read through the proxy, ends with its record's final status.
+stream, read through the proxy, ends with its record's final status. Before that: a decoding clip's live MP4 read
+from the ingress replica that does not run the job (issue 58 item 3).
 
 The session's server (``served``), its "ingresses" application (``served_apps._ingresses_apps``): the default's
 args, ``jobs.lease_s`` INGRESSES_LEASE_S, two ingress replicas, one H3 replica running one job at a time in arrival
@@ -13,13 +14,17 @@ both replicas run jobs.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
+import av
 import httpx
+import numpy as np
 import pytest
 
 from tests.harness import client, event_stream, gone, wait_for
@@ -65,6 +70,81 @@ def ask(http: httpx.Client, method: str, path: str) -> httpx.Response:
         return response
 
     return wait_for(answered, timeout=60, interval=0.25, what=f"{method} {path} answered")
+
+
+# a 14 s clip in 2 steps: its decode (7 chunks a 5 s, the stream's parts) is the window the readers aim at
+STREAMED = {"prompt": "a blue square moving right", "num_inference_steps": 2, "seconds": 14}
+READERS = 4  # concurrent GET /content loops: the proxy spreads them over both replicas, so one lands on each
+
+
+def frames_of(mp4: bytes) -> list[np.ndarray]:
+    with av.open(io.BytesIO(mp4)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def read(http: httpx.Client, video_id: str, streams: dict[str, tuple[dict, bytes]], stop: threading.Event) -> None:
+    """GET content until a stream was read from each replica or the job completed (the finished MP4 answers)."""
+    while not stop.is_set():
+        with http.stream("GET", f"/v1/videos/{video_id}/content") as answer:
+            if answer.status_code == 409:  # not decoding yet
+                time.sleep(0.02)
+                continue
+            assert answer.status_code == 200, answer.read()
+            if "x-h3serve-stream" not in answer.headers:
+                stop.set()
+                return
+            body = b"".join(answer.iter_bytes())
+            streams.setdefault(answer.headers["x-h3serve-replica"], (dict(answer.headers), body))
+            if len(streams) == 2:
+                stop.set()
+
+
+def test_a_decoding_clip_streams_from_the_ingress_replica_that_does_not_run_it(server):
+    """GET content while the job decodes, answered by the ingress that does NOT run it (``X-H3serve-Replica`` names
+    the one that answered; the record its runner): the runner's bytes from the job store (``live.follow_stored``), the
+    same headers and, where the runner's own stream was read too, the same bytes; PyAV decodes them to the finished
+    clip's frames. Readers send GET /content over and over from the job's submission (409 until the decode starts) so
+    that one of them reaches each replica within the decode; a job whose decode ended before one reached the other
+    replica is tried again (three jobs at most)."""
+    store = server.store
+    with client(server.url) as http:
+        for _ in range(3):
+            response = http.post("/v1/videos", json=STREAMED)
+            assert response.status_code == 200, response.text
+            video_id = response.json()["id"]
+            runner = record(store, video_id)["runner"]["replica"]
+            streams: dict[str, tuple[dict, bytes]] = {}  # replica -> the headers and bytes of its stream
+            stop = threading.Event()
+
+            readers = [threading.Thread(target=read, args=(http, video_id, streams, stop)) for _ in range(READERS)]
+            for thread in readers:
+                thread.start()
+            for thread in readers:
+                thread.join(timeout=60)
+            stop.set()
+            finished = http.get(f"/v1/videos/{video_id}/content")
+            assert finished.status_code == 200 and "x-h3serve-stream" not in finished.headers
+            others = set(streams) - {runner}
+            if others:
+                break
+            print(f"{video_id}: its decode ended before a reader reached the other ingress replica; again")
+        else:
+            pytest.fail("three decodes ended before a GET /content reached the ingress replica not running them")
+        (other,) = others
+        print(f"streamed from {len(streams)} ingress replicas (runner {runner in streams}): {len(streams[other][1])} B")
+        headers, body = streams[other]
+        assert headers["content-type"] == "video/mp4" and headers["x-h3serve-stream"] == "fragmented-mp4"
+        assert headers["cache-control"] == "no-store" and "content-length" not in headers
+        if runner in streams:  # the runner's own stream, from its memory: the same bytes and headers
+            assert streams[runner][1] == body
+            same = ("content-type", "cache-control", "accept-ranges", "x-h3serve-stream")
+            assert {k: streams[runner][0][k] for k in same} == {k: headers[k] for k in same}
+        whole = frames_of(finished.content)
+        streamed = frames_of(body)
+        assert len(streamed) == len(whole) > 10 * 24
+        assert all(np.array_equal(got, want) for got, want in zip(streamed, whole, strict=True))  # frame-exact
+        assert http.delete(f"/v1/videos/{video_id}").status_code == 200
+        assert not [n for n in os.listdir(store) if n.startswith(f"{video_id}.live")]  # its parts went with it
 
 
 def test_a_killed_ingress_replica_loses_no_job_and_its_jobs_cancel_from_the_other(server):

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from h3serve.deploy.jobs.live import LIVE_KEEP_S, StoredClip
 from h3serve.deploy.jobs.media_store import MediaStore, StoreError
 from h3serve.deploy.jobs.records import RUNNER_LOST
 from h3serve.deploy.jobs.store import JobGone, JobPolicy, JobStore, LeaseLost
@@ -505,3 +506,34 @@ def test_a_cancel_asked_of_another_ingress_ends_a_job_whose_runner_died_within_i
     assert answer is not None and answer["status"] == "cancelled", answer
     assert policy.lease_s * 0.5 < took_s < policy.lease_s * 1.5, took_s  # waited for the lapse, not past the bound
     assert json.loads(MediaStore(url).get(f"{dead.job_id}.json"))["epoch"] == 2  # ended by the one take-over
+
+
+def test_a_live_streams_parts_go_with_the_job_after_it_completes_and_as_leftovers(url):
+    """``<id>.live*`` (``live.StoredClip``): a DELETE removes them with the job; the sweeper removes a completed job's
+    once its late readers had LIVE_KEEP_S, and a job's without a record after two sweeps, like its other leftovers."""
+    clock, (a, b) = replicas(url)
+    store = MediaStore(url)
+    deleted, completed, orphan = video(), video(), video()
+    clips = {}
+    for job in (deleted, completed, orphan):
+        runner = a.create(job)
+        clip = clips[job["id"]] = StoredClip(store, job["id"], {"attempts": 1, "epoch": 1})
+        clip.start()
+        clip.append(b"head")
+        clip.append(b"chunk")
+        if job is not orphan:
+            clip.end()
+            runner.complete(b"mp4")
+
+    def live(job: dict) -> list[str]:
+        return sorted(n for n in store.names() if n.startswith(f"{job['id']}.live"))
+
+    assert live(deleted) == [f"{deleted['id']}.live", f"{deleted['id']}.live0", f"{deleted['id']}.live1"]
+    assert b.delete(deleted["id"]) and live(deleted) == []
+    store.delete(f"{orphan['id']}.json", f"{orphan['id']}.request")  # its writer died before the record was kept
+    b.sweep()
+    assert live(completed) and live(orphan)  # a late reader of the completed one still reads its parts
+    clock.now += LIVE_KEEP_S + 1
+    b.sweep()
+    assert live(completed) == [] and live(orphan) == []
+    assert b.content(completed["id"]) == b"mp4"  # the finished MP4 stays

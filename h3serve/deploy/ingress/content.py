@@ -6,8 +6,9 @@ answered 206 with ``Content-Range`` (``If-Range`` with the current ETag, else th
 file (200): RFC 9110 lets a server ignore Range, and a multipart answer buys a video player nothing. ``?variant=``
 picks the MP4 or an image made from its frames (``h3serve.deploy.jobs.variants``).
 
-While the job decodes on this ingress replica, the video is its fragmented MP4 as the decode makes it
-(``streamed``: ``h3serve.deploy.jobs.live``), from its first byte: no length, ETag or ranges yet (the bytes are not
+While the job decodes, the video is its fragmented MP4 as the decode makes it (``streamed``:
+``h3serve.deploy.jobs.live``; from memory on the ingress replica running the job, from the job store on the others),
+from its first byte: no length, ETag or ranges yet (the bytes are not
 all known), and not cached. A stream cut short (the job failed, was cancelled) raises in the response's body
 (``StreamBroken``) rather than ending it as a whole one.
 """
@@ -15,12 +16,12 @@ all known), and not cached. A stream cut short (the job failed, was cancelled) r
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from h3serve.deploy.common.errors import RETRY_AFTER_S, APIError
-from h3serve.deploy.jobs.live import LiveClip
 from h3serve.deploy.jobs.variants import VARIANTS
 
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -37,20 +38,15 @@ def variant_of(request: Request) -> str:
     return variant
 
 
-def not_ready(video: dict, variant: str, runs_here: bool) -> APIError:
+def not_ready(video: dict, variant: str) -> APIError:
     """409 for a job that is not completed. An unfinished one's says when to come back (``Retry-After``): its video
-    streams while it decodes only from the ingress replica running it (Serve cannot route a request to one replica),
-    so on another one a retry may land on the runner, and on the runner the stream opens with its ``decoding`` event.
+    streams from its ``decoding`` event on, from any ingress replica (the one running it from memory, the others from
+    the job store).
     """
     video_id, status = video["id"], video["status"]
     if status in ("completed", "failed", "cancelled") or variant != "video":
         return APIError(409, f"video {video_id} is {status}, not completed", "video_id")
-    where = (
-        "it streams from its decoding event on; retry then"
-        if runs_here
-        else "while it decodes it streams only from the ingress replica running it; retry (a retry may reach that "
-        "replica), or wait until it is completed"
-    )
+    where = "it streams from its decoding event on; retry then"
     return APIError(
         409, f"video {video_id} is {status}, not completed: {where}", "video_id", headers={"Retry-After": RETRY_AFTER_S}
     )
@@ -125,7 +121,14 @@ def answer(request: Request, data: bytes, digest: str, variant: str) -> Response
     return Response(data[first : last + 1], status_code=206, media_type=media_type, headers=headers)
 
 
-def streamed(clip: LiveClip) -> StreamingResponse:
-    """The decoding clip's fragmented MP4 from its first byte, each run as it comes (``LiveClip.read``)."""
-    headers = {"Cache-Control": "no-store", "Accept-Ranges": "none", "X-H3serve-Stream": "fragmented-mp4"}
-    return StreamingResponse(clip.read(), media_type=VARIANTS["video"][1], headers=headers)
+def streamed(chunks: AsyncIterator[bytes], replica: str) -> StreamingResponse:
+    """The decoding clip's fragmented MP4 from its first byte, each run as it comes (``LiveClip.read`` on the job's
+    runner, ``follow_stored`` on another ingress replica: the same bytes). ``X-H3serve-Replica`` names the ingress
+    replica that answers (an operator's, and a test's, way to tell which one Serve's proxy picked)."""
+    headers = {
+        "Cache-Control": "no-store",
+        "Accept-Ranges": "none",
+        "X-H3serve-Stream": "fragmented-mp4",
+        "X-H3serve-Replica": replica,
+    }
+    return StreamingResponse(chunks, media_type=VARIANTS["video"][1], headers=headers)

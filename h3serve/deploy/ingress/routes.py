@@ -604,10 +604,15 @@ class H3Ingress(derived.DerivedVideos, adapters.AdapterRoutes):
         variant = content.variant_of(request)
         video = await self._job(request, video_id)
         live = self.videos.live.get(video_id) if variant == "video" else None
+        replica = (self.videos.store.runner or {}).get("replica", "")
         if video["status"] != "completed" and live is not None:  # decoding here: its MP4 as it is made
-            return content.streamed(live)
+            return content.streamed(live.read(), replica)
+        if video["status"] == "in_progress" and variant == "video" and video_id not in self.videos.tasks:
+            stored = await self.videos.live_from_store(video_id)  # decoding on another ingress replica
+            if stored is not None:
+                return content.streamed(stored, replica)
         if video["status"] != "completed":
-            raise content.not_ready(video, variant, video_id in self.videos.tasks)
+            raise content.not_ready(video, variant)
         media = await self.videos.media(video_id, variant)
         if media is None:  # removed (TTL, byte cap, DELETE) since the record was read, or never made
             raise content.missing(video, variant)

@@ -5,12 +5,21 @@ clip when the job leaves decoding; any number of readers (``GET /v1/videos/{id}/
 from its first byte, each at its own pace, waiting on an ``asyncio.Event`` the next append sets. The bytes belong to
 the job, not to a reader: a reader that goes away takes nothing with it, and one that comes later starts over. Kept in
 the memory of the ingress that runs the job (the clip's MP4 size) until it ends; the readers that hold it finish.
+
+The runner writes the same bytes to the job store too (``StoredClip``), so an ingress replica that does not run the
+job serves the same stream (``follow_stored``), as ``events.follow_store`` serves the job's events.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+import re
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from h3serve.deploy.jobs.media_store import MediaStore
 
 
 class StreamBroken(RuntimeError):
@@ -81,3 +90,94 @@ class LiveClips:
         clip = self.clips.pop(video_id, None)
         if clip is not None:
             clip.end(broken)
+
+
+# -- the same clip through the job store, for the ingress replicas that do not run the job --------------------------
+# The runner writes each run of bytes as a numbered object (``<id>.live<n>``: object stores cannot append) and a
+# marker (``<id>.live``) naming the stream: a token new with each attempt (a job re-run elsewhere starts a new stream,
+# which its old readers must not read on into), and once the stream ends, its parts and whether it is whole. Each
+# part starts with the token, so a part an earlier attempt left under the same number is told apart from this one's.
+LIVE = ".live"
+STORE_POLL_S = 0.2  # the pace at which another ingress looks for the next part (the decode's chunks are ~0.1-1 s)
+LIVE_KEEP_S = 60.0  # a completed job's parts stay this long for the readers still behind (then its MP4 serves)
+TOKEN_BYTES = 32
+LIVE_PART = re.compile(r"(video_[0-9a-f]{32})\.live[0-9]*")
+
+
+def part_name(job_id: str, n: int) -> str:
+    return f"{job_id}{LIVE}{n}"
+
+
+def live_names(store: MediaStore, job_id: str) -> list[str]:
+    """The marker and the parts it counts (an unended stream's parts are not counted: the sweeper finds those)."""
+    raw = store.get(f"{job_id}{LIVE}")
+    parts = (json.loads(raw).get("parts") or 0) if raw is not None else 0
+    return [f"{job_id}{LIVE}", *(part_name(job_id, n) for n in range(parts))]
+
+
+class StoredClip:
+    """The runner's side: one attempt's stream in the store (each method a blocking store write: run off the loop)."""
+
+    def __init__(self, store: MediaStore, job_id: str, attempt: dict[str, int]):
+        self.store, self.job_id, self.attempt = store, job_id, attempt
+        self.token = secrets.token_hex(TOKEN_BYTES // 2)
+        self.parts = 0
+        self.ended = False
+
+    def _mark(self, **end: Any) -> None:
+        marker = {"stream": self.token, "attempt": self.attempt, **end}
+        self.store.put(f"{self.job_id}{LIVE}", json.dumps(marker).encode())
+
+    def start(self) -> None:
+        self._mark()
+
+    def append(self, data: bytes) -> None:
+        if data:
+            self.store.put(part_name(self.job_id, self.parts), self.token.encode() + data)
+            self.parts += 1
+
+    def end(self, broken: str | None = None) -> None:
+        """Its parts counted (every one written before: a reader that read them all has the stream), whole or not."""
+        if not self.ended:
+            self.ended = True
+            self._mark(parts=self.parts, broken=broken)
+
+
+def stored_marker(store: MediaStore, job_id: str) -> dict | None:
+    raw = store.get(f"{job_id}{LIVE}")
+    return None if raw is None else json.loads(raw)
+
+
+async def follow_stored(
+    token: str,
+    read_part: Callable[[int], Awaitable[bytes | None]],
+    read_state: Callable[[], Awaitable[tuple[dict | None, dict | None]]],
+    poll_s: float = STORE_POLL_S,
+) -> AsyncIterator[bytes]:
+    """The stream ``token`` from the store, from its first byte: each part as it is there, else a look at (the job's
+    video object or None, the marker) every ``poll_s``; ends when the marker counts every part read and says whole,
+    StreamBroken when it says broken, names another stream (the job runs again), or the job left decoding otherwise
+    (failed, cancelled, deleted, requeued: its runner died before it could say)."""
+    sent = 0
+    while True:
+        part = await read_part(sent)
+        if part is not None and part[:TOKEN_BYTES] == token.encode():
+            yield part[TOKEN_BYTES:]
+            sent += 1
+            continue
+        video, marker = await read_state()
+        if marker is None or marker["stream"] != token:
+            raise StreamBroken("the job's decode started again, or the job was removed")
+        if "parts" in marker:
+            if marker["broken"] is not None:
+                raise StreamBroken(marker["broken"])
+            if sent >= marker["parts"]:
+                return
+            if part is None or part[:TOKEN_BYTES] != token.encode():  # counted but gone: removed under the reader
+                again = await read_part(sent)
+                if again is None or again[:TOKEN_BYTES] != token.encode():
+                    raise StreamBroken("the stream's parts were removed before they were read")
+            continue
+        if video is None or video["status"] != "in_progress":
+            raise StreamBroken(f"the job is {'removed' if video is None else video['status']} before its video ended")
+        await asyncio.sleep(poll_s)

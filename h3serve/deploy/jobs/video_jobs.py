@@ -12,6 +12,7 @@ fail) is one state machine over one runner; its pure parts live beside it (``sto
 
 import asyncio
 import base64
+import contextlib
 import functools
 import json
 import logging
@@ -31,7 +32,7 @@ from h3serve.deploy.common.retry import Backoff, retry
 from h3serve.deploy.common.serve_logging import audit
 from h3serve.deploy.jobs.events import TERMINAL, EventLog, JobEvents, event_data, job_stream, keep_stored, load_log
 from h3serve.deploy.jobs.idempotency import Idempotency
-from h3serve.deploy.jobs.live import LiveClips
+from h3serve.deploy.jobs.live import LIVE, LiveClips, StoredClip, follow_stored, stored_marker
 from h3serve.deploy.jobs.records import FINISHED, REPLICA_LOST, RUNNER_LOST
 from h3serve.deploy.jobs.store import JobCancelled, JobGone, JobRunner, JobStore, LeaseLost
 from h3serve.deploy.jobs.variants import join
@@ -118,6 +119,7 @@ class VideoJobs:
         self.flushers: dict[str, asyncio.Task] = {}  # video id -> the task writing its event log to the store
         self.events = JobEvents()  # the event logs of the jobs this replica runs
         self.live = LiveClips()  # their fragmented MP4s while they decode (``live``)
+        self.stored: dict[str, StoredClip] = {}  # the same, in the store for the other ingress replicas' readers
         self.keys = Idempotency(store.store, store.policy.idempotency_window_s)  # POSTs' Idempotency-Keys
         self._sweeper: asyncio.Task | None = None
         self.closing = False  # Serve stops this replica: it takes nothing over any more
@@ -465,6 +467,10 @@ class VideoJobs:
                 # completed: every fragment came before the MP4 (a cancel that raced its record write lost)
                 whole = runner.record["video"]["status"] == "completed"
                 self.live.end(runner.job_id, None if whole else f"the job ended before its video did (HTTP {code})")
+                stored = self.stored.pop(runner.job_id, None)
+                if stored is not None and not stored.ended:  # its other readers end now, not at their next poll
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self._io(stored.end, f"the job ended before its video did (HTTP {code})"))
                 self.tasks.pop(runner.job_id, None)
                 self.runners.pop(runner.job_id, None)
                 self._notify(runner.record)
@@ -477,9 +483,12 @@ class VideoJobs:
         starts) its record, then its MP4 into the store."""
         written, status = 0.0, runner.record["video"]["status"]
         self.live.end(runner.job_id, "the job's decode started again on another replica")
+        await self._end_stored(runner, "the job's decode started again on another replica")
         async for event in stream:
             if "mp4" in event:
                 joined = await self._joined(runner, event["mp4"])
+                if runner.job_id in self.stored:  # every part is written: its other readers read to the end
+                    await self._io(self.stored[runner.job_id].end, None)
                 await self._io(runner.complete, event["mp4"], joined)
                 self.live.end(runner.job_id)  # whole: its readers read on to the end
                 return
@@ -488,9 +497,12 @@ class VideoJobs:
             if event["event"] == "fragment":  # bytes for the content's readers, not an event of the log
                 clip = self.live.get(runner.job_id) or self.live.start(runner.job_id)
                 clip.append(event["data"], event["frames"])
+                if runner.job_id in self.stored:  # in order, before the next: a reader reads them by number
+                    await self._io(self.stored[runner.job_id].append, event["data"])
                 continue
             if event["event"] == "decoding" and event.get("streamed"):  # a decode split over ranks is not
                 self.live.start(runner.job_id)
+                await self._start_stored(runner)
             kind, data = event_data(event)
             if kind not in TERMINAL:
                 self.events.publish(runner.job_id, kind, data)
@@ -511,6 +523,43 @@ class VideoJobs:
                 )
             await self._write(runner, **fields)
         raise RuntimeError("the replica's stream ended without a video")
+
+    async def _start_stored(self, runner: JobRunner) -> None:
+        """The attempt's stream in the store (``live.StoredClip``); a failed write leaves the other replicas' readers
+        without it (they get the 409 and then the finished MP4), not the job."""
+        record = runner.record
+        stored = StoredClip(
+            self.store.store, runner.job_id, {"attempts": record.get("attempts", 1), "epoch": record.get("epoch", 1)}
+        )
+        try:
+            await self._io(stored.start)
+        except Exception:
+            logger.exception(
+                "video job %s: writing its live stream's marker failed; it streams from here only", runner.job_id
+            )
+            return
+        self.stored[runner.job_id] = stored
+
+    async def _end_stored(self, runner: JobRunner, broken: str) -> None:
+        """An earlier attempt's stream is cut (its readers end broken); one that never ended on a replica lost before it
+        could say so, too (its marker is removed: a reader of the new attempt must not open the old one)."""
+        stored = self.stored.pop(runner.job_id, None)
+        if stored is not None:
+            await self._io(stored.end, broken)
+        elif runner.record.get("attempts", 1) > 1:
+            await self._io(self.store.store.delete, f"{runner.job_id}{LIVE}")
+
+    async def live_from_store(self, video_id: str) -> AsyncIterator[bytes] | None:
+        """The decoding clip of a job another ingress replica runs, from the store (``live.follow_stored``); None when
+        its stream has not started (or has ended: then the record says so at once)."""
+        marker = await self._io(stored_marker, self.store.store, video_id)
+        if marker is None or "parts" in marker:
+            return None
+
+        async def state() -> tuple[dict | None, dict | None]:
+            return await self._io(self.store.get, video_id), await self._io(stored_marker, self.store.store, video_id)
+
+        return follow_stored(marker["stream"], lambda n: self._io(self.store.store.get, f"{video_id}{LIVE}{n}"), state)
 
     async def _joined(self, runner: JobRunner, mp4: bytes) -> bytes | None:
         """An extension asked with ``join``: its source then it, one MP4 (``variants.join``); None for any other job,
