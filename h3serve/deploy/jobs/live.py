@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from h3serve.deploy.jobs.media_store import MediaStore
+from h3serve.deploy.jobs.records import FINISHED
 
 
 class StreamBroken(RuntimeError):
@@ -113,6 +114,22 @@ def live_names(store: MediaStore, job_id: str) -> list[str]:
     raw = store.get(f"{job_id}{LIVE}")
     parts = (json.loads(raw).get("parts") or 0) if raw is not None else 0
     return [f"{job_id}{LIVE}", *(part_name(job_id, n) for n in range(parts))]
+
+
+def sweep_live(store: MediaStore, names: list[str], records: dict[str, dict], now: float) -> dict[str, list[str]]:
+    """The sweeper's part: removes a finished job's live parts once its late readers had LIVE_KEEP_S (its MP4 serves
+    now); the parts of jobs with no finished record (``records``: by job id), by job, for the orphans' rule."""
+    live: dict[str, list[str]] = {}
+    for name in names:
+        if (part := LIVE_PART.fullmatch(name)) is not None:
+            live.setdefault(part.group(1), []).append(name)
+    for job_id, parts in list(live.items()):
+        record = records.get(job_id)
+        if record is not None and record["video"]["status"] in FINISHED:
+            if now - (record["video"]["completed_at"] or 0) > LIVE_KEEP_S:
+                store.delete(*parts)
+            del live[job_id]
+    return live
 
 
 class StoredClip:

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from h3serve.deploy.jobs.live import LIVE_KEEP_S, LIVE_PART, live_names
+from h3serve.deploy.jobs.live import live_names, sweep_live
 from h3serve.deploy.jobs.media_store import MediaStore
 from h3serve.deploy.jobs.records import FINISHED, JOB_ID, RUNNER_LOST, is_record, job_id_of, owned
 from h3serve.deploy.jobs.variants import MAKERS, VARIANTS
@@ -435,18 +435,8 @@ class JobStore:
         # record may be about to appear, so it goes only if it is still an orphan one sweep later.
         # a stored request without a record alike (create died between the two writes), and an event log (a deleted
         # job's runner writes its last one after removing the record)
-        # the live stream's parts (``live``): a finished job's once its late readers had LIVE_KEEP_S (its MP4 serves
-        # now), and those of a job without a record as its other leftovers
-        live: dict[str, list[str]] = {}
-        for name in names:
-            if (part := LIVE_PART.fullmatch(name)) is not None:
-                live.setdefault(part.group(1), []).append(name)
-        for job_id, parts in list(live.items()):
-            record = records.get(job_id)
-            if record is not None and record["video"]["status"] in FINISHED:
-                if now - (record["video"]["completed_at"] or 0) > LIVE_KEEP_S:
-                    self.store.delete(*parts)
-                del live[job_id]
+        # the live streams' parts (``live``): a finished job's go here; a job's without a record, as its leftovers
+        live = sweep_live(self.store, names, records, now)
         suffixes = (".mp4", *SIDE_FILES)
         mp4s = {found for n in names for s in suffixes if (found := job_id_of(n, s)) is not None} | live.keys()
         orphans = {mp4_id for mp4_id in mp4s if f"{mp4_id}.json" not in present}

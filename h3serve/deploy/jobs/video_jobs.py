@@ -5,7 +5,7 @@ the sweeper, and stopping jobs on cancel, DELETE or shutdown.
 What a record holds and how replicas share the store without a lock is ``jobs``'s; this module is the
 asyncio side of it. Store calls block, so they run on a thread pool.
 
-A little over 600 lines on purpose: one job's life (submit, follow, re-queue, resubmit, take over, cancel, hand over,
+Near 800 lines on purpose: one job's life (submit, follow, re-queue, resubmit, take over, cancel, hand over,
 fail) is one state machine over one runner; its pure parts live beside it (``store``: the record and its fencing;
 ``events``: the log, storing it, streaming it; ``idempotency``).
 """
