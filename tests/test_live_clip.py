@@ -112,7 +112,10 @@ def test_another_replica_reads_the_stored_stream_from_its_first_byte_to_its_whol
         rest = asyncio.ensure_future(read_stored(early, late))
         for data in (b"one", b"", b"two"):  # no bytes: no part
             clip.append(data)
-            await asyncio.sleep(0.03)
+        for _ in range(500):  # each part as it is there (a loaded machine's thread hops: up to 5 s)
+            if len(late) == 2:
+                break
+            await asyncio.sleep(0.01)
         assert late == [b"one", b"two"] and not rest.done()  # polling for the next: not ended yet
         clip.end()
         await asyncio.wait_for(rest, 5)
