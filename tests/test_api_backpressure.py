@@ -124,8 +124,10 @@ def test_health_answers_within_100_ms_while_steps_run(server):
     """/health goes through the ingress to the H3 replica's event loop, which no step blocks: the pack is built on the
     engine's model thread, and SP workers get only its metadata. On a shared 2-core machine an idle /health alone
     has taken up to 180 ms at load 8 (other processes' work), and at load 30 one poll in ten took 120-320 ms while
-    the median stayed at 38 ms; so the median must be within 100 ms and 9 polls in 10 within 250 ms: a loop blocked
-    for each step (a released-size pack built and put there took ~0.5 s on this CPU) fails both."""
+    the median stayed at 38 ms, and in a full suite run on two workers (2026-12-06: the session's replicas starting
+    beside it) 9 polls in 10 took up to 252 ms with the median at 72 ms; so the median must be within 100 ms and 9
+    polls in 10 within 400 ms: a loop blocked for each step (a released-size pack built and put there took ~0.5 s on
+    this CPU: a median near 250 ms, 9 in 10 near 450 ms) fails both."""
     with client(server.url) as http:
         job = http.post("/v1/videos", json={**VIDEO, "prompt": "health while stepping"}).json()
 
@@ -147,7 +149,7 @@ def test_health_answers_within_100_ms_while_steps_run(server):
     print(f"/health while steps run (ms): {shown}")
     assert running["status"] == "in_progress", running  # every sample was taken while it stepped
     assert statistics.median(seconds) < 0.1, shown
-    assert sorted(seconds)[len(seconds) * 9 // 10 - 1] < 0.25, shown
+    assert sorted(seconds)[len(seconds) * 9 // 10 - 1] < 0.4, shown
 
 
 @pytest.mark.ray
