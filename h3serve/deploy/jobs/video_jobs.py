@@ -487,8 +487,7 @@ class VideoJobs:
         async for event in stream:
             if "mp4" in event:
                 joined = await self._joined(runner, event["mp4"])
-                if runner.job_id in self.stored:  # every part is written: its other readers read to the end
-                    await self._io(self.stored[runner.job_id].end, None)
+                await self._write_stored(runner.job_id, StoredClip.end, None)  # every part written: read to the end
                 await self._io(runner.complete, event["mp4"], joined)
                 self.live.end(runner.job_id)  # whole: its readers read on to the end
                 return
@@ -497,8 +496,7 @@ class VideoJobs:
             if event["event"] == "fragment":  # bytes for the content's readers, not an event of the log
                 clip = self.live.get(runner.job_id) or self.live.start(runner.job_id)
                 clip.append(event["data"], event["frames"])
-                if runner.job_id in self.stored:  # in order, before the next: a reader reads them by number
-                    await self._io(self.stored[runner.job_id].append, event["data"])
+                await self._write_stored(runner.job_id, StoredClip.append, event["data"])  # in order: by number
                 continue
             if event["event"] == "decoding" and event.get("streamed"):  # a decode split over ranks is not
                 self.live.start(runner.job_id)
@@ -539,6 +537,19 @@ class VideoJobs:
             )
             return
         self.stored[runner.job_id] = stored
+
+    async def _write_stored(self, job_id: str, write: Callable[[StoredClip, Any], None], arg: Any) -> None:
+        """``StoredClip.append`` or ``end`` on the job's stored stream, if it has one. A failed write costs the other
+        replicas' readers their stream (they end when the record leaves in_progress; the finished MP4 serves), never
+        the job, as a failed marker write at the start (``_start_stored``)."""
+        stored = self.stored.get(job_id)
+        if stored is None:
+            return
+        try:
+            await self._io(write, stored, arg)
+        except Exception:
+            logger.exception("video job %s: writing its live stream failed; it streams from here only", job_id)
+            self.stored.pop(job_id, None)
 
     async def _end_stored(self, runner: JobRunner, broken: str) -> None:
         """An earlier attempt's stream is cut (its readers end broken); one that never ended on a replica lost before it
